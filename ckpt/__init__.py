@@ -1,0 +1,1 @@
+"""Hierarchical checkpoint engine: host memory, peers, local disk, remote storage."""

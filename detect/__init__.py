@@ -1,0 +1,1 @@
+"""Failure detection and classification: pure functions of evidence and a clock."""

@@ -1,0 +1,1 @@
+"""Compute-node side: the node agent (``unicorn-agent``) and the built-in trainer (``unicorn-train``)."""

@@ -1,0 +1,1 @@
+"""Cost-aware plan generation across all running tasks: pure functions, no I/O."""

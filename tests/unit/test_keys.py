@@ -1,0 +1,168 @@
+"""Redis key names: exact names, validation of components, no collisions."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from unicorn_core.errors import InvalidArgument
+from unicorn_core.keys import COORDINATOR_GROUP, RedisKeys
+
+
+def test_default_names() -> None:
+    keys = RedisKeys()
+    assert keys.events() == "unicorn:events"
+    assert keys.agent_commands(42, "gpu-a01") == "unicorn:cmd:42:gpu-a01"
+    assert keys.command_results() == "unicorn:cmd-results"
+    assert keys.heartbeat(42, "node.12") == "unicorn:hb:42:node.12"
+    assert keys.daemon_liveness() == "unicorn:unicornd:alive"
+    assert keys.task("t_1") == "unicorn:task:t_1"
+    assert keys.tasks() == "unicorn:tasks"
+    assert keys.node("n1") == "unicorn:node:n1"
+    assert keys.plan_current() == "unicorn:plan:current"
+    assert keys.incidents() == "unicorn:incidents"
+    assert keys.actions_done() == "unicorn:actions:done"
+    assert COORDINATOR_GROUP == "unicornd"
+
+
+def test_prefix_applies_to_every_key() -> None:
+    keys = RedisKeys("test-7.a")
+    assert keys.events() == "test-7.a:events"
+    assert keys.heartbeat(0, "n1") == "test-7.a:hb:0:n1"
+
+
+def test_is_frozen() -> None:
+    keys = RedisKeys()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        keys.prefix = "other"  # type: ignore[misc]
+
+
+BAD_NAMES = ["", "a:b", "a b", "a/b", "a\n", "\n", "ü", "a*", "{a}", "a\x00"]
+
+
+@pytest.mark.parametrize("bad", BAD_NAMES, ids=repr)
+def test_invalid_components_are_rejected_and_quoted(bad: str) -> None:
+    keys = RedisKeys()
+    calls: list[Callable[[], object]] = [
+        lambda: RedisKeys(bad),
+        lambda: keys.agent_commands(1, bad),
+        lambda: keys.heartbeat(1, bad),
+        lambda: keys.task(bad),
+        lambda: keys.node(bad),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidArgument) as info:
+            call()
+        assert repr(bad) in str(info.value)
+
+
+@pytest.mark.parametrize("job_id", [-1, True, "1", 1.0])
+def test_invalid_job_ids_are_rejected(job_id: object) -> None:
+    keys = RedisKeys()
+    with pytest.raises(InvalidArgument, match="job id"):
+        keys.heartbeat(job_id, "n1")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="job id"):
+        keys.agent_commands(job_id, "n1")  # type: ignore[arg-type]
+
+
+def test_non_string_components_are_rejected() -> None:
+    with pytest.raises(InvalidArgument):
+        RedisKeys().node(12)  # type: ignore[arg-type]
+
+
+names = st.from_regex(r"[A-Za-z0-9_.-]{1,12}", fullmatch=True)
+job_ids = st.integers(min_value=0, max_value=10**12)
+
+# (method, arguments) -> key, over every method of RedisKeys.
+calls = st.one_of(
+    st.tuples(
+        st.sampled_from(
+            [
+                "events",
+                "command_results",
+                "daemon_liveness",
+                "tasks",
+                "plan_current",
+                "incidents",
+                "actions_done",
+            ]
+        ),
+        st.just(()),
+    ),
+    st.tuples(st.sampled_from(["agent_commands", "heartbeat"]), st.tuples(job_ids, names)),
+    st.tuples(st.sampled_from(["task", "node"]), st.tuples(names)),
+)
+
+
+def key_for(prefix: str, call: tuple[str, tuple[object, ...]]) -> str:
+    method, args = call
+    result = getattr(RedisKeys(prefix), method)(*args)
+    assert isinstance(result, str)
+    return result
+
+
+def test_calls_strategy_covers_every_method() -> None:
+    methods = {name for name in vars(RedisKeys) if not name.startswith("_")}
+    covered = {
+        "events",
+        "command_results",
+        "daemon_liveness",
+        "tasks",
+        "plan_current",
+        "incidents",
+        "actions_done",
+        "agent_commands",
+        "heartbeat",
+        "task",
+        "node",
+    }
+    assert methods - {"prefix"} == covered
+
+
+@given(names, calls, names, calls)
+def test_distinct_inputs_give_distinct_keys(
+    prefix_a: str,
+    call_a: tuple[str, tuple[object, ...]],
+    prefix_b: str,
+    call_b: tuple[str, tuple[object, ...]],
+) -> None:
+    same_input = (prefix_a, call_a) == (prefix_b, call_b)
+    assert (key_for(prefix_a, call_a) == key_for(prefix_b, call_b)) == same_input
+
+
+@given(names, calls)
+def test_keys_start_with_the_prefix(prefix: str, call: tuple[str, tuple[object, ...]]) -> None:
+    assert key_for(prefix, call).startswith(prefix + ":")
+
+
+def test_distinct_keys_over_a_grid_of_look_alike_inputs() -> None:
+    prefixes = ["unicorn", "unicorn.cmd", "u-hb", "1"]
+    job_ids_ = [0, 1, 11]
+    parts = ["1", "11", "1.1", "a", "results", "alive", "done", "current", "events", "cmd", "tasks"]
+    inputs: list[tuple[str, tuple[str, tuple[object, ...]]]] = []
+    for prefix in prefixes:
+        inputs += [
+            (prefix, (method, ()))
+            for method in [
+                "events",
+                "command_results",
+                "daemon_liveness",
+                "tasks",
+                "plan_current",
+                "incidents",
+                "actions_done",
+            ]
+        ]
+        inputs += [(prefix, (method, (part,))) for method in ["task", "node"] for part in parts]
+        inputs += [
+            (prefix, (method, (job_id, part)))
+            for method in ["agent_commands", "heartbeat"]
+            for job_id in job_ids_
+            for part in parts
+        ]
+    produced = {key_for(prefix, call) for prefix, call in inputs}
+    assert len(produced) == len(inputs)

@@ -1,0 +1,134 @@
+"""Parsers over output recorded from the dev cluster (Slurm 22.05.8) and synthetic 23.02+ shapes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from unicorn_core.slurm.parse import (
+    SlurmParseError,
+    gpus_in_gres,
+    job_from_scontrol,
+    jobs_from_squeue_json,
+    node_from_scontrol,
+    node_from_sinfo_json,
+    nodes_from_sinfo_json,
+    parse_scontrol_record,
+)
+from unicorn_core.slurm.types import JobState, NodeState
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_sinfo_json_22_05() -> None:
+    nodes = {n.name: n for n in nodes_from_sinfo_json((DATA / "sinfo-22.05.json").read_text())}
+    assert sorted(nodes) == ["n1", "n2", "n3", "n4"]
+    n2 = nodes["n2"]
+    assert n2.state is NodeState.IDLE
+    assert n2.drained and not n2.usable and n2.responding
+    assert n2.reason == "unicorn: ecc_error gpu=1 job=7"
+    assert (n2.gpus, n2.cpus, n2.real_memory_mib, n2.partitions) == (4, 8, 8192, ("debug",))
+    assert nodes["n3"].state is NodeState.MIXED and nodes["n3"].usable
+    assert nodes["n1"].usable and not nodes["n1"].drained
+
+
+def test_squeue_json_22_05() -> None:
+    jobs = {j.job_id: j for j in jobs_from_squeue_json((DATA / "squeue-22.05.json").read_text())}
+    running = jobs[9]
+    assert running.state is JobState.RUNNING
+    assert running.name == "my train"
+    assert running.nodes == ("n3", "n4") and running.num_nodes == 2
+    assert running.batch and running.user == "root"
+    pending = jobs[10]
+    assert pending.state is JobState.PENDING and pending.nodes == ()
+
+
+def test_scontrol_job_record() -> None:
+    rec = parse_scontrol_record((DATA / "scontrol-job-22.05.txt").read_text())
+    assert rec["JobName"] == "my train"  # value with a space
+    job = job_from_scontrol(rec)
+    assert (job.job_id, job.state, job.nodes, job.num_nodes, job.batch) == (
+        9,
+        JobState.RUNNING,
+        ("n3", "n4"),
+        2,
+        True,
+    )
+
+
+def test_scontrol_node_reason_with_equals_sign() -> None:
+    node = node_from_scontrol(parse_scontrol_record((DATA / "scontrol-node-22.05.txt").read_text()))
+    assert node.state is NodeState.IDLE and node.drained
+    assert node.reason == "unicorn: ecc_error gpu=1 job=7"
+    assert node.gpus == 4
+
+
+def test_newer_slurm_shapes() -> None:
+    """23.02+ report state as a list and numbers as {set, number} objects."""
+    node = node_from_sinfo_json(
+        {
+            "name": "g1",
+            "state": ["IDLE", "DRAIN", "NOT_RESPONDING"],
+            "cpus": {"set": True, "number": 64},
+            "gres": "gpu:h100:8(S:0-1)",
+            "gres_used": "gpu:h100:2(IDX:0-1)",
+            "reason": "x",
+        }
+    )
+    assert node.state is NodeState.IDLE and node.drained and not node.responding
+    assert (node.cpus, node.gpus, node.gpus_used) == (64, 8, 2)
+    jobs = jobs_from_squeue_json(
+        json.dumps({"jobs": [{"job_id": 5, "job_state": ["RUNNING"], "nodes": "g[1-2]"}]})
+    )
+    assert jobs[0].state is JobState.RUNNING and jobs[0].nodes == ("g1", "g2")
+
+
+def test_unknown_job_state_kept_raw() -> None:
+    jobs = jobs_from_squeue_json(json.dumps({"jobs": [{"job_id": 5, "job_state": "STAGE_OUT"}]}))
+    assert jobs[0].state is JobState.OTHER and jobs[0].state_raw == "STAGE_OUT"
+
+
+@pytest.mark.parametrize(
+    "gres,n",
+    [
+        ("gpu:4", 4),
+        ("gpu:a100:8(S:0-1)", 8),
+        ("", 0),
+        ("gpu:0", 0),
+        ("mps:100,gpu:2", 2),
+        ("gpu:a:2,gpu:b:3", 5),
+    ],
+)
+def test_gpus_in_gres(gres: str, n: int) -> None:
+    assert gpus_in_gres(gres) == n
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "not json",
+        "[]",
+        json.dumps({"nodes": "x"}),
+        json.dumps({"nodes": [{"state": "idle"}]}),
+        json.dumps({"errors": ["boom"], "nodes": []}),
+        json.dumps({"nodes": [{"name": "n1", "state": 3}]}),
+    ],
+)
+def test_bad_sinfo_output_raises_parse_error(text: str) -> None:
+    with pytest.raises(SlurmParseError):
+        nodes_from_sinfo_json(text)
+
+
+@pytest.mark.parametrize("text", ["", "   ", "no equals signs here"])
+def test_bad_scontrol_record(text: str) -> None:
+    with pytest.raises(SlurmParseError):
+        parse_scontrol_record(text)
+
+
+def test_job_record_without_id_rejected() -> None:
+    with pytest.raises(SlurmParseError):
+        job_from_scontrol({"JobState": "RUNNING"})
+    with pytest.raises(SlurmParseError):
+        jobs_from_squeue_json(json.dumps({"jobs": [{"job_id": 0, "job_state": "RUNNING"}]}))

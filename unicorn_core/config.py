@@ -1,0 +1,651 @@
+"""unicorn's configuration: one TOML file, overridable key by key from the environment.
+
+Precedence, lowest first: the defaults written in the dataclasses below, the TOML file
+(``load_config(path)``, else ``$UNICORN_CONFIG``, else no file), then environment
+variables named ``UNICORN_<SECTION>__<KEY>`` (double underscore between the parts, e.g.
+``UNICORN_REDIS__URL``, ``UNICORN_SLURM__COMMAND_TIMEOUT_S``).
+
+The settings are a tree of frozen dataclasses rooted at ``Config``; every field carries
+its unit in its name and documents meaning, default and why in ``metadata["doc"]``
+(listed by ``describe()``); numeric bounds are ``metadata`` too (``gt``, ``ge``, ``lt``,
+``le``). Loading is generic over the tree: a new section is a new dataclass and a new
+field on ``Config``, with no loader changes. Supported field types: ``str``, ``int``,
+``float``, ``bool``, ``Literal[...]`` of strings, ``tuple[<one of those>, ...]``, and
+nested sections. The root holds only sections (a root key would have no ``__`` in its
+environment variable name).
+
+Checks, all reported together in one ``ConfigError``: unknown sections and keys (with
+the valid ones listed), wrong types (``int`` is accepted for ``float``, ``bool`` never
+for a number), ``Literal`` choices, bounds, then the cross-field checks each section
+states in ``problems()``. ``validate()`` runs the same checks on a ``Config`` built in
+code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import operator
+import os
+import tomllib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+from urllib.parse import urlsplit
+
+from unicorn_core.errors import ConfigError
+
+CONFIG_ENV = "UNICORN_CONFIG"
+"""Environment variable naming the config file when ``load_config`` gets no path."""
+ENV_PREFIX = "UNICORN_"
+ENV_SEPARATOR = "__"
+
+SlurmBackend = Literal["auto", "cli", "pyslurm"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["auto", "json", "console"]
+
+_BOUNDS: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
+    "gt": (operator.gt, ">"),
+    "ge": (operator.ge, ">="),
+    "lt": (operator.lt, "<"),
+    "le": (operator.le, "<="),
+}
+_REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def _meta(
+    doc: str,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+) -> dict[str, object]:
+    """Field metadata: the documentation (meaning, unit, default and why) and bounds."""
+    meta: dict[str, object] = {"doc": doc}
+    for name, bound in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)):
+        if bound is not None:
+            meta[name] = bound
+    return meta
+
+
+class Section:
+    """Base of every settings section. Override ``problems()`` for cross-field checks."""
+
+    def problems(self) -> list[str]:
+        """Cross-field inconsistencies, as messages naming the keys; empty when fine.
+
+        Keys are named relative to the section (the loader prefixes ``<section>: ``).
+        Runs only once every field has the right type and is within its bounds.
+        """
+        return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class RedisConfig(Section):
+    """The Redis server that holds all coordination state (heartbeats, job records)."""
+
+    url: str = field(
+        default="redis://127.0.0.1:6379/0",
+        metadata=_meta(
+            "Redis server URL: redis://host:port/db, rediss:// for TLS, or unix:///path.sock. "
+            "May carry credentials (redis://user:password@host), but password_file keeps the "
+            "secret out of this file. Default: a local Redis on the standard port, database 0, "
+            "as the dev cluster runs it."
+        ),
+    )
+    password_file: str = field(
+        default="",
+        metadata=_meta(
+            "Path of a file whose content (one trailing newline stripped) is the Redis "
+            "password; empty = no password beyond any in url. A file rather than a value so "
+            "the secret never sits in unicorn.toml or in the environment. Default: empty "
+            "(the dev Redis has no auth)."
+        ),
+    )
+    key_prefix: str = field(
+        default="unicorn",
+        metadata=_meta(
+            "Prefix of every Redis key unicorn writes (<prefix>:...), so several deployments "
+            "or test runs can share one Redis server. Default: unicorn."
+        ),
+    )
+    socket_timeout_s: float = field(
+        default=5.0,
+        metadata=_meta(
+            "Seconds one Redis command may take before it fails (as a temporary error). "
+            "Default 5 s: far above a healthy round trip (under 1 ms on a LAN), short enough "
+            "that a stuck server is noticed within a few heartbeats.",
+            gt=0,
+        ),
+    )
+    connect_timeout_s: float = field(
+        default=2.0,
+        metadata=_meta(
+            "Seconds to wait for a connection to Redis to open. Default 2 s: a connection "
+            "opens in milliseconds or the server is unreachable; fail fast and retry.",
+            gt=0,
+        ),
+    )
+
+    def problems(self) -> list[str]:
+        found = []
+        parts = urlsplit(self.url)
+        if parts.scheme not in _REDIS_SCHEMES:
+            found.append(
+                f"url = {_show(_redact_url(self.url))}: expected a URL starting with "
+                + ", ".join(f"{scheme}://" for scheme in _REDIS_SCHEMES)
+            )
+        elif parts.password and self.password_file:
+            found.append("url carries a password and password_file is set too; keep only one")
+        if not self.key_prefix or self.key_prefix != self.key_prefix.strip():
+            found.append(f"key_prefix = {_show(self.key_prefix)}: expected a non-empty name without spaces")
+        return found
+
+    def password(self) -> str | None:
+        """The password read from ``password_file``; None when no file is configured.
+
+        Reads the file on each call, so a rotated secret is picked up on reconnect.
+        Raises ``ConfigError`` naming the file when it cannot be read or is empty.
+        """
+        if not self.password_file:
+            return None
+        path = Path(self.password_file)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(f"redis.password_file {str(path)!r}: cannot read: {reason}") from exc
+        password = text.removesuffix("\n").removesuffix("\r")
+        if not password:
+            raise ConfigError(f"redis.password_file {str(path)!r}: file is empty")
+        return password
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmConfig(Section):
+    """How unicorn talks to the Slurm controller."""
+
+    backend: SlurmBackend = field(
+        default="auto",
+        metadata=_meta(
+            "How to reach Slurm: cli runs squeue/scontrol/sbatch; pyslurm calls the pyslurm "
+            "bindings (no process per call, but must match the installed Slurm version); auto "
+            "uses pyslurm when it imports and the CLI otherwise. Default: auto."
+        ),
+    )
+    command_timeout_s: float = field(
+        default=30.0,
+        metadata=_meta(
+            "Seconds one Slurm command or pyslurm call may run before it is killed and "
+            "reported as a timeout. Default 30 s: slurmctld answers slowly under load (its "
+            "own MessageTimeout defaults to 10 s), but a call stuck longer has failed.",
+            gt=0,
+        ),
+    )
+    bin_dir: str = field(
+        default="",
+        metadata=_meta(
+            "Folder holding the Slurm client commands (squeue, scontrol, sbatch, srun); "
+            "empty = find them on PATH. Default: empty; set it when a service manager starts "
+            "unicorn with a minimal PATH."
+        ),
+    )
+    conf: str = field(
+        default="",
+        metadata=_meta(
+            "Path of the slurm.conf that Slurm commands use (passed as SLURM_CONF); empty = "
+            "Slurm's default (an inherited $SLURM_CONF, else the compiled-in path). Default: "
+            "empty; the dev cluster points it at its own slurm.conf."
+        ),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig(Section):
+    """The per-node agent that supervises training processes and reports heartbeats."""
+
+    heartbeat_interval_s: float = field(
+        default=1.0,
+        metadata=_meta(
+            "Seconds between the heartbeats the node agent writes to Redis. Default 1 s: one "
+            "small write per second is cheap and lets a dead node be noticed in seconds.",
+            gt=0,
+        ),
+    )
+    heartbeat_ttl_s: float = field(
+        default=5.0,
+        metadata=_meta(
+            "Seconds a heartbeat key lives in Redis before it expires by itself, so a dead "
+            "agent's last beat does not linger. Must exceed heartbeat_interval_s, or a live "
+            "agent's key would vanish between beats. Default 5 s: five beats.",
+            gt=0,
+        ),
+    )
+
+    def problems(self) -> list[str]:
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            return [
+                f"heartbeat_ttl_s = {self.heartbeat_ttl_s:g} must be greater than "
+                f"heartbeat_interval_s = {self.heartbeat_interval_s:g} "
+                "(a live agent's heartbeat would expire between beats)"
+            ]
+        return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetectConfig(Section):
+    """Failure detection: lost heartbeats, hangs and slowdowns."""
+
+    heartbeat_timeout_s: float = field(
+        default=3.0,
+        metadata=_meta(
+            "Seconds without a heartbeat after which a process or node counts as lost. Must "
+            "exceed agent.heartbeat_interval_s. Default 3 s: three beats at the default "
+            "interval, so one late write is tolerated and a dead node is still caught in "
+            "seconds.",
+            gt=0,
+        ),
+    )
+    hang_factor: float = field(
+        default=3.0,
+        metadata=_meta(
+            "An iteration taking longer than this multiple of the learned mean iteration time "
+            "counts as a hang or slowdown (a ratio, no unit; must be > 1). Default 3: normal "
+            "jitter (data loading, logging steps) stays well below 3x, a stuck collective "
+            "passes it quickly.",
+            gt=1,
+        ),
+    )
+    warmup_iterations: int = field(
+        default=2,
+        metadata=_meta(
+            "Number of first iterations left out of the learned mean iteration time, because "
+            "they include compilation, allocator and data-loader warm-up. Default 2.",
+            ge=0,
+        ),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogConfig(Section):
+    """Logging of every unicorn process (see ``unicorn_core.logs.configure_logging``)."""
+
+    level: LogLevel = field(
+        default="info",
+        metadata=_meta("Lowest level written: debug, info, warning or error. Default: info."),
+    )
+    format: LogFormat = field(
+        default="auto",
+        metadata=_meta(
+            "json writes one JSON object per line (for daemons and log collectors); console "
+            "writes readable lines (for people at a terminal); auto picks json when stderr is "
+            "not a terminal and console when it is. Default: auto."
+        ),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config(Section):
+    """All of unicorn's settings. Build with ``load_config()``; ``Config()`` is the defaults."""
+
+    redis: RedisConfig = field(
+        default_factory=RedisConfig, metadata=_meta("Redis connection (coordination state).")
+    )
+    slurm: SlurmConfig = field(default_factory=SlurmConfig, metadata=_meta("Access to Slurm."))
+    agent: AgentConfig = field(default_factory=AgentConfig, metadata=_meta("Per-node agent."))
+    detect: DetectConfig = field(default_factory=DetectConfig, metadata=_meta("Failure detection."))
+    log: LogConfig = field(default_factory=LogConfig, metadata=_meta("Logging."))
+
+    def problems(self) -> list[str]:
+        if self.detect.heartbeat_timeout_s <= self.agent.heartbeat_interval_s:
+            return [
+                f"detect.heartbeat_timeout_s = {self.detect.heartbeat_timeout_s:g} must be greater "
+                f"than agent.heartbeat_interval_s = {self.agent.heartbeat_interval_s:g} "
+                "(every healthy agent would be declared lost between beats)"
+            ]
+        return []
+
+    def redis_password(self) -> str | None:
+        """Shorthand for ``self.redis.password()``."""
+        return self.redis.password()
+
+
+# --------------------------------------------------------------------------- loading
+
+T = TypeVar("T")
+
+
+def load_config(path: Path | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Read the config: defaults, then the TOML file, then ``UNICORN_<SECTION>__<KEY>`` vars.
+
+    ``path`` None means ``$UNICORN_CONFIG`` (looked up in ``env``) when set, else no file.
+    ``env`` None means ``os.environ``; it is only read. Raises ``ConfigError`` listing
+    every problem found, with nothing applied.
+    """
+    environ: Mapping[str, str] = os.environ if env is None else env
+    if path is None:
+        configured = environ.get(CONFIG_ENV, "")
+        path = Path(configured) if configured else None
+    data = read_toml(path) if path is not None else {}
+    return settings_from(Config, data, environ, source=str(path) if path is not None else "")
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """Parse one TOML file; ``ConfigError`` naming the file when it is missing or invalid."""
+    try:
+        with path.open("rb") as stream:
+            return tomllib.load(stream)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {str(path)!r}: not found") from exc
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r}: cannot read: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r}: invalid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r}: not UTF-8 text: {exc}") from exc
+
+
+def settings_from(
+    root: type[T], data: Mapping[str, object], env: Mapping[str, str] | None = None, *, source: str = ""
+) -> T:
+    """Build and check the settings tree ``root`` from parsed TOML ``data`` and ``env``.
+
+    Generic over any tree of frozen dataclasses (``Config`` is one); ``source`` names
+    where ``data`` came from, for messages. Raises ``ConfigError`` with every problem.
+    """
+    errors: list[str] = []
+    overrides, origins = _env_overrides(root, env or {}, errors)
+    merged = _merge(data, overrides)
+    settings = _build(root, merged, "", origins, errors)
+    if not errors:
+        errors.extend(_cross_field_problems(settings, ""))
+    if errors:
+        raise _config_error(errors, source)
+    return settings
+
+
+def validate(settings: object) -> None:
+    """Run every load-time check on a settings tree built in code (e.g. ``Config(...)``)."""
+    if not _is_section(type(settings)):
+        raise TypeError(f"expected a settings dataclass, got {type(settings).__name__}")
+    data = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}  # type: ignore[arg-type]
+    settings_from(type(settings), _as_data(data), {})
+
+
+# --------------------------------------------------------------------------- describe
+
+
+@dataclass(frozen=True)
+class SettingInfo:
+    """One leaf setting, for ``unicornctl config --describe`` and the docs."""
+
+    key: str
+    """Dotted path, e.g. ``redis.socket_timeout_s`` (section ``redis``, key ``socket_timeout_s``)."""
+    env_var: str
+    """Environment variable that overrides it, e.g. ``UNICORN_REDIS__SOCKET_TIMEOUT_S``."""
+    expected: str
+    """What values it takes, in words (``a number > 0``, ``one of "auto", "cli"``)."""
+    default: object
+    doc: str
+
+
+def describe(root: type[Any] = Config) -> tuple[SettingInfo, ...]:
+    """Every leaf setting of the tree ``root``, in declaration order."""
+    return tuple(_describe(root, ""))
+
+
+def _describe(cls: type[Any], path: str) -> Iterator[SettingInfo]:
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = _join(path, f.name)
+        hint = hints[f.name]
+        if _is_section(hint):
+            yield from _describe(hint, key)
+            continue
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        bounds = " and ".join(
+            f"{symbol} {f.metadata[name]:g}" for name, (_, symbol) in _BOUNDS.items() if name in f.metadata
+        )
+        yield SettingInfo(
+            key=key,
+            env_var=ENV_PREFIX + ENV_SEPARATOR.join(key.split(".")).upper(),
+            expected=_expected(hint) + (f" {bounds}" if bounds else ""),
+            default=default,
+            doc=str(f.metadata.get("doc", "")),
+        )
+
+
+# --------------------------------------------------------------------------- internals
+
+
+class _MismatchError(Exception):
+    """A value is not of the expected type; ``expected`` says what was wanted, in words."""
+
+    def __init__(self, expected: str) -> None:
+        super().__init__(expected)
+        self.expected = expected
+
+
+def _is_section(hint: object) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _valid(cls: type[Any]) -> str:
+    """``valid keys: a, b`` (or ``valid sections:`` when every field is a section)."""
+    hints = get_type_hints(cls)
+    names = sorted(f.name for f in dataclasses.fields(cls))
+    noun = "sections" if all(_is_section(hints[name]) for name in names) else "keys"
+    return f"valid {noun}: {', '.join(names)}"
+
+
+def _noun(cls: type[Any]) -> str:
+    return "section" if _valid(cls).startswith("valid sections") else "key"
+
+
+def _build(
+    cls: type[T], data: Mapping[str, object], path: str, origins: Mapping[str, str], errors: list[str]
+) -> T:
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    hints = get_type_hints(cls)
+    errors.extend(
+        f"unknown {_noun(cls)} {_join(path, name)!r}; {_valid(cls)}" for name in data if name not in fields
+    )
+    values: dict[str, object] = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        key, hint, value = _join(path, name), hints[name], data[name]
+        origin = f" (from ${origins[key]})" if key in origins else ""
+        if _is_section(hint):
+            if isinstance(value, Mapping):
+                values[name] = _build(hint, value, key, origins, errors)
+            else:
+                errors.append(f"{key} = {_show(value)}{origin}: expected a table ([{key}])")
+            continue
+        try:
+            checked = _check(value, hint)
+        except _MismatchError as exc:
+            errors.append(f"{key} = {_show(value)}{origin}: expected {exc.expected}")
+            continue
+        for bound_name, (compare, symbol) in _BOUNDS.items():
+            if bound_name in f.metadata and not compare(checked, f.metadata[bound_name]):
+                errors.append(f"{key} = {_show(value)}{origin}: must be {symbol} {f.metadata[bound_name]:g}")
+        values[name] = checked
+    return cls(**values)
+
+
+_SCALARS: dict[type, Callable[[object], bool]] = {
+    bool: lambda value: isinstance(value, bool),
+    int: lambda value: isinstance(value, int) and not isinstance(value, bool),
+    float: lambda value: isinstance(value, int | float) and not isinstance(value, bool),
+    str: lambda value: isinstance(value, str),
+}
+
+
+def _check(value: object, hint: Any) -> object:
+    """``value`` converted to ``hint``'s type (int to float, list to tuple), or ``_MismatchError``."""
+    if get_origin(hint) is tuple:
+        if not isinstance(value, list | tuple):
+            raise _MismatchError(_expected(hint))
+        try:
+            return tuple(_check(item, get_args(hint)[0]) for item in value)
+        except _MismatchError:
+            raise _MismatchError(_expected(hint)) from None
+    if get_origin(hint) is Literal:
+        matches = isinstance(value, str) and value in get_args(hint)
+    elif hint in _SCALARS:
+        matches = _SCALARS[hint](value)
+    else:
+        raise TypeError(f"unsupported settings field type {hint!r}")
+    if not matches:
+        raise _MismatchError(_expected(hint))
+    if hint is float and isinstance(value, int | float):
+        if not math.isfinite(value):
+            raise _MismatchError("a finite number")
+        return float(value)
+    return value
+
+
+def _expected(hint: Any) -> str:
+    if get_origin(hint) is Literal:
+        return "one of " + ", ".join(_show(choice) for choice in get_args(hint))
+    if get_origin(hint) is tuple:
+        return f"a list, each item {_expected(get_args(hint)[0])}"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if hint in names:
+        return names[hint]
+    raise TypeError(f"unsupported settings field type {hint!r}")
+
+
+def _show(value: object) -> str:
+    """``value`` as TOML would spell it (strings in double quotes), cut to 80 characters."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = json.dumps(value, ensure_ascii=False)
+    elif isinstance(value, list | tuple):
+        text = "[" + ", ".join(_show(item) for item in value) + "]"
+    elif isinstance(value, Mapping):
+        text = "{" + ", ".join(f"{key} = {_show(item)}" for key, item in value.items()) + "}"
+    else:
+        text = repr(value) if isinstance(value, int | float) else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _redact_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
+def _parse_env(text: str, hint: Any) -> object:
+    """An environment variable's text as a value of ``hint``'s type (checked later)."""
+    if hint is bool:
+        lowered = text.strip().lower()
+        if lowered in ("true", "1"):
+            return True
+        if lowered in ("false", "0"):
+            return False
+        raise _MismatchError("true or false (or 1 or 0)")
+    if hint is int:
+        try:
+            return int(text.strip(), 10)
+        except ValueError:
+            raise _MismatchError(_expected(hint)) from None
+    if hint is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise _MismatchError(_expected(hint)) from None
+    if get_origin(hint) is tuple:
+        items = text.split(",") if text.strip() else []
+        return [_parse_env(item.strip(), get_args(hint)[0]) for item in items]
+    return text  # str and Literal: as is (choices are checked with the rest)
+
+
+def _env_overrides(
+    root: type[Any], env: Mapping[str, str], errors: list[str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """``UNICORN_A__B`` variables as nested data, and which variable set each dotted key."""
+    overrides: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for name in sorted(env):
+        rest = name.removeprefix(ENV_PREFIX)
+        if rest == name or ENV_SEPARATOR not in rest:
+            continue  # UNICORN_CONFIG, UNICORN_ETC_DIR, ...: not settings
+        parts = rest.lower().split(ENV_SEPARATOR)
+        cls, target = root, overrides
+        for depth, part in enumerate(parts):
+            key = ".".join(parts[: depth + 1])
+            hints = get_type_hints(cls)
+            if part not in {f.name for f in dataclasses.fields(cls)}:
+                errors.append(f"unknown {_noun(cls)} {key!r} (from ${name}); {_valid(cls)}")
+                break
+            hint, last = hints[part], depth == len(parts) - 1
+            if _is_section(hint) and last:
+                errors.append(f"${name} names the section {key!r}, not a key; {_valid(hint)}")
+            elif _is_section(hint):
+                cls, target = hint, target.setdefault(part, {})
+                continue
+            elif not last:
+                errors.append(f"${name}: {key!r} is a key, not a section")
+            else:
+                try:
+                    target[part] = _parse_env(env[name], hint)
+                    origins[key] = name
+                except _MismatchError as exc:
+                    errors.append(f"{key} = {_show(env[name])} (from ${name}): expected {exc.expected}")
+            break
+    return overrides, origins
+
+
+def _merge(base: Mapping[str, object], overrides: Mapping[str, object]) -> dict[str, object]:
+    """``base`` with ``overrides`` laid over it, table by table (neither is changed)."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        below = merged.get(key)
+        if isinstance(value, Mapping):
+            if below is None:
+                merged[key] = _merge({}, value)
+            elif isinstance(below, Mapping):
+                merged[key] = _merge(below, value)
+            # else: the file has a non-table here; that error is reported by _build
+        else:
+            merged[key] = value
+    return merged
+
+
+def _cross_field_problems(settings: object, path: str) -> Iterator[str]:
+    for f in dataclasses.fields(settings):  # type: ignore[arg-type]
+        child = getattr(settings, f.name)
+        if _is_section(type(child)):
+            yield from _cross_field_problems(child, _join(path, f.name))
+    if isinstance(settings, Section):
+        prefix = f"{path}: " if path else ""
+        yield from (prefix + problem for problem in settings.problems())
+
+
+def _as_data(data: Mapping[str, object]) -> dict[str, object]:
+    """A settings tree's field values as plain nested data, as if parsed from TOML."""
+    return {
+        key: _as_data({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})  # type: ignore[arg-type]
+        if _is_section(type(value))
+        else value
+        for key, value in data.items()
+    }
+
+
+def _config_error(errors: list[str], source: str) -> ConfigError:
+    where = f"config {source}" if source else "config"
+    if len(errors) == 1:
+        return ConfigError(f"{where}: {errors[0]}")
+    return ConfigError(f"{where}: {len(errors)} problems: " + "; ".join(errors))

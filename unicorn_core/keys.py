@@ -1,0 +1,119 @@
+"""Every Redis key and stream name unicorn uses, in one place.
+
+Keys are ``<prefix>:<kind>[:<component>...]``; components never contain ``:``, so no
+two distinct calls produce the same name. Stream entries carry one encoded
+:mod:`unicorn_core.protocol` message under the field :data:`PAYLOAD_FIELD`.
+
+=============================  ===========  ====================  ==========================
+Key                            Redis type   Written by            Read by
+=============================  ===========  ====================  ==========================
+``events()``                   stream       node agents           unicornd (group
+                                                                  :data:`COORDINATOR_GROUP`)
+``agent_commands(job, node)``  stream       unicornd              the agent of job on node
+``command_results()``          stream       node agents           unicornd (group), CLI
+``heartbeat(job, node)``       string, TTL  the agent (SET EX)    unicornd (expiry = lost)
+``daemon_liveness()``          string, TTL  unicornd (SET EX)     ``unicornctl --check``
+``task(task_id)``              hash         unicornd, CLI submit  unicornd, CLI
+``tasks()``                    set          unicornd, CLI submit  unicornd, CLI
+``node(name)``                 hash         unicornd              unicornd, CLI
+``plan_current()``             string       unicornd              ``unicornctl plan``
+``incidents()``                stream       unicornd              CLI
+``actions_done()``             set          unicornd executor     unicornd executor
+=============================  ===========  ====================  ==========================
+
+``events()`` carries Heartbeat, ProcessExit, ExceptionReport, IterationTiming and
+GpuHealthEvent; ``agent_commands`` carries AgentCommand; ``command_results`` carries
+CommandResult. ``task`` holds one task's record and ``tasks`` the ids of known tasks;
+``node`` holds one node's health state; ``plan_current`` the plan being applied;
+``actions_done`` the ids of executed actions, so a restarted executor never repeats one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final
+
+from unicorn_core.errors import InvalidArgument
+
+COORDINATOR_GROUP: Final = "unicornd"
+"""Consumer group through which unicornd reads ``events()`` and ``command_results()``."""
+
+PAYLOAD_FIELD: Final = "msg"
+"""Stream entry field that holds the encoded protocol message."""
+
+_COMPONENT: Final = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _component(what: str, value: str) -> str:
+    if not isinstance(value, str) or _COMPONENT.fullmatch(value) is None:
+        raise InvalidArgument(f"invalid {what} {value!r}: must match [A-Za-z0-9_.-]+")
+    return value
+
+
+def _job_id(job_id: int) -> str:
+    if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id < 0:
+        raise InvalidArgument(f"invalid job id {job_id!r}: must be an int >= 0")
+    return str(job_id)
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    """Key names under ``prefix`` (one prefix per unicorn installation sharing a Redis).
+
+    Raises InvalidArgument for a prefix, node name or task id outside
+    ``[A-Za-z0-9_.-]+`` (Slurm names such as ``n1``, ``gpu-a01``, ``node.12`` pass)
+    and for a negative job id.
+    """
+
+    prefix: str = "unicorn"
+
+    def __post_init__(self) -> None:
+        _component("prefix", self.prefix)
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    def events(self) -> str:
+        """Stream: agent -> coordinator messages other than commands and their results."""
+        return self._key("events")
+
+    def agent_commands(self, job_id: int, node: str) -> str:
+        """Stream: coordinator -> the agent of ``job_id`` on ``node``."""
+        return self._key("cmd", _job_id(job_id), _component("node", node))
+
+    def command_results(self) -> str:
+        """Stream: agents -> coordinator, one CommandResult per AgentCommand."""
+        return self._key("cmd-results")
+
+    def heartbeat(self, job_id: int, node: str) -> str:
+        """String with TTL: present while the agent of ``job_id`` on ``node`` is alive."""
+        return self._key("hb", _job_id(job_id), _component("node", node))
+
+    def daemon_liveness(self) -> str:
+        """String with TTL: present while unicornd is alive."""
+        return self._key("unicornd", "alive")
+
+    def task(self, task_id: str) -> str:
+        """Hash: the record of one task."""
+        return self._key("task", _component("task id", task_id))
+
+    def tasks(self) -> str:
+        """Set: ids of all known tasks."""
+        return self._key("tasks")
+
+    def node(self, name: str) -> str:
+        """Hash: health state of one node."""
+        return self._key("node", _component("node", name))
+
+    def plan_current(self) -> str:
+        """String: the plan unicornd is currently applying."""
+        return self._key("plan", "current")
+
+    def incidents(self) -> str:
+        """Stream: incident log written by unicornd."""
+        return self._key("incidents")
+
+    def actions_done(self) -> str:
+        """Set: ids of actions already executed (idempotency)."""
+        return self._key("actions", "done")

@@ -1,0 +1,87 @@
+"""The Slurm operations unicorn needs, as one interface with interchangeable backends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from unicorn_core.errors import UnicornError
+from unicorn_core.proc import terminate_group
+from unicorn_core.slurm.types import GrowResult, JobInfo, NodeInfo
+
+
+class ResizeUnsupported(UnicornError):
+    """This job cannot be resized in place (no expansion, or already resized this run).
+
+    Slurm without slurmdbd allows one resize per job run, and Slurm 22.05 refuses to
+    change the node count of a requeued job; the caller resubmits the task instead.
+    """
+
+
+@dataclass(slots=True)
+class StepHandle:
+    """A running ``srun`` step. The caller owns it: ``stop()`` ends the whole group."""
+
+    job_id: int
+    nodes: tuple[str, ...]
+    command: tuple[str, ...]
+    process: asyncio.subprocess.Process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def wait(self) -> int:
+        return await self.process.wait()
+
+    async def stop(self, grace_s: float = 2.0) -> int:
+        return await terminate_group(self.process, grace_s)
+
+
+class SlurmBackend(Protocol):
+    """Every Slurm operation the coordinator, CLI and tests perform.
+
+    Node names are validated before any command runs; a name the cluster lacks raises
+    :class:`~unicorn_core.errors.UnknownNode` and changes nothing.
+    """
+
+    name: str
+
+    async def version(self) -> str: ...
+
+    async def list_nodes(self) -> list[NodeInfo]: ...
+
+    async def get_node(self, name: str) -> NodeInfo: ...
+
+    async def drain(self, node: str, reason: str) -> None: ...
+
+    async def down(self, node: str, reason: str) -> None: ...
+
+    async def resume(self, node: str) -> None: ...
+
+    async def list_jobs(self) -> list[JobInfo]: ...
+
+    async def get_job(self, job_id: int) -> JobInfo: ...
+
+    async def submit_batch(self, script: str, options: Sequence[str] = ()) -> int: ...
+
+    async def launch_step(
+        self,
+        job_id: int,
+        nodes: Sequence[str],
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        options: Sequence[str] = (),
+        capture: bool = True,
+    ) -> StepHandle: ...
+
+    async def shrink(self, job_id: int, keep_nodes: Sequence[str]) -> None: ...
+
+    async def grow(self, job_id: int, add_nodes: int, *, exclude: Sequence[str] = ()) -> GrowResult: ...
+
+    async def requeue(self, job_id: int) -> None: ...
+
+    async def cancel(self, job_id: int, *, signal: str | None = None) -> None: ...

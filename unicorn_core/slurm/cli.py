@@ -1,0 +1,278 @@
+"""The command-line backend: works with every Slurm >= 22.05 (sinfo/squeue --json, scontrol -o).
+
+All commands go through :func:`unicorn_core.proc.run` (timeout, typed errors). Slurm's
+client environment variables (``SLURM_JOB_ID``, ``SBATCH_*``...) are stripped so a
+coordinator started inside a job cannot have its commands silently retargeted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from unicorn_core import proc
+from unicorn_core.errors import CommandFailed, InvalidArgument, UnknownJob, UnknownNode
+from unicorn_core.slurm.backend import ResizeUnsupported, StepHandle
+from unicorn_core.slurm.hostlist import compress
+from unicorn_core.slurm.parse import (
+    SlurmParseError,
+    job_from_scontrol,
+    jobs_from_squeue_json,
+    nodes_from_sinfo_json,
+    parse_scontrol_record,
+)
+from unicorn_core.slurm.types import (
+    GrowResult,
+    JobInfo,
+    JobState,
+    NodeInfo,
+    check_job_id,
+    check_node_name,
+    check_reason,
+)
+
+_CLIENT_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SALLOC_", "SRUN_", "SQUEUE_", "SINFO_", "SCONTROL_")
+_GRANTED = re.compile(r"Granted job allocation (\d+)")
+_RESIZE_REFUSED = ("db_index", "Unexpected message", "Job expansion not allowed", "not supported")
+
+
+def client_env(base: Mapping[str, str], slurm_conf: str | None) -> dict[str, str]:
+    """``base`` without Slurm client variables, with ``SLURM_CONF`` set if given."""
+    env = {k: v for k, v in base.items() if not k.startswith(_CLIENT_ENV_PREFIXES) or k == "SLURM_CONF"}
+    if slurm_conf:
+        env["SLURM_CONF"] = slurm_conf
+    return env
+
+
+class CliSlurm:
+    """:class:`~unicorn_core.slurm.backend.SlurmBackend` over Slurm's command-line tools."""
+
+    name = "cli"
+
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 30.0,
+        bin_dir: str | Path | None = None,
+        slurm_conf: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s = timeout_s
+        self.bin_dir = Path(bin_dir) if bin_dir else None
+        self.env = client_env(os.environ if env is None else env, slurm_conf)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _argv(self, tool: str, *args: str) -> list[str]:
+        exe = str(self.bin_dir / tool) if self.bin_dir else tool
+        return [exe, *args]
+
+    async def _run(self, tool: str, *args: str, input_text: str | None = None) -> str:
+        out = await proc.run(
+            self._argv(tool, *args), timeout_s=self.timeout_s, env=self.env, input_text=input_text
+        )
+        return out.stdout
+
+    async def _update_node(self, node: str, *fields: str) -> None:
+        check_node_name(node)
+        try:
+            await self._run("scontrol", "update", f"nodename={node}", *fields)
+        except CommandFailed as e:
+            if "Invalid node name" in e.stderr or "not found" in e.stderr:
+                raise UnknownNode(node, [n.name for n in await self.list_nodes()]) from e
+            raise
+
+    # ------------------------------------------------------------------ nodes
+
+    async def version(self) -> str:
+        out = await self._run("sinfo", "--version")
+        return out.strip().split()[-1]
+
+    async def list_nodes(self) -> list[NodeInfo]:
+        return nodes_from_sinfo_json(await self._run("sinfo", "--json"))
+
+    async def get_node(self, name: str) -> NodeInfo:
+        check_node_name(name)
+        nodes = await self.list_nodes()
+        for n in nodes:
+            if n.name == name:
+                return n
+        raise UnknownNode(name, [n.name for n in nodes])
+
+    async def drain(self, node: str, reason: str) -> None:
+        await self._update_node(node, "state=drain", f"reason={check_reason(reason)}")
+
+    async def down(self, node: str, reason: str) -> None:
+        await self._update_node(node, "state=down", f"reason={check_reason(reason)}")
+
+    async def resume(self, node: str) -> None:
+        await self._update_node(node, "state=resume")
+
+    # ------------------------------------------------------------------ jobs
+
+    async def list_jobs(self) -> list[JobInfo]:
+        return jobs_from_squeue_json(await self._run("squeue", "--json"))
+
+    async def get_job(self, job_id: int) -> JobInfo:
+        check_job_id(job_id)
+        try:
+            out = await self._run("scontrol", "-o", "show", "job", str(job_id))
+        except CommandFailed as e:
+            if "Invalid job id" in e.stderr:
+                raise UnknownJob(job_id) from e
+            raise
+        lines = [ln for ln in out.splitlines() if ln.strip()]
+        if not lines:
+            raise SlurmParseError(f"scontrol show job {job_id} printed nothing")
+        return job_from_scontrol(parse_scontrol_record(lines[0]))
+
+    async def submit_batch(self, script: str, options: Sequence[str] = ()) -> int:
+        """``sbatch --parsable [options]`` with the script on stdin; returns the job id."""
+        if not script.startswith("#!"):
+            raise InvalidArgument("a batch script must start with '#!'")
+        out = await self._run("sbatch", "--parsable", *options, input_text=script)
+        first = out.strip().split(";")[0]
+        if not first.isdigit():
+            raise SlurmParseError(f"sbatch --parsable printed {out.strip()!r}")
+        return int(first)
+
+    async def launch_step(
+        self,
+        job_id: int,
+        nodes: Sequence[str],
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        options: Sequence[str] = (),
+        capture: bool = True,
+    ) -> StepHandle:
+        """Start one task per node on ``nodes`` of running job ``job_id`` (``--overlap``)."""
+        check_job_id(job_id)
+        if not nodes:
+            raise InvalidArgument("launch_step needs at least one node")
+        for n in nodes:
+            check_node_name(n)
+        if not argv:
+            raise InvalidArgument("launch_step needs a command")
+        job = await self.get_job(job_id)
+        if job.state is not JobState.RUNNING:
+            raise InvalidArgument(f"job {job_id} is {job.state_raw}, not RUNNING")
+        missing = [n for n in nodes if n not in job.nodes]
+        if missing:
+            raise InvalidArgument(f"nodes {missing} are not in job {job_id} ({compress(job.nodes)})")
+        cmd = self._argv(
+            "srun",
+            f"--jobid={job_id}",
+            f"--nodelist={compress(list(nodes))}",
+            f"--nodes={len(nodes)}",
+            f"--ntasks={len(nodes)}",
+            "--ntasks-per-node=1",
+            "--overlap",
+            "--kill-on-bad-exit=0",
+            "--quiet",
+            *options,
+            *argv,
+        )
+        step_env = dict(self.env)
+        if env:
+            step_env.update(env)
+        process = await proc.start(cmd, env=step_env, capture=capture)
+        return StepHandle(job_id, tuple(nodes), tuple(cmd), process)
+
+    async def shrink(self, job_id: int, keep_nodes: Sequence[str]) -> None:
+        """Release every node of the job except ``keep_nodes`` (their steps are killed)."""
+        check_job_id(job_id)
+        if not keep_nodes:
+            raise InvalidArgument("shrink must keep at least one node (cancel the job instead)")
+        job = await self.get_job(job_id)
+        extra = [n for n in keep_nodes if n not in job.nodes]
+        if extra:
+            raise InvalidArgument(f"nodes {extra} are not in job {job_id} ({compress(job.nodes)})")
+        try:
+            await self._run("scontrol", "update", f"jobid={job_id}", f"NodeList={compress(list(keep_nodes))}")
+        except CommandFailed as e:
+            if any(s in e.stderr for s in _RESIZE_REFUSED):
+                raise ResizeUnsupported(f"job {job_id} cannot shrink now: {e.stderr.strip()}") from e
+            raise
+
+    async def grow(self, job_id: int, add_nodes: int, *, exclude: Sequence[str] = ()) -> GrowResult:
+        """Add ``add_nodes`` nodes to a running job by Slurm job expansion.
+
+        A helper allocation (``salloc --no-shell --dependency=expand:J``) is created on
+        free nodes, its nodes are handed to J (``NumNodes=0``) and the helper is
+        cancelled. Needs ``SchedulerParameters=permit_job_expansion``; raises
+        :class:`ResizeUnsupported` when the cluster refuses.
+        """
+        check_job_id(job_id)
+        if add_nodes < 1:
+            raise InvalidArgument(f"add_nodes must be >= 1, got {add_nodes}")
+        job = await self.get_job(job_id)
+        if job.state is not JobState.RUNNING:
+            raise InvalidArgument(f"job {job_id} is {job.state_raw}, not RUNNING")
+        avoid = compress([*job.nodes, *exclude])
+        try:
+            out = await proc.run(
+                self._argv(
+                    "salloc",
+                    "--no-shell",
+                    f"--nodes={add_nodes}",
+                    f"--exclude={avoid}",
+                    f"--dependency=expand:{job_id}",
+                    f"--job-name=unicorn-expand-{job_id}",
+                    "--immediate=5",
+                ),
+                timeout_s=self.timeout_s,
+                env=self.env,
+            )
+        except CommandFailed as e:
+            if any(s in e.stderr for s in _RESIZE_REFUSED):
+                raise ResizeUnsupported(f"job {job_id} cannot grow: {e.stderr.strip()}") from e
+            raise
+        m = _GRANTED.search(out.stderr + out.stdout)
+        if m is None:
+            raise SlurmParseError(f"salloc did not report an allocation: {out.stderr.strip()!r}")
+        helper = int(m.group(1))
+        try:
+            await self._run("scontrol", "update", f"jobid={helper}", "NumNodes=0")
+        except CommandFailed as e:
+            await self.cancel(helper)
+            raise ResizeUnsupported(f"job {job_id} cannot grow: {e.stderr.strip()}") from e
+        await self.cancel(helper)
+        after = await self.get_job(job_id)
+        return GrowResult(job_id, "expand", tuple(n for n in after.nodes if n not in job.nodes))
+
+    async def requeue(self, job_id: int) -> None:
+        """Requeue a batch job and let it start again as soon as nodes allow.
+
+        Slurm holds a requeued job until ``cred_expire``; once it is PENDING, setting
+        ``StartTime=now+2`` brings it back in ~2 s (``now`` itself revokes its credential).
+        """
+        check_job_id(job_id)
+        try:
+            await self._run("scontrol", "requeue", str(job_id))
+        except CommandFailed as e:
+            if "Invalid job id" in e.stderr:
+                raise UnknownJob(job_id) from e
+            raise
+        deadline = time.monotonic() + self.timeout_s
+        while (await self.get_job(job_id)).state is not JobState.PENDING:
+            if time.monotonic() > deadline:
+                return  # Slurm restarts it on its own after cred_expire.
+            await asyncio.sleep(0.05)
+        await self._run("scontrol", "update", f"jobid={job_id}", "StartTime=now+2")
+
+    async def cancel(self, job_id: int, *, signal: str | None = None) -> None:
+        check_job_id(job_id)
+        args = [f"--signal={signal}"] if signal else []
+        try:
+            await self._run("scancel", *args, str(job_id))
+        except CommandFailed as e:
+            if "Invalid job id" in e.stderr:
+                raise UnknownJob(job_id) from e
+            raise

@@ -1,0 +1,237 @@
+"""Pure parsers for Slurm command output (no I/O; unit-tested on recorded samples).
+
+Two formats are read: the JSON of ``sinfo --json`` / ``squeue --json`` (data_parser
+v0.0.38 in Slurm 22.05, where ``state`` is a string plus ``state_flags``; 23.02+ give a
+list of upper-case strings) and the one-line ``key=value`` records of
+``scontrol -o show``. Anything structurally wrong raises :class:`SlurmParseError`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from unicorn_core.errors import UnicornError
+from unicorn_core.slurm.hostlist import expand
+from unicorn_core.slurm.types import JobInfo, JobState, NodeInfo, NodeState
+
+
+class SlurmParseError(UnicornError):
+    """Slurm printed something this parser does not understand."""
+
+
+_KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/.]*)=")
+_REASON_TAIL = re.compile(r"\s*\[[^\[\]@]*@[^\[\]]*\]$")
+_GPU_GRES = re.compile(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)")
+
+
+def parse_scontrol_record(line: str) -> dict[str, str]:
+    """``Key=value Key2=value with spaces ...`` -> dict.
+
+    A value runs until the next `` Key=``; values may contain spaces. A node's
+    ``Reason=text [user@time]`` is free text and may contain ``=``, so it is taken whole
+    up to its ``[user@time]`` suffix.
+    """
+    out: dict[str, str] = {}
+    pos = 0
+    line = line.strip()
+    while pos < len(line):
+        m = _KEY.search(line, pos)
+        if m is None:
+            break
+        key = m.group(1)
+        vstart = m.end()
+        if key == "Reason":
+            close = re.search(r"\[[^\[\]@]*@[^\[\]]*\]", line[vstart:])
+            if close is not None:
+                vend = vstart + close.end()
+                out[key] = line[vstart:vend]
+                pos = vend
+                continue
+        nxt = _KEY.search(line, vstart)
+        vend = nxt.start() if nxt else len(line)
+        out[key] = line[vstart:vend].strip()
+        pos = vend
+    if not out:
+        raise SlurmParseError(f"not a key=value record: {line[:200]!r}")
+    return out
+
+
+def _int(value: Any, default: int = 0) -> int:
+    """Slurm ints: plain, ``{"set": b, "number": n}`` (23.02+), or strings."""
+    if isinstance(value, Mapping):
+        if not value.get("set", True) or value.get("infinite"):
+            return default
+        value = value.get("number", default)
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return default
+
+
+def gpus_in_gres(gres: str) -> int:
+    """Total GPUs in a GRES string such as ``gpu:4``, ``gpu:a100:8(S:0-1)``, ``gpu:0``."""
+    return sum(int(n) for n in _GPU_GRES.findall(gres or ""))
+
+
+def _node_state(raw: Any, flags_raw: Any) -> tuple[NodeState, frozenset[str]]:
+    words: list[str] = []
+    if isinstance(raw, str):
+        words = [w for w in re.split(r"[+\s]", raw.upper()) if w]
+    elif isinstance(raw, list):
+        words = [str(w).upper() for w in raw]
+    else:
+        raise SlurmParseError(f"node state of unexpected type: {raw!r}")
+    if isinstance(flags_raw, list):
+        words += [str(w).upper() for w in flags_raw]
+    base = NodeState.UNKNOWN
+    flags: set[str] = set()
+    for word in words:
+        w = word.rstrip("*~#!%$@^-")
+        if w in NodeState.__members__:
+            if base is NodeState.UNKNOWN:
+                base = NodeState(w)
+        elif w:
+            flags.add(w)
+    # sinfo's compact names: "drained"/"draining" imply IDLE/ALLOCATED + DRAIN.
+    if "DRAINED" in flags or "DRAINING" in flags:
+        flags.add("DRAIN")
+    return base, frozenset(flags)
+
+
+def _strip_reason_suffix(reason: str) -> str:
+    return _REASON_TAIL.sub("", reason).strip()
+
+
+def node_from_sinfo_json(d: Mapping[str, Any]) -> NodeInfo:
+    try:
+        name = d["name"]
+        state, flags = _node_state(d["state"], d.get("state_flags"))
+    except KeyError as e:
+        raise SlurmParseError(f"sinfo node record lacks {e}") from None
+    if not isinstance(name, str) or not name:
+        raise SlurmParseError(f"sinfo node record with bad name {name!r}")
+    partitions = d.get("partitions") or []
+    return NodeInfo(
+        name=name,
+        state=state,
+        flags=flags,
+        reason=_strip_reason_suffix(str(d.get("reason") or "")),
+        cpus=_int(d.get("cpus")),
+        gpus=gpus_in_gres(str(d.get("gres") or "")),
+        gpus_used=gpus_in_gres(str(d.get("gres_used") or "")),
+        real_memory_mib=_int(d.get("real_memory")),
+        partitions=tuple(str(p) for p in partitions),
+    )
+
+
+def nodes_from_sinfo_json(text: str) -> list[NodeInfo]:
+    doc = _load_json(text, "sinfo")
+    nodes = doc.get("nodes")
+    if not isinstance(nodes, list):
+        raise SlurmParseError("sinfo --json output has no 'nodes' list")
+    return [node_from_sinfo_json(n) for n in nodes]
+
+
+def node_from_scontrol(rec: Mapping[str, str]) -> NodeInfo:
+    try:
+        name = rec["NodeName"]
+        state, flags = _node_state(rec["State"], None)
+    except KeyError as e:
+        raise SlurmParseError(f"scontrol node record lacks {e}") from None
+    parts = rec.get("Partitions", "")
+    return NodeInfo(
+        name=name,
+        state=state,
+        flags=flags,
+        reason=_strip_reason_suffix(rec.get("Reason", "")),
+        cpus=_int(rec.get("CPUTot")),
+        gpus=gpus_in_gres(rec.get("Gres", "")),
+        gpus_used=gpus_in_gres(rec.get("GresUsed", "")),
+        real_memory_mib=_int(rec.get("RealMemory")),
+        partitions=tuple(p for p in parts.split(",") if p and p != "(null)"),
+    )
+
+
+def _job_state(raw: Any) -> tuple[JobState, str]:
+    if isinstance(raw, list):
+        raw = raw[0] if raw else ""
+    if not isinstance(raw, str):
+        raise SlurmParseError(f"job state of unexpected type: {raw!r}")
+    word = raw.upper().split("+")[0].strip()
+    try:
+        return JobState(word), raw
+    except ValueError:
+        return JobState.OTHER, raw
+
+
+def job_from_squeue_json(d: Mapping[str, Any]) -> JobInfo:
+    try:
+        job_id = _int(d["job_id"], -1)
+        state, raw = _job_state(d["job_state"])
+    except KeyError as e:
+        raise SlurmParseError(f"squeue job record lacks {e}") from None
+    if job_id <= 0:
+        raise SlurmParseError(f"squeue job record with bad job_id {d.get('job_id')!r}")
+    return JobInfo(
+        job_id=job_id,
+        name=str(d.get("name") or ""),
+        state=state,
+        state_raw=raw,
+        reason=str(d.get("state_reason") or ""),
+        nodes=tuple(expand(str(d.get("nodes") or ""))),
+        num_nodes=_int(d.get("node_count")),
+        batch=bool(d.get("batch_flag")),
+        restarts=_int(d.get("restart_cnt")),
+        user=str(d.get("user_name") or ""),
+    )
+
+
+def jobs_from_squeue_json(text: str) -> list[JobInfo]:
+    doc = _load_json(text, "squeue")
+    jobs = doc.get("jobs")
+    if not isinstance(jobs, list):
+        raise SlurmParseError("squeue --json output has no 'jobs' list")
+    return [job_from_squeue_json(j) for j in jobs]
+
+
+def job_from_scontrol(rec: Mapping[str, str]) -> JobInfo:
+    try:
+        job_id = _int(rec["JobId"], -1)
+        state, raw = _job_state(rec["JobState"])
+    except KeyError as e:
+        raise SlurmParseError(f"scontrol job record lacks {e}") from None
+    if job_id <= 0:
+        raise SlurmParseError(f"scontrol job record with bad JobId {rec.get('JobId')!r}")
+    nodelist = rec.get("NodeList", "")
+    num_nodes = rec.get("NumNodes", "0").split("-")[0]
+    return JobInfo(
+        job_id=job_id,
+        name=rec.get("JobName", ""),
+        state=state,
+        state_raw=raw,
+        reason=rec.get("Reason", ""),
+        nodes=tuple(expand(nodelist if nodelist != "(null)" else "")),
+        num_nodes=_int(num_nodes),
+        batch=rec.get("BatchFlag", "0") == "1",
+        restarts=_int(rec.get("Restarts")),
+        user=rec.get("UserId", "").split("(")[0],
+    )
+
+
+def _load_json(text: str, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SlurmParseError(f"{what} printed invalid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise SlurmParseError(f"{what} JSON is not an object")
+    errors = doc.get("errors")
+    if errors:
+        raise SlurmParseError(f"{what} reported errors: {errors!r}")
+    return doc

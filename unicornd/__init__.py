@@ -1,0 +1,1 @@
+"""The coordinator (``unicornd``) and the operator CLI (``unicornctl``). Head node only."""
