@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -35,6 +36,15 @@ async def test_no_check_returns_nonzero() -> None:
     assert out.exit_code == 4
 
 
+def alive(pid: int) -> bool:
+    """Running and not a zombie (PID 1 here may not reap orphans)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 async def test_timeout_kills_the_whole_group(tmp_path: Path) -> None:
     pidfile = tmp_path / "grandchild.pid"
     script = f"sleep 60 & echo $! > {pidfile}; echo started; wait"
@@ -47,13 +57,9 @@ async def test_timeout_kills_the_whole_group(tmp_path: Path) -> None:
     grandchild = int(pidfile.read_text())
     deadline = time.monotonic() + 3
     while time.monotonic() < deadline:
-        try:
-            stat = Path(f"/proc/{grandchild}/stat").read_text()
-        except FileNotFoundError:
+        if not alive(grandchild):
             break
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            break
-        time.sleep(0.02)
+        await asyncio.sleep(0.02)
     else:
         os.kill(grandchild, 9)
         pytest.fail("grandchild survived the timeout")

@@ -270,9 +270,14 @@ class CliSlurm:
     async def cancel(self, job_id: int, *, signal: str | None = None) -> None:
         check_job_id(job_id)
         args = [f"--signal={signal}"] if signal else []
-        try:
-            await self._run("scancel", *args, str(job_id))
-        except CommandFailed as e:
-            if "Invalid job id" in e.stderr:
-                raise UnknownJob(job_id) from e
-            raise
+        out = await proc.run(
+            self._argv("scancel", "--verbose", *args, str(job_id)),
+            timeout_s=self.timeout_s,
+            env=self.env,
+            check=False,
+        )
+        # scancel exits 0 for an unknown job id (Slurm 22.05); only --verbose says so on stderr.
+        if "Invalid job id" in out.stderr:
+            raise UnknownJob(job_id)
+        if out.exit_code != 0:
+            raise CommandFailed(out.command, out.exit_code, out.stdout, out.stderr)

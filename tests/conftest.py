@@ -1,0 +1,84 @@
+"""Shared fixtures. System tests get a private dev cluster (own state folder and ports).
+
+The cluster is started once per session by ``scripts/dev-cluster`` itself, so the tests
+exercise the same script developers and the demo use, and it coexists with a
+developer's own cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DEV_CLUSTER = REPO / "scripts" / "dev-cluster"
+
+
+@dataclass(frozen=True)
+class DevCluster:
+    state_dir: Path
+    env: dict[str, str]  # SLURM_CONF, UNICORN_REDIS__URL, UNICORN_DEV_CLUSTER_DIR
+
+    @property
+    def slurm_conf(self) -> str:
+        return self.env["SLURM_CONF"]
+
+    @property
+    def redis_url(self) -> str:
+        return self.env["UNICORN_REDIS__URL"]
+
+    def script(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(DEV_CLUSTER), "--state-dir", str(self.state_dir), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=check,
+        )
+
+    def slurm(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            list(argv),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=check,
+            env={**os.environ, **self.env},
+        )
+
+
+def start_cluster(state_dir: Path, *args: str) -> DevCluster:
+    up = subprocess.run(
+        [str(DEV_CLUSTER), "--state-dir", str(state_dir), "up", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    if up.returncode != 0:
+        raise RuntimeError(f"dev-cluster up failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
+    out = subprocess.run(
+        [str(DEV_CLUSTER), "--state-dir", str(state_dir), "env"], capture_output=True, text=True, check=True
+    ).stdout
+    env: dict[str, str] = {}
+    for line in out.splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        env[key] = shlex.split(value)[0]
+    return DevCluster(state_dir, env)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
+    state_dir = tmp_path_factory.mktemp("cluster")
+    state_dir.parent.chmod(0o755)
+    c = start_cluster(state_dir, "--nodes", "4", "--gpus-per-node", "4")
+    try:
+        yield c
+    finally:
+        c.script("down", check=False)

@@ -1,0 +1,49 @@
+"""scripts/dev-cluster itself: coexistence, exact stop, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DevCluster, start_cluster
+
+pytestmark = pytest.mark.system
+
+
+def status(c: DevCluster) -> dict[str, object]:
+    result: dict[str, object] = json.loads(c.script("status", "--json", check=False).stdout)
+    return result
+
+
+def test_two_clusters_coexist_and_down_stops_only_its_own(cluster: DevCluster, tmp_path: Path) -> None:
+    second = start_cluster(tmp_path / "second", "--nodes", "2", "--gpus-per-node", "0")
+    try:
+        assert second.slurm_conf != cluster.slurm_conf and second.redis_url != cluster.redis_url
+        s2 = status(second)
+        assert s2["nodes"] == {"n1": "idle", "n2": "idle"} and s2["redis_ok"] is True
+        out = second.slurm("srun", "-N2", "sh", "-c", "echo $SLURMD_NODENAME").stdout.split()
+        assert sorted(out) == ["n1", "n2"]
+        again = second.script("up", check=False)
+        assert again.returncode == 1 and "already running" in again.stderr
+    finally:
+        second.script("down")
+    s2 = status(second)
+    daemons = s2["daemons"]
+    assert isinstance(daemons, dict) and not any(d["alive"] for d in daemons.values())
+    s1 = status(cluster)
+    d1 = s1["daemons"]
+    assert isinstance(d1, dict) and all(d["alive"] for d in d1.values()) and s1["redis_ok"] is True
+
+
+def test_bad_input_is_rejected(cluster: DevCluster, tmp_path: Path) -> None:
+    r = cluster.script("kill-node", "n99", check=False)
+    assert r.returncode == 1 and "unknown node 'n99'" in r.stderr
+    r = cluster.script("revive-node", "n1", check=False)
+    assert r.returncode == 1 and "is running" in r.stderr
+    empty = DevCluster(tmp_path / "none", {})
+    r = empty.script("status", check=False)
+    assert r.returncode == 1 and "no cluster" in r.stderr
+    r = empty.script("up", "--nodes", "0", check=False)
+    assert r.returncode == 1 and "--nodes" in r.stderr

@@ -1,0 +1,162 @@
+"""The Slurm adapter against the real local cluster (munged, slurmctld, 4 slurmd)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from tests.conftest import DevCluster
+from unicorn_core.errors import InvalidArgument, UnknownJob, UnknownNode
+from unicorn_core.slurm import CliSlurm, JobState, ResizeUnsupported
+
+pytestmark = pytest.mark.system
+
+SLEEP_JOB = "#!/bin/bash\nsleep 600\n"
+
+
+@pytest.fixture
+def slurm(cluster: DevCluster) -> CliSlurm:
+    return CliSlurm(timeout_s=20, slurm_conf=cluster.slurm_conf)
+
+
+async def eventually(pred: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await pred():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def running_job(slurm: CliSlurm, nodes: int) -> int:
+    job_id = await slurm.submit_batch(SLEEP_JOB, ["--nodes", str(nodes), "--no-kill", "--job-name", "t"])
+
+    async def is_running() -> bool:
+        return (await slurm.get_job(job_id)).state is JobState.RUNNING
+
+    await eventually(is_running, 30, f"job {job_id} RUNNING")
+    return job_id
+
+
+async def test_nodes_listed(slurm: CliSlurm) -> None:
+    nodes = await slurm.list_nodes()
+    assert [n.name for n in nodes] == ["n1", "n2", "n3", "n4"]
+    assert all(n.gpus == 4 and n.cpus == 8 and n.responding for n in nodes)
+    assert (await slurm.version()).startswith("22.05") or (await slurm.version())[:2].isdigit()
+
+
+async def test_drain_reason_visible_in_sinfo_then_resume(slurm: CliSlurm, cluster: DevCluster) -> None:
+    reason = "unicorn: ecc_error gpu=2 (test)"
+    await slurm.drain("n4", reason)
+    try:
+        out = cluster.slurm("sinfo", "-h", "-n", "n4", "-o", "%T|%E").stdout.strip()
+        assert out == f"drained|{reason}"
+        node = await slurm.get_node("n4")
+        assert node.drained and not node.usable and node.reason == reason
+    finally:
+        await slurm.resume("n4")
+
+    # slurmctld pings a resumed node and flags it NOT_RESPONDING until slurmd answers.
+    async def usable() -> bool:
+        return (await slurm.get_node("n4")).usable
+
+    await eventually(usable, 15, "n4 usable after resume")
+    assert not (await slurm.get_node("n4")).drained
+    assert cluster.slurm("sinfo", "-h", "-n", "n4", "-o", "%T").stdout.strip() == "idle"
+
+
+async def test_unknown_or_invalid_node_changes_nothing(slurm: CliSlurm) -> None:
+    before = await slurm.list_nodes()
+    with pytest.raises(UnknownNode) as ei:
+        await slurm.drain("n99", "test")
+    assert "n99" in str(ei.value) and "n1" in str(ei.value)
+    with pytest.raises(UnknownNode):
+        await slurm.get_node("n99")
+    with pytest.raises(InvalidArgument):
+        await slurm.drain("n1 n2", "test")
+    with pytest.raises(InvalidArgument):
+        await slurm.drain("n1", "two\nlines")
+    with pytest.raises(InvalidArgument):
+        await slurm.drain("n1", "")
+    assert await slurm.list_nodes() == before
+
+
+async def test_unknown_job(slurm: CliSlurm) -> None:
+    with pytest.raises(UnknownJob):
+        await slurm.get_job(987654)
+    with pytest.raises(UnknownJob):
+        await slurm.cancel(987654)
+    with pytest.raises(InvalidArgument):
+        await slurm.get_job(0)
+
+
+async def test_batch_job_step_on_chosen_node_then_shrink(slurm: CliSlurm) -> None:
+    job_id = await running_job(slurm, 2)
+    try:
+        job = await slurm.get_job(job_id)
+        assert job.batch and len(job.nodes) == 2
+        assert job_id in {j.job_id for j in await slurm.list_jobs()}
+        target = job.nodes[1]
+        step = await slurm.launch_step(job_id, [target], ["sh", "-c", "echo $SLURMD_NODENAME $SLURM_JOB_ID"])
+        assert step.process.stdout is not None
+        out = (await asyncio.wait_for(step.process.stdout.read(), 30)).decode().split()
+        assert await step.wait() == 0
+        assert out == [target, str(job_id)]
+
+        with pytest.raises(InvalidArgument):
+            await slurm.launch_step(job_id, ["n1", "n2", "n3", "n4"][:0] or ["n9"], ["true"])
+        await slurm.shrink(job_id, [job.nodes[0]])
+        shrunk = await slurm.get_job(job_id)
+        assert shrunk.nodes == (job.nodes[0],) and shrunk.state is JobState.RUNNING
+    finally:
+        await slurm.cancel(job_id)
+
+
+async def test_long_running_step_is_stopped_as_a_group(slurm: CliSlurm) -> None:
+    job_id = await running_job(slurm, 1)
+    try:
+        node = (await slurm.get_job(job_id)).nodes[0]
+        step = await slurm.launch_step(job_id, [node], ["sleep", "300"], capture=False)
+        await asyncio.sleep(0.5)
+        assert step.process.returncode is None
+        code = await step.stop(grace_s=5)
+        assert code != 0 and step.process.returncode is not None
+    finally:
+        await slurm.cancel(job_id)
+
+
+async def test_grow_by_expansion_then_second_resize_refused(slurm: CliSlurm) -> None:
+    job_id = await running_job(slurm, 1)
+    try:
+        before = (await slurm.get_job(job_id)).nodes
+        grown = await slurm.grow(job_id, 1)
+        after = await slurm.get_job(job_id)
+        assert grown.method == "expand" and len(grown.nodes_added) == 1
+        assert set(after.nodes) == set(before) | set(grown.nodes_added) and after.state is JobState.RUNNING
+        # Without slurmdbd Slurm allows one resize per job run (measured; see the notes).
+        with pytest.raises(ResizeUnsupported):
+            await slurm.shrink(job_id, [after.nodes[0]])
+    finally:
+        await slurm.cancel(job_id)
+
+
+async def test_kill_node_makes_it_unavailable(slurm: CliSlurm, cluster: DevCluster) -> None:
+    cluster.script("kill-node", "n3")
+    try:
+
+        async def reported_unavailable() -> bool:
+            return not (await slurm.get_node("n3")).usable
+
+        await eventually(reported_unavailable, 40, "n3 reported unavailable")
+        node = await slurm.get_node("n3")
+        assert not node.responding or node.state.value == "DOWN"
+        assert all(n.usable for n in await slurm.list_nodes() if n.name != "n3")
+    finally:
+        cluster.script("revive-node", "n3")
+
+    async def usable_again() -> bool:
+        return (await slurm.get_node("n3")).usable
+
+    await eventually(usable_again, 40, "n3 usable after revive")

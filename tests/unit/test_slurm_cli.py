@@ -1,0 +1,73 @@
+"""The CLI backend's error paths, with stand-in Slurm tools in a private bin_dir."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import pytest
+
+from unicorn_core.errors import CommandFailed, CommandNotFound, CommandTimeout, InvalidArgument
+from unicorn_core.slurm.cli import CliSlurm, client_env
+from unicorn_core.slurm.parse import SlurmParseError
+
+
+def tool(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+async def test_hung_slurm_command_times_out(tmp_path: Path) -> None:
+    tool(tmp_path, "sinfo", "echo '{\"nodes\": ['; sleep 30")
+    slurm = CliSlurm(timeout_s=0.3, bin_dir=tmp_path)
+    with pytest.raises(CommandTimeout) as ei:
+        await slurm.list_nodes()
+    assert ei.value.command == (str(tmp_path / "sinfo"), "--json")
+    assert ei.value.stdout.startswith('{"nodes"') and ei.value.temporary
+
+
+async def test_failing_command_is_typed(tmp_path: Path) -> None:
+    tool(tmp_path, "scontrol", "echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1")
+    with pytest.raises(CommandFailed) as ei:
+        await CliSlurm(timeout_s=5, bin_dir=tmp_path).get_job(5)
+    assert ei.value.exit_code == 1 and "Unable to contact" in ei.value.stderr
+
+
+async def test_garbage_output_is_a_parse_error(tmp_path: Path) -> None:
+    tool(tmp_path, "squeue", "echo 'this is not json'")
+    with pytest.raises(SlurmParseError):
+        await CliSlurm(timeout_s=5, bin_dir=tmp_path).list_jobs()
+
+
+async def test_missing_tools(tmp_path: Path) -> None:
+    with pytest.raises(CommandNotFound):
+        await CliSlurm(timeout_s=5, bin_dir=tmp_path).list_nodes()
+
+
+async def test_invalid_arguments_run_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    for name in ("scontrol", "sbatch", "srun", "scancel"):
+        tool(tmp_path, name, f"touch {marker}")
+    slurm = CliSlurm(timeout_s=5, bin_dir=tmp_path)
+    with pytest.raises(InvalidArgument):
+        await slurm.drain("bad name", "x")
+    with pytest.raises(InvalidArgument):
+        await slurm.drain("n1", "")
+    with pytest.raises(InvalidArgument):
+        await slurm.submit_batch("sleep 1")  # no shebang
+    with pytest.raises(InvalidArgument):
+        await slurm.launch_step(1, [], ["true"])
+    with pytest.raises(InvalidArgument):
+        await slurm.cancel(-3)
+    with pytest.raises(InvalidArgument):
+        CliSlurm(timeout_s=0)
+    assert not marker.exists()
+
+
+def test_client_env_strips_slurm_job_variables() -> None:
+    env = client_env(
+        {"PATH": "/bin", "SLURM_JOB_ID": "5", "SBATCH_PARTITION": "x", "SLURM_CONF": "/a", "HOME": "/root"},
+        slurm_conf="/b",
+    )
+    assert env == {"PATH": "/bin", "SLURM_CONF": "/b", "HOME": "/root"}

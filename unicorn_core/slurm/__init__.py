@@ -1,0 +1,35 @@
+"""The Slurm adapter: one asynchronous choke point for every Slurm operation.
+
+``await make_backend(cfg)`` returns the backend to use: the CLI backend (works with every
+Slurm >= 22.05) unless pyslurm imports *and* was built for the cluster's Slurm version
+(see :mod:`unicorn_core.slurm.select` and :mod:`unicorn_core.slurm.pyslurm_backend`).
+"""
+
+from __future__ import annotations
+
+from unicorn_core.config import SlurmConfig
+from unicorn_core.slurm.backend import ResizeUnsupported, SlurmBackend, StepHandle
+from unicorn_core.slurm.cli import CliSlurm
+from unicorn_core.slurm.pyslurm_backend import PyslurmBackend
+from unicorn_core.slurm.select import make_backend
+from unicorn_core.slurm.types import GrowResult, JobInfo, JobState, NodeInfo, NodeState
+
+__all__ = [
+    "CliSlurm",
+    "GrowResult",
+    "JobInfo",
+    "JobState",
+    "NodeInfo",
+    "NodeState",
+    "PyslurmBackend",
+    "ResizeUnsupported",
+    "SlurmBackend",
+    "StepHandle",
+    "make_backend",
+    "make_cli_backend",
+]
+
+
+def make_cli_backend(cfg: SlurmConfig) -> CliSlurm:
+    """The CLI backend configured from ``[slurm]`` (timeout, bin_dir, conf)."""
+    return CliSlurm(timeout_s=cfg.command_timeout_s, bin_dir=cfg.bin_dir or None, slurm_conf=cfg.conf or None)

@@ -1,0 +1,155 @@
+"""``unicornctl``: the operator's view of the cluster unicorn manages.
+
+Read-only commands talk to Slurm and Redis directly; mutating commands (drain, resume)
+will go through unicornd so plans follow (see README: not built yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from plan.cli import plan as plan_group
+from unicorn_core import redis_io
+from unicorn_core.config import Config, describe, load_config
+from unicorn_core.errors import ConfigError, UnicornError
+from unicorn_core.logs import configure_logging
+from unicorn_core.slurm import JobInfo, NodeInfo, make_cli_backend
+from unicorn_core.slurm.hostlist import compress
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterStatus:
+    nodes: list[NodeInfo]
+    jobs: list[JobInfo]
+    redis_ok: bool
+    redis_error: str
+
+
+async def gather_status(cfg: Config) -> ClusterStatus:
+    slurm = make_cli_backend(cfg.slurm)
+    client = redis_io.connect(cfg.redis, client_name="unicornctl")
+    try:
+        nodes, jobs = await asyncio.gather(slurm.list_nodes(), slurm.list_jobs())
+        try:
+            await redis_io.call(("PING",), client.ping())
+            redis_ok, redis_error = True, ""
+        except UnicornError as e:
+            redis_ok, redis_error = False, str(e)
+    finally:
+        await client.aclose()
+    return ClusterStatus(nodes, jobs, redis_ok, redis_error)
+
+
+def _node_json(n: NodeInfo) -> dict[str, Any]:
+    return {
+        "name": n.name,
+        "state": n.state.value,
+        "flags": sorted(n.flags),
+        "reason": n.reason,
+        "usable": n.usable,
+        "gpus": n.gpus,
+        "gpus_used": n.gpus_used,
+        "cpus": n.cpus,
+    }
+
+
+def _job_json(j: JobInfo) -> dict[str, Any]:
+    return {
+        "job_id": j.job_id,
+        "name": j.name,
+        "state": j.state.value,
+        "nodes": list(j.nodes),
+        "reason": j.reason,
+        "user": j.user,
+    }
+
+
+@click.group()
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="unicorn.toml (default: $UNICORN_CONFIG, else built-in defaults).",
+)
+@click.pass_context
+def cli(ctx: click.Context, config_path: Path | None) -> None:
+    """Operate unicorn: self-healing LLM training on Slurm."""
+    ctx.ensure_object(dict)
+    ctx.obj["config_path"] = config_path
+
+
+def _config(ctx: click.Context) -> Config:
+    try:
+        cfg = load_config(ctx.obj.get("config_path"))
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    configure_logging(
+        cfg.log.level, "console" if cfg.log.format == "auto" else cfg.log.format, stream=sys.stderr
+    )
+    return cfg
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Nodes (state, reason, GPUs), jobs, and whether Redis answers.
+
+    Exits 1 when Slurm or Redis cannot be reached.
+    """
+    cfg = _config(ctx)
+    try:
+        st = asyncio.run(gather_status(cfg))
+    except UnicornError as e:
+        raise click.ClickException(f"cannot read cluster state: {e}") from None
+    if as_json:
+        doc = {
+            "nodes": [_node_json(n) for n in st.nodes],
+            "jobs": [_job_json(j) for j in st.jobs],
+            "redis": {"ok": st.redis_ok, "error": st.redis_error},
+        }
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        usable = sum(n.usable for n in st.nodes)
+        gpus = sum(n.gpus for n in st.nodes if n.usable)
+        click.echo(f"nodes: {len(st.nodes)} ({usable} usable, {gpus} GPUs usable)")
+        for n in st.nodes:
+            flags = "+".join(sorted(n.flags))
+            state = n.state.value.lower() + (f"+{flags.lower()}" if flags else "")
+            reason = f"  reason: {n.reason}" if n.reason else ""
+            click.echo(f"  {n.name:<10} {state:<22} gpus {n.gpus_used}/{n.gpus}{reason}")
+        active = [j for j in st.jobs if not j.state.finished]
+        click.echo(f"jobs: {len(active)} active")
+        for j in active:
+            click.echo(f"  {j.job_id:<8} {j.state.value:<10} {j.name:<20} {compress(j.nodes) or j.reason}")
+        click.echo(f"redis: {'ok' if st.redis_ok else 'UNREACHABLE: ' + st.redis_error}")
+    if not st.redis_ok:
+        sys.exit(1)
+
+
+@cli.command("config")
+@click.option("--describe", "show_docs", is_flag=True, help="Every setting with its env var and meaning.")
+@click.pass_context
+def config_cmd(ctx: click.Context, show_docs: bool) -> None:
+    """Print the effective configuration (after file and UNICORN_* overrides)."""
+    if show_docs:
+        for s in describe():
+            click.echo(f"{s.key} = {s.default!r}   [{s.env_var}; {s.expected}]\n    {s.doc}")
+        return
+    cfg = _config(ctx)
+    click.echo(json.dumps(dataclasses.asdict(cfg), indent=2))
+
+
+cli.add_command(plan_group)
+
+
+def main() -> None:
+    cli(prog_name="unicornctl")

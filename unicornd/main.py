@@ -1,0 +1,59 @@
+"""``unicornd``: the coordinator daemon's entry point.
+
+The recovery loop (issue "unicornd: the coordinator's recovery loop") is not built yet.
+What exists: ``unicornd --check`` validates the configuration and that Slurm and Redis
+answer, exiting non-zero otherwise, so deployments can be verified today.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import click
+
+from unicorn_core import redis_io
+from unicorn_core.config import Config, load_config
+from unicorn_core.errors import ConfigError, UnicornError
+from unicorn_core.logs import configure_logging, get_logger
+from unicorn_core.slurm import make_cli_backend
+
+
+async def check(cfg: Config) -> None:
+    log = get_logger("unicornd")
+    slurm = make_cli_backend(cfg.slurm)
+    version = await slurm.version()
+    nodes = await slurm.list_nodes()
+    client = redis_io.connect(cfg.redis, client_name="unicornd-check")
+    try:
+        await redis_io.call(("PING",), client.ping())
+    finally:
+        await client.aclose()
+    log.info("check passed", slurm_version=version, nodes=len(nodes), redis=cfg.redis.url.split("@")[-1])
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--check", "check_only", is_flag=True, help="Validate config, Slurm and Redis; then exit.")
+def cli(config_path: Path | None, check_only: bool) -> None:
+    """The unicorn coordinator (runs beside slurmctld)."""
+    try:
+        cfg = load_config(config_path)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    configure_logging(cfg.log.level, cfg.log.format)
+    if not check_only:
+        click.echo(
+            "unicornd: the coordinator loop is not implemented yet; only --check is available", err=True
+        )
+        sys.exit(2)
+    try:
+        asyncio.run(check(cfg))
+    except UnicornError as e:
+        get_logger("unicornd").error("check failed", error=str(e))
+        sys.exit(1)
+
+
+def main() -> None:
+    cli(prog_name="unicornd")
