@@ -333,19 +333,20 @@ def load_config(path: Path | None = None, env: Mapping[str, str] | None = None) 
     return settings_from(Config, data, environ, source=str(path) if path is not None else "")
 
 
-def read_toml(path: Path) -> dict[str, Any]:
-    """Parse one TOML file; ``ConfigError`` naming the file when it is missing or invalid."""
+def read_toml(path: Path, what: str = "config file") -> dict[str, Any]:
+    """Parse one TOML file; ``ConfigError`` naming ``what`` and the file when it is missing or invalid."""
+    where = f"{what} {str(path)!r}"
     try:
         with path.open("rb") as stream:
             return tomllib.load(stream)
     except FileNotFoundError as exc:
-        raise ConfigError(f"config file {str(path)!r}: not found") from exc
+        raise ConfigError(f"{where}: not found") from exc
     except OSError as exc:
-        raise ConfigError(f"config file {str(path)!r}: cannot read: {exc.strerror or exc}") from exc
+        raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from exc
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {str(path)!r}: invalid TOML: {exc}") from exc
+        raise ConfigError(f"{where}: invalid TOML: {exc}") from exc
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {str(path)!r}: not UTF-8 text: {exc}") from exc
+        raise ConfigError(f"{where}: not UTF-8 text: {exc}") from exc
 
 
 def settings_from(

@@ -22,11 +22,11 @@ A task *list* file holds several tasks as ``[[task]]`` tables with the same keys
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from unicorn_core.config import read_toml
 from unicorn_core.errors import ConfigError, InvalidArgument
 from unicorn_core.model import ModelSpec
 
@@ -123,26 +123,16 @@ def _parse_task(raw: Mapping[str, object], path: Path, prefix: str) -> TaskSpec:
     return TaskSpec(name=name, model=model, weight=weight, min_gpus=min_gpus, max_gpus=max_gpus)
 
 
-def _read_toml(path: Path) -> dict[str, object]:
-    try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read task file: {exc.strerror or exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
-
-
 def load_task_file(path: str | Path) -> TaskSpec:
     """Parse a single-task file. Raises :class:`ConfigError` naming the bad field."""
     path = Path(path)
-    return _parse_task(_read_toml(path), path, "")
+    return _parse_task(read_toml(path, "task file"), path, "")
 
 
 def load_tasks(path: str | Path) -> tuple[TaskSpec, ...]:
     """Parse a single-task file or a task list (``[[task]]`` tables); names must be unique."""
     path = Path(path)
-    raw = _read_toml(path)
+    raw = read_toml(path, "task file")
     if "task" not in raw:
         return (_parse_task(raw, path, ""),)
     _check_keys(raw, ("task",), path, "top-level (task list)")

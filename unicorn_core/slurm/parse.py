@@ -131,11 +131,7 @@ def node_from_sinfo_json(d: Mapping[str, Any]) -> NodeInfo:
 
 
 def nodes_from_sinfo_json(text: str) -> list[NodeInfo]:
-    doc = _load_json(text, "sinfo")
-    nodes = doc.get("nodes")
-    if not isinstance(nodes, list):
-        raise SlurmParseError("sinfo --json output has no 'nodes' list")
-    return [node_from_sinfo_json(n) for n in nodes]
+    return [node_from_sinfo_json(n) for n in _records(text, "sinfo", "nodes")]
 
 
 def node_from_scontrol(rec: Mapping[str, str]) -> NodeInfo:
@@ -193,11 +189,7 @@ def job_from_squeue_json(d: Mapping[str, Any]) -> JobInfo:
 
 
 def jobs_from_squeue_json(text: str) -> list[JobInfo]:
-    doc = _load_json(text, "squeue")
-    jobs = doc.get("jobs")
-    if not isinstance(jobs, list):
-        raise SlurmParseError("squeue --json output has no 'jobs' list")
-    return [job_from_squeue_json(j) for j in jobs]
+    return [job_from_squeue_json(j) for j in _records(text, "squeue", "jobs")]
 
 
 def job_from_scontrol(rec: Mapping[str, str]) -> JobInfo:
@@ -222,6 +214,14 @@ def job_from_scontrol(rec: Mapping[str, str]) -> JobInfo:
         restarts=_int(rec.get("Restarts")),
         user=rec.get("UserId", "").split("(")[0],
     )
+
+
+def _records(text: str, what: str, key: str) -> list[Mapping[str, Any]]:
+    """The list of record objects under ``key`` in ``<what> --json`` output."""
+    records = _load_json(text, what).get(key)
+    if not isinstance(records, list) or not all(isinstance(r, Mapping) for r in records):
+        raise SlurmParseError(f"{what} --json output has no '{key}' list of objects")
+    return records
 
 
 def _load_json(text: str, what: str) -> dict[str, Any]:
