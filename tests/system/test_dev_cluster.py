@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,20 @@ import pytest
 from tests.conftest import DevCluster, start_cluster
 
 pytestmark = pytest.mark.system
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie (PID 1 on these machines may not reap orphans)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def status(c: DevCluster) -> dict[str, object]:
@@ -27,11 +42,14 @@ def test_two_clusters_coexist_and_down_stops_only_its_own(cluster: DevCluster, t
         assert sorted(out) == ["n1", "n2"]
         again = second.script("up", check=False)
         assert again.returncode == 1 and "already running" in again.stderr
+        started = status(second)["daemons"]
+        assert isinstance(started, dict)
+        pids = [d["pid"] for d in started.values()]
+        redis_port = int(second.redis_url.rsplit(":", 1)[1].split("/")[0])
     finally:
         second.script("down")
-    s2 = status(second)
-    daemons = s2["daemons"]
-    assert isinstance(daemons, dict) and not any(d["alive"] for d in daemons.values())
+    assert len(pids) == 5 and not [p for p in pids if alive(p)], "down left processes running"
+    assert not port_open(redis_port)
     s1 = status(cluster)
     d1 = s1["daemons"]
     assert isinstance(d1, dict) and all(d["alive"] for d in d1.values()) and s1["redis_ok"] is True
