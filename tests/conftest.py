@@ -20,6 +20,15 @@ REPO = Path(__file__).resolve().parent.parent
 DEV_CLUSTER = REPO / "scripts" / "dev-cluster"
 
 
+def pid_alive(pid: int) -> bool:
+    """Running and not a zombie (PID 1 on these machines may not reap orphans)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 @dataclass(frozen=True)
 class DevCluster:
     state_dir: Path

@@ -8,18 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DevCluster, start_cluster
+from tests.conftest import DevCluster, pid_alive, start_cluster
 
 pytestmark = pytest.mark.system
-
-
-def alive(pid: int) -> bool:
-    """Running and not a zombie (PID 1 on these machines may not reap orphans)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def port_open(port: int) -> bool:
@@ -48,7 +39,7 @@ def test_two_clusters_coexist_and_down_stops_only_its_own(cluster: DevCluster, t
         redis_port = int(second.redis_url.rsplit(":", 1)[1].split("/")[0])
     finally:
         second.script("down")
-    assert len(pids) == 5 and not [p for p in pids if alive(p)], "down left processes running"
+    assert len(pids) == 5 and not [p for p in pids if pid_alive(p)], "down left processes running"
     assert not port_open(redis_port)
     s1 = status(cluster)
     d1 = s1["daemons"]

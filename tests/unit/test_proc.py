@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import pid_alive
 from unicorn_core import proc
 from unicorn_core.errors import CommandFailed, CommandNotFound, CommandTimeout
 
@@ -36,15 +37,6 @@ async def test_no_check_returns_nonzero() -> None:
     assert out.exit_code == 4
 
 
-def alive(pid: int) -> bool:
-    """Running and not a zombie (PID 1 here may not reap orphans)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 async def test_timeout_kills_the_whole_group(tmp_path: Path) -> None:
     pidfile = tmp_path / "grandchild.pid"
     script = f"sleep 60 & echo $! > {pidfile}; echo started; wait"
@@ -57,7 +49,7 @@ async def test_timeout_kills_the_whole_group(tmp_path: Path) -> None:
     grandchild = int(pidfile.read_text())
     deadline = time.monotonic() + 3
     while time.monotonic() < deadline:
-        if not alive(grandchild):
+        if not pid_alive(grandchild):
             break
         await asyncio.sleep(0.02)
     else:
