@@ -20,7 +20,7 @@ from unicorn_core import redis_io
 from unicorn_core.config import Config, describe, load_config
 from unicorn_core.errors import ConfigError, UnicornError
 from unicorn_core.logs import configure_logging
-from unicorn_core.slurm import JobInfo, NodeInfo, make_cli_backend
+from unicorn_core.slurm import JobInfo, NodeInfo, make_backend
 from unicorn_core.slurm.hostlist import compress
 
 
@@ -33,7 +33,7 @@ class ClusterStatus:
 
 
 async def gather_status(cfg: Config) -> ClusterStatus:
-    slurm = make_cli_backend(cfg.slurm)
+    slurm = await make_backend(cfg.slurm)
     client = redis_io.connect(cfg.redis, client_name="unicornctl")
     try:
         nodes, jobs = await asyncio.gather(slurm.list_nodes(), slurm.list_jobs())

@@ -17,12 +17,12 @@ from unicorn_core import redis_io
 from unicorn_core.config import Config, load_config
 from unicorn_core.errors import ConfigError, UnicornError
 from unicorn_core.logs import configure_logging, get_logger
-from unicorn_core.slurm import make_cli_backend
+from unicorn_core.slurm import make_backend
 
 
 async def check(cfg: Config) -> None:
     log = get_logger("unicornd")
-    slurm = make_cli_backend(cfg.slurm)
+    slurm = await make_backend(cfg.slurm)
     version = await slurm.version()
     nodes = await slurm.list_nodes()
     client = redis_io.connect(cfg.redis, client_name="unicornd-check")

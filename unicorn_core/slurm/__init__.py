@@ -7,7 +7,6 @@ Slurm >= 22.05) unless pyslurm imports *and* was built for the cluster's Slurm v
 
 from __future__ import annotations
 
-from unicorn_core.config import SlurmConfig
 from unicorn_core.slurm.backend import ResizeUnsupported, SlurmBackend, StepHandle
 from unicorn_core.slurm.cli import CliSlurm
 from unicorn_core.slurm.pyslurm_backend import PyslurmBackend
@@ -26,10 +25,4 @@ __all__ = [
     "SlurmBackend",
     "StepHandle",
     "make_backend",
-    "make_cli_backend",
 ]
-
-
-def make_cli_backend(cfg: SlurmConfig) -> CliSlurm:
-    """The CLI backend configured from ``[slurm]`` (timeout, bin_dir, conf)."""
-    return CliSlurm(timeout_s=cfg.command_timeout_s, bin_dir=cfg.bin_dir or None, slurm_conf=cfg.conf or None)

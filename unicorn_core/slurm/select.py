@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 from types import ModuleType
+from typing import TypedDict
 
 from unicorn_core.config import SlurmConfig
 from unicorn_core.errors import ConfigError, ExternalCallError
@@ -22,6 +23,14 @@ from unicorn_core.slurm.pyslurm_backend import PyslurmBackend, import_pyslurm, p
 
 _log = get_logger("unicorn_core.slurm")
 _MAJOR_MINOR = re.compile(r"(\d+)\.(\d+)")
+
+
+class _Settings(TypedDict):
+    """The ``[slurm]`` settings both backends take, read from the config in one place."""
+
+    timeout_s: float
+    bin_dir: str | None
+    slurm_conf: str | None
 
 
 def major_minor(version: str) -> tuple[int, int] | None:
@@ -37,7 +46,10 @@ async def make_backend(cfg: SlurmConfig, *, cluster_version: str | None = None) 
     pyslurm imports, it is asked with ``sinfo --version``. Raises ``ConfigError`` only for
     ``backend = "pyslurm"`` when pyslurm cannot be used.
     """
-    cli = CliSlurm(timeout_s=cfg.command_timeout_s, bin_dir=cfg.bin_dir or None, slurm_conf=cfg.conf or None)
+    settings = _Settings(
+        timeout_s=cfg.command_timeout_s, bin_dir=cfg.bin_dir or None, slurm_conf=cfg.conf or None
+    )
+    cli = CliSlurm(**settings)
     if cfg.backend == "cli":
         return cli
     module, why = await _usable_pyslurm(cfg, cli, cluster_version)
@@ -47,12 +59,7 @@ async def make_backend(cfg: SlurmConfig, *, cluster_version: str | None = None) 
         _log.info("slurm_backend_cli", reason=why)
         return cli
     _log.info("slurm_backend_pyslurm", reason=why)
-    return PyslurmBackend(
-        timeout_s=cfg.command_timeout_s,
-        bin_dir=cfg.bin_dir or None,
-        slurm_conf=cfg.conf or None,
-        module=module,
-    )
+    return PyslurmBackend(**settings, module=module)
 
 
 async def _usable_pyslurm(
