@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -22,7 +22,7 @@ from plan.baselines import Baseline, baseline_allocation
 from plan.hardware import gpu_spec
 from plan.lookup import build_one_step_table
 from plan.objective import gains
-from plan.planner import Cluster, Granularity, plan_cluster, task_curves, waf_of
+from plan.planner import Cluster, Granularity, TaskCurve, plan_cluster, task_curves, waf_of
 from plan.solver import brute_force, solve
 from unicorn_core.paths import etc_dir
 from unicorn_core.taskspec import load_task_file, load_tasks
@@ -38,6 +38,17 @@ def median_ms(fn: Callable[[], object], repeat: int) -> float:
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return round(statistics.median(times), 3)
+
+
+def lookup_figures(curves: Sequence[TaskCurve], cluster: Cluster, digits: int) -> tuple[float, float]:
+    """(ms to build the one-step table, ms to answer one node lost from a busy task)."""
+    base = plan_cluster(curves, cluster)
+    start = time.perf_counter()
+    table = build_one_step_table(curves, cluster, base)
+    build_ms = round((time.perf_counter() - start) * 1e3, digits)
+    victim = next(a.task for a in base.assignments if a.workers)
+    lookup_ms = median_ms(lambda: [table.after_node_lost(victim) for _ in range(1000)], 5) / 1000
+    return build_ms, round(lookup_ms, 6)
 
 
 def main() -> None:
@@ -73,22 +84,8 @@ def main() -> None:
     out["solve_ms_m100_n2048_dense_worst_case"] = median_ms(lambda: solve(dense, 2048), 3)
 
     # one-step look-up table
-    base6 = plan_cluster(curves6, small)
-    start = time.perf_counter()
-    table6 = build_one_step_table(curves6, small, base6)
-    out["lookup_build_ms_m6"] = round((time.perf_counter() - start) * 1e3, 2)
-    victim = next(a.task for a in base6.assignments if a.workers)
-    out["lookup_ms"] = round(
-        median_ms(lambda: [table6.after_node_lost(victim) for _ in range(1000)], 5) / 1000, 6
-    )
-    base100 = plan_cluster(curves100, big)
-    start = time.perf_counter()
-    table100 = build_one_step_table(curves100, big, base100)
-    out["lookup_build_ms_m100_n2048"] = round((time.perf_counter() - start) * 1e3, 1)
-    victim = next(a.task for a in base100.assignments if a.workers)
-    out["lookup_ms_m100"] = round(
-        median_ms(lambda: [table100.after_node_lost(victim) for _ in range(1000)], 5) / 1000, 6
-    )
+    out["lookup_build_ms_m6"], out["lookup_ms"] = lookup_figures(curves6, small, digits=2)
+    out["lookup_build_ms_m100_n2048"], out["lookup_ms_m100"] = lookup_figures(curves100, big, digits=1)
 
     # optimality on 200 random small instances (random F with infeasible holes, currents, faults)
     optimal = 0
