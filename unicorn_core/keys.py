@@ -21,8 +21,8 @@ Key                            Redis type   Written by            Read by
 ``actions_done()``             set          unicornd executor     unicornd executor
 =============================  ===========  ====================  ==========================
 
-``events()`` carries Heartbeat, ProcessExit, ExceptionReport, IterationTiming and
-GpuHealthEvent; ``agent_commands`` carries AgentCommand; ``command_results`` carries
+``events()`` carries Heartbeat, ProcessExit, ExceptionReport, IterationTiming,
+GpuHealthEvent and FaultReport; ``agent_commands`` carries AgentCommand; ``command_results`` carries
 CommandResult. ``task`` holds one task's record and ``tasks`` the ids of known tasks;
 ``node`` holds one node's health state; ``plan_current`` the plan being applied;
 ``actions_done`` the ids of executed actions, so a restarted executor never repeats one.

@@ -3,7 +3,7 @@
 Every message is defined here and nowhere else. On the wire a message is one msgpack
 map: the envelope fields (``type``, ``v``, ``job_id``, ``node``, ``wall_time_s``) plus
 the fields of its type, keyed by name. ``type`` is a short tag that never changes once
-released (``hb``, ``exit``, ``exc``, ``iter``, ``gpu``, ``cmd``, ``result``).
+released (``hb``, ``exit``, ``exc``, ``iter``, ``gpu``, ``fault``, ``cmd``, ``result``).
 
 Versioning (``v``, currently :data:`SCHEMA_VERSION`):
 
@@ -47,6 +47,18 @@ class GpuFaultKind(enum.StrEnum):
     REMAPPED_ROWS = "remapped_rows"
     TEMPERATURE = "temperature"
     DRIVER_ERROR = "driver_error"
+
+
+class IterationPhase(enum.StrEnum):
+    """What kind of step an :class:`IterationTiming` timed.
+
+    Only ``train`` steps feed the hang and slowdown statistics; checkpoint and
+    evaluation steps are legitimately slower and are excluded.
+    """
+
+    TRAIN = "train"
+    CHECKPOINT = "checkpoint"
+    EVAL = "eval"
 
 
 class AgentAction(enum.StrEnum):
@@ -157,12 +169,18 @@ class ExceptionReport(Envelope, frozen=True, kw_only=True, tag="exc"):
 
 
 class IterationTiming(Envelope, frozen=True, kw_only=True, tag="iter"):
-    """Agent -> coordinator: one rank finished ``iteration`` in ``duration_s`` seconds."""
+    """Agent -> coordinator: one rank finished ``iteration`` in ``duration_s`` seconds.
+
+    ``phase`` says whether the time includes a checkpoint save or an evaluation;
+    ``loss`` is the training loss the rank saw, when it knows it.
+    """
 
     rank: int
     iteration: int
     duration_s: float
     samples: int | None
+    phase: IterationPhase = IterationPhase.TRAIN
+    loss: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -189,6 +207,29 @@ class GpuHealthEvent(Envelope, frozen=True, kw_only=True, tag="gpu"):
         super().__post_init__()
         _check(self.gpu_index >= 0, f"gpu_index must be >= 0, got {self.gpu_index}")
         _check_finite(self.value, "value")
+
+
+class FaultReport(Envelope, frozen=True, kw_only=True, tag="fault"):
+    """Agent -> coordinator: evidence the agent classified itself.
+
+    Sent for what only the node sees: an error signature in a rank's stderr, or a local
+    hang (no iteration for longer than the learned threshold). ``status`` and
+    ``severity`` are the agent's classification (``detect`` status names, ``SEV1``..
+    ``SEV3``); the coordinator may re-classify from ``evidence``. ``rule`` names the
+    matching rule; ``rank`` is the rank the evidence points at (None when unknown).
+    """
+
+    status: str
+    severity: str
+    rule: str
+    rank: int | None
+    evidence: str
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.status != "", "status must be non-empty")
+        _check(self.severity in ("SEV1", "SEV2", "SEV3"), f"bad severity {self.severity!r}")
+        _check_optional_index(self.rank, "rank")
 
 
 class AgentCommand(Envelope, frozen=True, kw_only=True, tag="cmd"):
@@ -233,6 +274,7 @@ Message: TypeAlias = (
     | ExceptionReport
     | IterationTiming
     | GpuHealthEvent
+    | FaultReport
     | AgentCommand
     | CommandResult
 )
@@ -244,6 +286,7 @@ MESSAGE_TYPES: Final[tuple[type[Message], ...]] = (
     ExceptionReport,
     IterationTiming,
     GpuHealthEvent,
+    FaultReport,
     AgentCommand,
     CommandResult,
 )
