@@ -1,14 +1,566 @@
-"""``unicorn-agent``: the per-node agent (issue "Node agent and in-band error detection").
+"""``unicorn-agent``: one per node of a training job; supervises, watches and reports.
 
-Not built yet: the entry point exists so packaging and the layering are fixed; it exits
-with status 2 and says so rather than pretending to supervise anything.
+Launched by unicornd with ``srun --jobid=J -w NODE --overlap unicorn-agent ... -- CMD``
+(or by hand). It
+
+- writes a heartbeat every ``agent.heartbeat_interval_s`` (a TTL key and an ``hb``
+  event carrying pids and the last iteration);
+- starts the training command (torchrun or any command) in its own session and reports
+  every rank's exit the moment it happens (:mod:`launcher.supervisor`);
+- receives iteration timings and exceptions from the ranks over a Unix datagram socket
+  (:mod:`launcher.hook`), scans their output for error signatures, and watches GPUs
+  through NVML (:mod:`launcher.gpu`);
+- executes coordinator commands from its command stream (stop, restart ranks, relaunch
+  with a new command, checkpoint now) and reports a result for each.
+
+Everything it learns goes through one :class:`~launcher.outbox.Outbox`, so losing
+Redis never stops supervision, and buffered events are written when Redis returns.
+
+Contract with the training command: SIGTERM means "save at the end of this iteration
+and exit"; SIGUSR1 means "save a checkpoint now and keep training" (checkpoint_now).
+Exit status: 0 after a stop (command or SIGTERM); with ``--exit-with-training`` the
+training command's status (128+N for signal N); 2 for bad usage.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
 import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, cast
+
+import click
+import redis.asyncio as aioredis
+
+from detect import Classifier, IterationMonitor, load_classifier
+from launcher.gpu import FaultFile, GpuMonitor
+from launcher.hook import ENV_JOB_ID, ENV_NODE, ENV_SOCKET, MAX_DATAGRAM
+from launcher.outbox import Outbox
+from launcher.supervisor import ExitInfo, Supervisor, process_state
+from unicorn_core import protocol, redis_io
+from unicorn_core.config import Config, load_config
+from unicorn_core.errors import ConfigError, RedisCallError, UnicornError
+from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
+from unicorn_core.logs import configure_logging, get_logger
+from unicorn_core.protocol import (
+    AgentAction,
+    AgentCommand,
+    CommandResult,
+    ExceptionReport,
+    FaultReport,
+    GpuFaultKind,
+    GpuHealthEvent,
+    Heartbeat,
+    IterationPhase,
+    IterationTiming,
+    ProcessExit,
+    SafeDecoder,
+)
+
+log = get_logger(__name__)
+
+_RANK_PREFIX: Final = re.compile(r"^\[(?:rank|default)(\d+)\]:")
+_FAULT_DEDUP_S: Final = 5.0
+_STDERR_TAIL_CHARS: Final = 8192
+_SOCKET_PATH_MAX: Final = 100
+_DATAGRAMS_PER_WAKEUP: Final = 256
+_COMMAND_BLOCK_MS: Final = 500
+_HANG_CHECK_S: Final = 0.02
+
+
+@dataclass
+class AgentCounters:
+    hook_rejected: int = 0
+    hook_wrong_envelope: int = 0
+    commands_done: int = 0
+    commands_rejected: int = 0
+    faults_suppressed: int = 0
+
+
+class Agent:
+    """The agent of ``job_id`` on ``node``; :meth:`run` returns the process exit status."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        job_id: int,
+        node: str,
+        run_dir: Path,
+        argv: Sequence[str],
+        env: dict[str, str] | None = None,
+        classifier: Classifier | None = None,
+        inject_gpu_faults: Path | None = None,
+        exit_with_training: bool = False,
+        grace_s: float = 5.0,
+    ) -> None:
+        self.cfg = cfg
+        self.job_id = job_id
+        self.node = node
+        self.run_dir = run_dir
+        self.argv = list(argv)
+        self.base_env = dict(os.environ if env is None else env)
+        self.classifier = (
+            classifier if classifier is not None else load_classifier(cfg.detect.rules_file or None)
+        )
+        self.inject_gpu_faults = inject_gpu_faults
+        self.exit_with_training = exit_with_training
+        self.grace_s = grace_s
+        self.keys = RedisKeys(cfg.redis.key_prefix)
+        self.counters = AgentCounters()
+        self.iteration: int | None = None
+        self.supervisor: Supervisor | None = None
+        self._seq = 0
+        self._decoder = SafeDecoder()
+        self._cmd_decoder = SafeDecoder()
+        self._recent_faults: dict[tuple[str, int | None], float] = {}
+        self._stop = asyncio.Event()
+        self._exit_status = 0
+        self._client: aioredis.Redis | None = None
+        self._outbox: Outbox | None = None
+        self._sock: socket.socket | None = None
+        self._sock_path: Path | None = None
+        self._generation = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._done_commands: set[str] = set()
+        self.monitor = self._new_monitor()
+        self._hang_reported = False
+
+    # --- envelope helpers -------------------------------------------------------------
+
+    def _env(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "node": self.node, "wall_time_s": time.time()}
+
+    def _emit(self, msg: protocol.Message) -> None:
+        assert self._outbox is not None
+        self._outbox.put(msg)
+
+    # --- lifecycle --------------------------------------------------------------------
+
+    async def run(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        loop = self._loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        self._client = redis_io.connect(self.cfg.redis, client_name=f"agent-{self.job_id}-{self.node}")
+        self._outbox = Outbox(
+            self._client,
+            self.keys,
+            job_id=self.job_id,
+            node=self.node,
+            heartbeat_ttl_s=self.cfg.agent.heartbeat_ttl_s,
+        )
+        self._open_hook_socket()
+        gpus = GpuMonitor(self._gpu_event_threadsafe)
+        gpus.start()
+        faults = (
+            FaultFile(self.inject_gpu_faults, self._gpu_event_threadsafe) if self.inject_gpu_faults else None
+        )
+        if faults is not None:
+            faults.start()
+        tasks = [
+            asyncio.create_task(self._outbox.run(), name="outbox"),
+            asyncio.create_task(self._heartbeats(), name="heartbeats"),
+            asyncio.create_task(self._commands(), name="commands"),
+            asyncio.create_task(self._watch_hangs(), name="hangs"),
+        ]
+        log.info("agent_started", job_id=self.job_id, node=self.node, run_dir=str(self.run_dir))
+        try:
+            if self.argv:
+                await self._start_training(self.argv, {})
+            await self._stop.wait()
+        finally:
+            if self.supervisor is not None:
+                await self.supervisor.stop(self.grace_s)
+            self._heartbeat_now()
+            await self._outbox.flush(timeout_s=5.0)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._outbox.clear_heartbeat()
+            gpus.stop()
+            if faults is not None:
+                faults.stop()
+            self._close_hook_socket()
+            await self._client.aclose()
+            log.info(
+                "agent_stopped",
+                status=self._exit_status,
+                written=self._outbox.stats.written,
+                dropped=dict(self._outbox.stats.dropped),
+                hook_rejected=self.counters.hook_rejected,
+            )
+        return self._exit_status
+
+    # --- training processes -----------------------------------------------------------
+
+    async def _start_training(self, argv: Sequence[str], extra_env: dict[str, str]) -> None:
+        assert self._sock_path is not None
+        self._generation += 1
+        env = {
+            **self.base_env,
+            **extra_env,
+            ENV_SOCKET: str(self._sock_path),
+            ENV_JOB_ID: str(self.job_id),
+            ENV_NODE: self.node,
+            "PYTHONUNBUFFERED": "1",
+        }
+        generation = self._generation
+        self.monitor = self._new_monitor()
+        self._hang_reported = False
+        sup = Supervisor(
+            argv,
+            env,
+            self.run_dir / "train.log",
+            on_line=self._on_line,
+            on_exit=lambda info: self._on_exit(info, generation),
+            grace_s=self.grace_s,
+        )
+        self.supervisor = sup
+        await sup.start()
+        self.argv = list(argv)
+
+    def _on_exit(self, info: ExitInfo, generation: int) -> None:
+        sup = self.supervisor
+        tail = "\n".join(sup.pump.tail) if sup is not None and sup.pump is not None else ""
+        self._emit(
+            ProcessExit(
+                **self._env(),
+                rank=info.rank,
+                local_rank=info.local_rank,
+                pid=info.pid,
+                exit_code=info.exit_code,
+                signal=info.signal,
+                error_file_text=info.error_file_text,
+                stderr_tail=tail[-_STDERR_TAIL_CHARS:],
+            )
+        )
+        log.info(
+            "process_exit",
+            pid=info.pid,
+            rank=info.rank,
+            exit_code=info.exit_code,
+            signal=info.signal,
+            main=info.is_main,
+        )
+        ours = info.is_main and generation == self._generation and sup is not None and not sup.stopping
+        if ours and self.exit_with_training:
+            self._exit_status = info.exit_code if info.exit_code is not None else 128 + (info.signal or 0)
+            self._stop.set()
+
+    def _on_line(self, line: str) -> None:
+        result = self.classifier.classify_line(line)
+        if result.severity is None:
+            return
+        m = _RANK_PREFIX.match(line)
+        rank = int(m.group(1)) if m else None
+        key = (result.rule, rank)
+        now = time.monotonic()
+        last = self._recent_faults.get(key)
+        if last is not None and now - last < _FAULT_DEDUP_S:
+            self.counters.faults_suppressed += 1
+            return
+        self._recent_faults[key] = now
+        self._emit(
+            FaultReport(
+                **self._env(),
+                status=str(result.status),
+                severity=str(result.severity),
+                rule=result.rule,
+                rank=rank,
+                evidence=line[:2048],
+            )
+        )
+
+    # --- heartbeats -------------------------------------------------------------------
+
+    def _heartbeat_now(self) -> None:
+        pids = self.supervisor.pids if self.supervisor is not None else []
+        self._emit(
+            Heartbeat(
+                **self._env(), agent_pid=os.getpid(), pids=pids, iteration=self.iteration, seq=self._seq
+            )
+        )
+        self._seq += 1
+
+    async def _heartbeats(self) -> None:
+        interval = self.cfg.agent.heartbeat_interval_s
+        next_at = time.monotonic()
+        while True:
+            self._heartbeat_now()
+            next_at += interval
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+    # --- hook socket ------------------------------------------------------------------
+
+    def _open_hook_socket(self) -> None:
+        path = self.run_dir / "hook.sock"
+        if len(str(path)) > _SOCKET_PATH_MAX:
+            path = Path(f"/tmp/unicorn-hook-{os.getpid()}.sock")  # noqa: S108 - sun_path is short
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        sock.bind(str(path))
+        sock.setblocking(False)
+        self._sock, self._sock_path = sock, path
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._on_datagrams)
+
+    def _close_hook_socket(self) -> None:
+        if self._sock is not None:
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        if self._sock_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._sock_path.unlink()
+
+    def _on_datagrams(self) -> None:
+        assert self._sock is not None
+        for _ in range(_DATAGRAMS_PER_WAKEUP):
+            try:
+                data = self._sock.recv(MAX_DATAGRAM + 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            self._on_hook_message(data)
+
+    def _on_hook_message(self, data: bytes) -> None:
+        msg = self._decoder.decode(data)
+        if msg is None:
+            self.counters.hook_rejected += 1
+            return
+        if not isinstance(msg, IterationTiming | ExceptionReport):
+            self.counters.hook_rejected += 1
+            return
+        if msg.job_id != self.job_id or msg.node != self.node:
+            self.counters.hook_wrong_envelope += 1
+            return
+        if isinstance(msg, IterationTiming):
+            if self.iteration is None or msg.iteration > self.iteration:
+                self.iteration = msg.iteration
+            self.monitor.observe(msg.rank, msg.iteration, msg.duration_s, msg.phase, now_s=time.monotonic())
+        else:
+            log.info("rank_exception", rank=msg.rank, exc_type=msg.exc_type, message=msg.message[:200])
+        self._emit(msg)
+
+    # --- GPUs -------------------------------------------------------------------------
+
+    def _gpu_event_threadsafe(
+        self, gpu: int, kind: GpuFaultKind, value: float, detail: str, injected: bool
+    ) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._gpu_event, gpu, kind, value, detail, injected)
+
+    def _gpu_event(self, gpu: int, kind: GpuFaultKind, value: float, detail: str, injected: bool) -> None:
+        log.warning("gpu_event", gpu=gpu, kind=kind.value, value=value, injected=injected)
+        self._emit(
+            GpuHealthEvent(
+                **self._env(), gpu_index=gpu, kind=kind, value=value, detail=detail[:1024], injected=injected
+            )
+        )
+
+    # --- coordinator commands ---------------------------------------------------------
+
+    async def _commands(self) -> None:
+        assert self._client is not None
+        stream = self.keys.agent_commands(self.job_id, self.node)
+        backoff = 0.1
+        while True:
+            try:
+                raw = await redis_io.call(
+                    ("XREAD", stream),
+                    self._client.xread({stream: "0-0"}, count=16, block=_COMMAND_BLOCK_MS),
+                )
+            except RedisCallError:
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+                continue
+            backoff = 0.1
+            reply = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]], raw or [])
+            for _stream, entries in reply:
+                for entry_id, fields in entries:
+                    await self._handle_command(fields.get(PAYLOAD_FIELD.encode(), b""))
+                    with contextlib.suppress(RedisCallError):
+                        await redis_io.call(("XDEL", stream), self._client.xdel(stream, entry_id))
+
+    async def _handle_command(self, data: bytes) -> None:
+        msg = self._cmd_decoder.decode(data)
+        if not isinstance(msg, AgentCommand) or msg.job_id != self.job_id or msg.node != self.node:
+            self.counters.commands_rejected += 1
+            log.warning(
+                "command_rejected", error=str(self._cmd_decoder.last_error or "wrong type or envelope")
+            )
+            return
+        try:
+            ok, detail = await asyncio.wait_for(self._execute(msg), msg.deadline_s)
+        except TimeoutError:
+            ok, detail = False, f"deadline {msg.deadline_s:g}s exceeded"
+        except UnicornError as e:
+            ok, detail = False, str(e)
+        self.counters.commands_done += 1
+        log.info("command_done", command_id=msg.command_id, action=msg.action.value, ok=ok, detail=detail)
+        self._emit(CommandResult(**self._env(), command_id=msg.command_id, ok=ok, detail=detail[:4096]))
+        if ok and msg.action == AgentAction.STOP:
+            self._stop.set()
+
+    async def _execute(self, cmd: AgentCommand) -> tuple[bool, str]:
+        sup = self.supervisor
+        if cmd.action == AgentAction.STOP:
+            info = await sup.stop(self.grace_s) if sup is not None else None
+            return True, "stopped" if info is None else f"stopped ({_describe_exit(info)})"
+        if cmd.action == AgentAction.CHECKPOINT_NOW:
+            if sup is None:
+                return False, "no training process"
+            sent = sup.signal_ranks(signal.SIGUSR1)
+            self.monitor.expect_slow_step(IterationPhase.CHECKPOINT, time.monotonic())
+            return sent > 0, f"SIGUSR1 sent to {sent} process(es)"
+        if cmd.action == AgentAction.RESTART_RANKS:
+            if not self.argv:
+                return False, "no training command to restart"
+            if sup is not None:
+                await sup.stop(self.grace_s)
+            await self._start_training(self.argv, {})
+            return True, "restarted"
+        # RELAUNCH
+        if sup is not None:
+            await sup.stop(self.grace_s)
+        await self._start_training(cmd.argv, dict(cmd.env))
+        return True, f"relaunched: {' '.join(cmd.argv[:6])}"
+
+    # --- local hang detection ---------------------------------------------------------
+
+    def _new_monitor(self) -> IterationMonitor:
+        d = self.cfg.detect
+        return IterationMonitor(hang_factor=d.hang_factor, warmup_iterations=d.warmup_iterations)
+
+    async def _watch_hangs(self) -> None:
+        """Report a stall once per episode, naming the stopped rank when one is in state T."""
+        while True:
+            await asyncio.sleep(_HANG_CHECK_S)
+            verdict = self.monitor.check(time.monotonic())
+            if verdict is None:
+                self._hang_reported = False
+                continue
+            if self._hang_reported:
+                continue
+            self._hang_reported = True
+            stopped = self.stopped_ranks()
+            c = verdict.classification()
+            evidence = c.evidence + (f"; stopped (state T): rank(s) {stopped}" if stopped else "")
+            log.warning("hang_detected", ranks=verdict.ranks, stopped=stopped, waited_s=verdict.waited_s)
+            self._emit(
+                FaultReport(
+                    **self._env(),
+                    status=str(c.status),
+                    severity=str(c.severity),
+                    rule=c.rule,
+                    rank=stopped[0] if stopped else (verdict.ranks[0] if verdict.ranks else None),
+                    evidence=evidence[:2048],
+                )
+            )
+
+    # --- diagnosis helpers ------------------------------------------------------------
+
+    def stopped_ranks(self) -> list[int]:
+        """Ranks whose process is stopped (state T), e.g. by SIGSTOP or a debugger."""
+        sup = self.supervisor
+        if sup is None:
+            return []
+        return [
+            info.rank
+            for pid, info in sup.ranks.items()
+            if info.rank is not None and pid not in sup.exited and process_state(pid) in ("T", "t")
+        ]
+
+
+def _describe_exit(info: ExitInfo) -> str:
+    if info.signal is not None:
+        return f"signal {info.signal}"
+    return f"exit {info.exit_code}"
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--job-id", type=int, default=None, help="Slurm job id (default: $SLURM_JOB_ID).")
+@click.option("--node", default=None, help="Node name (default: $SLURMD_NODENAME, else the hostname).")
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Logs and the hook socket (default: /tmp/unicorn/<job>/<node>).",
+)
+@click.option(
+    "--inject-gpu-faults",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="TEST ONLY: JSON lines appended to this file become injected GPU faults.",
+)
+@click.option(
+    "--exit-with-training",
+    is_flag=True,
+    help="Exit when the training command ends, with its status (default: wait for commands).",
+)
+@click.option(
+    "--grace-s",
+    type=click.FloatRange(min=0.0),
+    default=5.0,
+    show_default=True,
+    help="Seconds between SIGTERM and SIGKILL when stopping training.",
+)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def cli(  # noqa: PLR0917 - click passes options positionally
+    config_path: Path | None,
+    job_id: int | None,
+    node: str | None,
+    run_dir: Path | None,
+    inject_gpu_faults: Path | None,
+    exit_with_training: bool,
+    grace_s: float,
+    command: tuple[str, ...],
+) -> None:
+    """Supervise COMMAND (e.g. torchrun ...) on this node and report to unicornd through Redis."""
+    try:
+        cfg = load_config(config_path)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    configure_logging(
+        cfg.log.level, "json" if cfg.log.format == "auto" else cfg.log.format, stream=sys.stderr
+    )
+    if job_id is None:
+        raw = os.environ.get("SLURM_JOB_ID", "")
+        if not raw.isdigit():
+            raise click.UsageError("no --job-id and no numeric $SLURM_JOB_ID")
+        job_id = int(raw)
+    if job_id < 0:
+        raise click.UsageError(f"--job-id must be >= 0, got {job_id}")
+    node = node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    try:
+        RedisKeys(cfg.redis.key_prefix).heartbeat(job_id, node)
+    except UnicornError as e:
+        raise click.UsageError(str(e)) from None
+    if exit_with_training and not command:
+        raise click.UsageError("--exit-with-training needs a COMMAND")
+    run_dir = run_dir or Path("/tmp/unicorn") / str(job_id) / node  # noqa: S108 - per-job scratch
+    agent = Agent(
+        cfg,
+        job_id=job_id,
+        node=node,
+        run_dir=run_dir,
+        argv=command,
+        inject_gpu_faults=inject_gpu_faults,
+        exit_with_training=exit_with_training,
+        grace_s=grace_s,
+    )
+    sys.exit(asyncio.run(agent.run()))
 
 
 def main() -> None:
-    print("unicorn-agent: not implemented yet (see README, 'What exists')", file=sys.stderr)
-    sys.exit(2)
+    cli()

@@ -1,0 +1,176 @@
+"""Agent building blocks without Redis: hook datagrams, process status, output pump, outbox policy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from launcher.hook import MAX_DATAGRAM, Hook
+from launcher.nodecheck import Outcome, check_disk, check_injected
+from launcher.outbox import Outbox
+from launcher.supervisor import OutputPump, decode_wait_status, descendants, read_zombie_status
+from unicorn_core.keys import RedisKeys
+from unicorn_core.protocol import (
+    ExceptionReport,
+    Heartbeat,
+    IterationPhase,
+    IterationTiming,
+    ProcessExit,
+    decode,
+)
+
+
+def test_hook_sends_protocol_datagrams(tmp_path: Path) -> None:
+    path = tmp_path / "h.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(str(path))
+    hook = Hook(str(path), job_id=9, node="n3", rank=2)
+    hook.iteration(5, 0.25, samples=8, phase="checkpoint", loss=1.5)
+    try:
+        raise ValueError("boom")
+    except ValueError as e:
+        hook.exception(e)
+    it = decode(server.recv(MAX_DATAGRAM))
+    exc = decode(server.recv(MAX_DATAGRAM))
+    assert isinstance(it, IterationTiming)
+    assert (it.job_id, it.node, it.rank, it.iteration, it.phase, it.loss) == (
+        9,
+        "n3",
+        2,
+        5,
+        IterationPhase.CHECKPOINT,
+        1.5,
+    )
+    assert isinstance(exc, ExceptionReport)
+    assert (
+        exc.exc_type == "builtins.ValueError"
+        and exc.message == "boom"
+        and "raise ValueError" in exc.traceback
+    )
+    assert hook.sent == 2 and hook.dropped == 0
+    server.close()
+
+
+def test_hook_without_agent_is_a_noop_and_never_raises(tmp_path: Path) -> None:
+    off = Hook(None, 0, "n", 0)
+    off.iteration(1, 0.1)
+    assert not off.enabled and off.sent == 0
+    gone = Hook(str(tmp_path / "nobody.sock"), 0, "n", 0)
+    gone.iteration(1, 0.1)
+    gone.exception(RuntimeError("x"))
+    assert gone.dropped == 2 and gone.sent == 0
+
+
+def test_wait_status_decoding() -> None:
+    assert decode_wait_status(0) == (0, None)
+    assert decode_wait_status(3 << 8) == (3, None)
+    assert decode_wait_status(signal.SIGKILL) == (None, signal.SIGKILL)
+
+
+def test_zombie_status_is_read_before_reaping() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert child.pid in descendants(os.getpid())
+        assert read_zombie_status(child.pid) is None  # running
+        os.kill(child.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        status = None
+        while status is None and time.monotonic() < deadline:
+            status = read_zombie_status(child.pid)
+            time.sleep(0.01)
+        assert status == (None, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert read_zombie_status(child.pid) is None  # reaped: gone
+
+
+async def test_output_pump_logs_everything_and_cuts_long_lines(tmp_path: Path) -> None:
+    reader = asyncio.StreamReader()
+    lines: list[str] = []
+    pump = OutputPump(reader, tmp_path / "out.log", lines.append, max_line=10, tail_lines=2)
+    reader.feed_data(b"short\n" + b"y" * 25 + b"\nlast")
+    reader.feed_eof()
+    await pump.run()
+    assert (tmp_path / "out.log").read_bytes() == b"short\n" + b"y" * 25 + b"\nlast"
+    assert lines[0] == "short" and all(len(line) <= 10 for line in lines) and lines[-1] == "last"
+    assert list(pump.tail) == lines[-2:]
+
+
+def _outbox(capacity: int) -> Outbox:
+    client = aioredis.Redis(host="127.0.0.1", port=1)  # never contacted: policy only
+    return Outbox(client, RedisKeys("t"), job_id=1, node="n1", heartbeat_ttl_s=3, capacity=capacity)
+
+
+def _it(i: int) -> IterationTiming:
+    return IterationTiming(
+        job_id=1, node="n1", wall_time_s=1.0, rank=0, iteration=i, duration_s=0.1, samples=None
+    )
+
+
+def _exit(pid: int) -> ProcessExit:
+    return ProcessExit(
+        job_id=1,
+        node="n1",
+        wall_time_s=1.0,
+        rank=0,
+        local_rank=0,
+        pid=pid,
+        exit_code=1,
+        signal=None,
+        error_file_text=None,
+        stderr_tail="",
+    )
+
+
+async def test_outbox_drops_statistics_before_failures() -> None:
+    box = _outbox(capacity=3)
+    box.put(_exit(10))
+    box.put(_it(1))
+    box.put(_exit(11))
+    box.put(_it(2))  # full: the oldest iteration timing goes, not an exit
+    box.put(_exit(12))  # full again: iteration 2 goes
+    assert [type(m).__name__ for m in box._queue] == ["ProcessExit", "ProcessExit", "ProcessExit"]
+    assert box.stats.dropped["iter"] == 2
+    box.put(_exit(13))  # only failures left: the oldest one is dropped, and counted
+    assert [m.pid for m in box._queue] == [11, 12, 13]  # type: ignore[union-attr]
+    assert box.stats.dropped["ProcessExit"] == 1
+    hb = Heartbeat(job_id=1, node="n1", wall_time_s=1.0, agent_pid=1, pids=[], iteration=None, seq=0)
+    box.put(hb)
+    assert len(box) == 3  # heartbeats are kept aside, never queued
+
+
+def test_node_check_pieces(tmp_path: Path) -> None:
+    faults = tmp_path / "f.jsonl"
+    assert check_injected(faults).outcome == Outcome.OK
+    faults.write_text("garbage\n")
+    assert check_injected(faults).outcome == Outcome.OK
+    faults.write_text('{"gpu": 0, "kind": "xid", "value": 79}\n')
+    assert check_injected(faults).outcome == Outcome.FAILED
+    [ok] = check_disk([tmp_path], min_free_gib=0.0)
+    [bad] = check_disk([tmp_path], min_free_gib=1e9)
+    [missing] = check_disk([tmp_path / "nope"], min_free_gib=0.0)
+    assert (ok.outcome, bad.outcome, missing.outcome) == (Outcome.OK, Outcome.FAILED, Outcome.FAILED)
+
+
+def test_node_check_cli_exit_codes(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from unicornd.cli import cli
+
+    runner = CliRunner()
+    healthy = runner.invoke(cli, ["node-check", "--disk", str(tmp_path), "--min-free-gib", "0"])
+    assert healthy.exit_code == 0, healthy.output
+    faults = tmp_path / "f.jsonl"
+    faults.write_text('{"gpu": 1, "kind": "ecc_uncorrectable", "value": 2}\n')
+    sick = runner.invoke(cli, ["node-check", "--disk", str(tmp_path), "--inject-gpu-faults", str(faults)])
+    assert sick.exit_code == 1 and "gpu 1: injected ecc_uncorrectable" in sick.output
+
