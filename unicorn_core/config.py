@@ -267,6 +267,14 @@ class DetectConfig(Section):
             ge=0,
         ),
     )
+    rules_file: str = field(
+        default="",
+        metadata=_meta(
+            "Path of a TOML file of extra classification rules ([[rule]] tables, see "
+            "detect/rules.py), tried before the built-in rules; a rule named like a built-in "
+            "replaces it. Empty = built-in rules only. Default: empty."
+        ),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

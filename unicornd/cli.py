@@ -15,7 +15,10 @@ from typing import Any
 
 import click
 
+from detect.cli import classify as classify_command
+from launcher.nodecheck import Outcome, run_local_checks
 from plan.cli import plan as plan_group
+from plan.sim.cli import simulate as simulate_command
 from unicorn_core import redis_io
 from unicorn_core.config import Config, describe, load_config
 from unicorn_core.errors import ConfigError, UnicornError
@@ -148,7 +151,49 @@ def config_cmd(ctx: click.Context, show_docs: bool) -> None:
     click.echo(json.dumps(dataclasses.asdict(cfg), indent=2))
 
 
+@cli.command("node-check")
+@click.option(
+    "--disk",
+    "disk_paths",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    default=("/tmp",),  # noqa: S108 - checked for free space, never written
+    show_default=True,
+    help="Paths that need free space (repeatable).",
+)
+@click.option("--min-free-gib", type=click.FloatRange(min=0), default=1.0, show_default=True)
+@click.option(
+    "--inject-gpu-faults",
+    "fault_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="TEST ONLY: a GPU fault file (JSON lines); any fault in it fails the check.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def node_check(
+    disk_paths: tuple[Path, ...], min_free_gib: float, fault_file: Path | None, as_json: bool
+) -> None:
+    """Check this node (GPUs through NVML, disk space, stuck GPU processes).
+
+    Exits 0 when healthy, 1 with the failed checks as the reason otherwise (for Slurm's
+    HealthCheckProgram and for unicornd before a node rejoins).
+    """
+    results = run_local_checks(disk_paths=list(disk_paths), min_free_gib=min_free_gib, fault_file=fault_file)
+    failed = [r for r in results if r.outcome == Outcome.FAILED]
+    if as_json:
+        click.echo(json.dumps({"healthy": not failed, "checks": [r.to_json() for r in results]}, indent=2))
+    else:
+        for r in results:
+            click.echo(f"{r.outcome.value:<8} {r.name:<16} {r.detail}")
+    if failed:
+        reason = "; ".join(f"{r.name}: {r.detail}" for r in failed)
+        click.echo(f"unhealthy: {reason}", err=True)
+        sys.exit(1)
+
+
 cli.add_command(plan_group)
+cli.add_command(classify_command)
+cli.add_command(simulate_command)
 
 
 def main() -> None:

@@ -22,6 +22,8 @@ import signal
 import sys
 import time
 
+import numpy
+
 from launcher.hook import get_hook
 
 
@@ -37,6 +39,10 @@ def main() -> None:
     p.add_argument("--exit-code", type=int, default=3)
     p.add_argument("--flood", action="store_true")
     p.add_argument("--no-hook", action="store_true")
+    p.add_argument(
+        "--compute", action="store_true", help="a fixed numpy matmul per iteration instead of sleeping"
+    )
+    p.add_argument("--ckpt-s", type=float, default=0.0, help="extra seconds of a step after SIGUSR1")
     args = p.parse_args()
 
     rank = int(os.environ.get("RANK", "0"))
@@ -53,6 +59,7 @@ def main() -> None:
         dist = (torch, tdist)
     print(f"rank {rank}/{world} started pid {os.getpid()}", flush=True)
     faulty = rank == args.fault_rank
+    mat = numpy.random.default_rng(0).random((160, 160))
     flags = {"ckpt": False, "term": False}
     signal.signal(signal.SIGUSR1, lambda *_: flags.__setitem__("ckpt", True))
     signal.signal(signal.SIGTERM, lambda *_: flags.__setitem__("term", True))
@@ -63,8 +70,14 @@ def main() -> None:
             end = time.monotonic() + args.iter_s
             while time.monotonic() < end:
                 sys.stderr.write(junk * 50)
+        elif args.compute:
+            for _ in range(4):
+                mat = mat @ mat
+                mat /= float(abs(mat).max()) or 1.0
         else:
             time.sleep(args.iter_s)
+        if flags["ckpt"] and args.ckpt_s > 0:
+            time.sleep(args.ckpt_s)
         if dist is not None:
             torch, tdist = dist
             t = torch.ones(16)

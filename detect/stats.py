@@ -1,0 +1,394 @@
+"""Online iteration-time statistics of one task: hangs, slowdowns and stragglers.
+
+Feed every :class:`~unicorn_core.protocol.IterationTiming` to
+:meth:`IterationMonitor.observe` and call :meth:`IterationMonitor.check` periodically;
+both take the caller's monotonic clock ``now_s``, so decisions are functions of the
+inputs and the clock and tests replay traces without sleeping.
+
+- **Learning.** A rank's first ``warmup_iterations`` train steps (after start, or after
+  its iteration number goes back, i.e. a restart) are ignored: they include compilation
+  and allocator warm-up. Checkpoint and eval steps never feed the train statistics. The
+  task's robust mean is the median of the last ``window`` train durations of all ranks,
+  its spread 1.4826 x their MAD (both robust to the occasional slow step).
+- **Hang.** A rank hangs when the time since its last report exceeds
+  ``deadline_s() = k x mean``. ``k`` is ``hang_factor``; with ``max_hang_factor`` above
+  it, ``k`` is learned: ``learn_margin`` x the largest duration/mean ratio seen in the
+  window, kept between the two. A stop is therefore detected within ``k`` mean
+  iterations of the last report, i.e. within ``k`` of the stop itself.
+- **Slow steps.** A checkpoint or eval step may legitimately take far longer. Such a
+  step is allowed ``k`` x that phase's own learned mean when it is announced
+  (:meth:`IterationMonitor.expect_slow_step`, e.g. when a checkpoint is commanded or the
+  trainer says it is saving) or predicted (the phase recurs at a fixed iteration
+  period, learned from its last two occurrences). Before its duration is known, an
+  announced slow step is allowed ``slow_step_timeout_s`` (None: no limit).
+- **Suspects.** In lock-step data-parallel training every rank waits in the same
+  collective, so all stall together and the verdict names them all; a rank that lags
+  (others reported later iterations) is named alone.
+- **Stragglers.** Scores in [0, 1], 1 = not straggling: a rank's recent median
+  against the best rank's, or against its own history. They are as good as the
+  durations fed in: wall-clock iteration times are equal across ranks in lock-step
+  training; compute-only times tell ranks apart.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Final
+
+from detect.classify import Classification
+from detect.statuses import ErrorStatus, Severity
+from unicorn_core.errors import InvalidArgument
+from unicorn_core.protocol import IterationPhase
+
+MAD_TO_SIGMA: Final = 1.4826
+"""Scales the median absolute deviation to the standard deviation of a normal sample."""
+
+
+class StragglerReference(enum.StrEnum):
+    """What a straggler score compares a rank's recent iteration time with."""
+
+    BEST_RANK = "best_rank"
+    OWN_HISTORY = "own_history"
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    """The task's learned statistics (``mean_s`` None until ``min_samples`` are in)."""
+
+    samples: int
+    mean_s: float | None
+    spread_s: float | None
+    hang_factor: float
+    deadline_s: float | None
+
+
+@dataclass(frozen=True)
+class HangVerdict:
+    """Ranks that stopped reporting for longer than allowed.
+
+    ``ranks`` are the suspects: the stalled ranks with the lowest last iteration.
+    ``waited_s`` is the longest silence among them and ``deadline_s`` what that rank
+    was allowed; ``last_iteration`` is -1 for a rank registered but never heard from.
+    """
+
+    ranks: tuple[int, ...]
+    stalled_ranks: tuple[int, ...]
+    last_iteration: int
+    waited_s: float
+    deadline_s: float
+    mean_iteration_s: float | None
+
+    def classification(self) -> Classification:
+        """As a ``task_hang`` finding (secondary: a hang is usually a symptom of a fault elsewhere)."""
+        who = ", ".join(str(r) for r in self.ranks)
+        mean = (
+            f" ({self.deadline_s / self.mean_iteration_s:.2g} x mean {self.mean_iteration_s:.3g} s)"
+            if (self.mean_iteration_s)
+            else ""
+        )
+        return Classification(
+            ErrorStatus.TASK_HANG,
+            Severity.SEV2,
+            "iteration_stall",
+            f"rank(s) {who} reported no iteration for {self.waited_s:.3g} s, allowed {self.deadline_s:.3g} s"
+            f"{mean}; last iteration {self.last_iteration}",
+            secondary=True,
+        )
+
+
+@dataclass
+class _Rank:
+    last_iteration: int
+    last_seen_s: float
+    durations: deque[float]
+    train_count: int = 0
+    announced: tuple[int, IterationPhase] | None = None
+    """(iteration, phase): that iteration is a slow step; cleared once it is reported."""
+
+
+def _check_clock(now_s: float, last_s: float) -> None:
+    if not math.isfinite(now_s):
+        raise InvalidArgument(f"now_s must be finite, got {now_s}")
+    if now_s < last_s:
+        raise InvalidArgument(f"now_s went back from {last_s} to {now_s}: pass a monotonic clock")
+
+
+class IterationMonitor:
+    """Iteration statistics and hang detection for one task (all its ranks); see module doc.
+
+    Create a new monitor (or :meth:`reset`) when the task is relaunched with a new
+    layout: its iteration time changes.
+    """
+
+    def __init__(
+        self,
+        hang_factor: float = 3.0,
+        warmup_iterations: int = 2,
+        min_samples: int = 5,
+        *,
+        window: int = 256,
+        max_hang_factor: float | None = None,
+        learn_margin: float = 1.25,
+        recent: int = 10,
+        initial_deadline_s: float | None = None,
+        slow_step_timeout_s: float | None = None,
+    ) -> None:
+        problems = []
+        if not (math.isfinite(hang_factor) and hang_factor > 1):
+            problems.append(f"hang_factor must be > 1, got {hang_factor}")
+        if warmup_iterations < 0:
+            problems.append(f"warmup_iterations must be >= 0, got {warmup_iterations}")
+        if min_samples < 1:
+            problems.append(f"min_samples must be >= 1, got {min_samples}")
+        if window < min_samples:
+            problems.append(f"window ({window}) must be >= min_samples ({min_samples})")
+        if max_hang_factor is not None and not (
+            math.isfinite(max_hang_factor) and max_hang_factor >= hang_factor
+        ):
+            problems.append(f"max_hang_factor must be >= hang_factor ({hang_factor}), got {max_hang_factor}")
+        if not (math.isfinite(learn_margin) and learn_margin >= 1):
+            problems.append(f"learn_margin must be >= 1, got {learn_margin}")
+        if recent < 1:
+            problems.append(f"recent must be >= 1, got {recent}")
+        for name, value in (
+            ("initial_deadline_s", initial_deadline_s),
+            ("slow_step_timeout_s", slow_step_timeout_s),
+        ):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                problems.append(f"{name} must be > 0 or None, got {value}")
+        if problems:
+            raise InvalidArgument("; ".join(problems))
+        self.hang_factor = hang_factor
+        self.warmup_iterations = warmup_iterations
+        self.min_samples = min_samples
+        self.window = window
+        self.max_hang_factor = max_hang_factor if max_hang_factor is not None else hang_factor
+        self.learn_margin = learn_margin
+        self.recent = recent
+        self.initial_deadline_s = initial_deadline_s
+        self.slow_step_timeout_s = slow_step_timeout_s
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every rank and everything learned."""
+        self._ranks: dict[int, _Rank] = {}
+        self._pooled: deque[float] = deque(maxlen=self.window)
+        self._ratios: deque[float] = deque(maxlen=self.window)
+        self._phase_durations: dict[IterationPhase, deque[float]] = {}
+        self._phase_iterations: dict[IterationPhase, deque[int]] = {}
+        self._clock = -math.inf
+        self._center: float | None = None
+        self._dirty = False
+
+    # --- input ------------------------------------------------------------------------
+
+    def register(self, rank: int, now_s: float) -> None:
+        """Expect reports from ``rank`` from ``now_s`` on (so a rank that never reports is caught)."""
+        _check_clock(now_s, self._clock)
+        if rank < 0:
+            raise InvalidArgument(f"rank must be >= 0, got {rank}")
+        self._clock = now_s
+        self._ranks.setdefault(rank, self._new_rank(-1, now_s))
+
+    def observe(
+        self,
+        rank: int,
+        iteration: int,
+        duration_s: float,
+        phase: IterationPhase | str = IterationPhase.TRAIN,
+        *,
+        now_s: float,
+    ) -> None:
+        """``rank`` finished ``iteration`` (of kind ``phase``) in ``duration_s``, reported at ``now_s``.
+
+        Bad input raises ``InvalidArgument`` and changes nothing.
+        """
+        _check_clock(now_s, self._clock)
+        if rank < 0 or iteration < 0:
+            raise InvalidArgument(f"rank and iteration must be >= 0, got rank {rank}, iteration {iteration}")
+        if not (math.isfinite(duration_s) and duration_s >= 0):
+            raise InvalidArgument(f"duration_s must be a finite number >= 0, got {duration_s}")
+        try:
+            phase = IterationPhase(phase)
+        except ValueError:
+            raise InvalidArgument(f"unknown phase {phase!r}") from None
+        self._clock = now_s
+        state = self._ranks.get(rank)
+        if state is None:
+            state = self._ranks[rank] = self._new_rank(iteration, now_s)
+        elif iteration < state.last_iteration:
+            state.train_count = 0  # restarted from a checkpoint: warm up again
+        state.last_iteration = iteration
+        state.last_seen_s = now_s
+        if state.announced is not None and iteration >= state.announced[0]:
+            state.announced = None
+        if phase is not IterationPhase.TRAIN:
+            self._phase_durations.setdefault(phase, deque(maxlen=self.window)).append(duration_s)
+            seen = self._phase_iterations.setdefault(phase, deque(maxlen=2))
+            if not seen or seen[-1] != iteration:
+                seen.append(iteration)
+            return
+        state.train_count += 1
+        if state.train_count <= self.warmup_iterations:
+            return
+        center = self.mean_s()
+        if center is not None and center > 0:
+            self._ratios.append(duration_s / center)
+        self._pooled.append(duration_s)
+        state.durations.append(duration_s)
+        self._dirty = True
+
+    def expect_slow_step(
+        self,
+        phase: IterationPhase | str,
+        now_s: float,
+        *,
+        iteration: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        """Iteration ``iteration`` (None: each rank's next one) of ``rank`` (None: of every
+        known rank) is a ``phase`` step (checkpoint, eval).
+
+        While a rank works on that iteration it is allowed that phase's learned time
+        instead of the train deadline. Announce before the step starts, e.g. when a
+        checkpoint is commanded or the trainer says it will save after this iteration.
+        """
+        _check_clock(now_s, self._clock)
+        try:
+            phase = IterationPhase(phase)
+        except ValueError:
+            raise InvalidArgument(f"unknown phase {phase!r}") from None
+        if phase is IterationPhase.TRAIN:
+            raise InvalidArgument("a train step is not a slow step")
+        if rank is not None and rank not in self._ranks:
+            raise InvalidArgument(f"unknown rank {rank}")
+        if iteration is not None and iteration < 0:
+            raise InvalidArgument(f"iteration must be >= 0, got {iteration}")
+        self._clock = now_s
+        for r, state in self._ranks.items():
+            if rank is None or r == rank:
+                state.announced = (iteration if iteration is not None else state.last_iteration + 1, phase)
+
+    def _new_rank(self, iteration: int, now_s: float) -> _Rank:
+        return _Rank(last_iteration=iteration, last_seen_s=now_s, durations=deque(maxlen=self.window))
+
+    def forget(self, rank: int) -> None:
+        """Stop watching ``rank`` (its process ended on purpose)."""
+        self._ranks.pop(rank, None)
+
+    # --- statistics -------------------------------------------------------------------
+
+    def mean_s(self) -> float | None:
+        """Robust mean iteration time (median of the window); None before ``min_samples``."""
+        if self._dirty:
+            self._center = statistics.median(self._pooled) if len(self._pooled) >= self.min_samples else None
+            self._dirty = False
+        return self._center
+
+    def effective_hang_factor(self) -> float:
+        """``k``: ``hang_factor``, raised towards ``max_hang_factor`` by the noise seen (module doc)."""
+        if self.max_hang_factor <= self.hang_factor or not self._ratios:
+            return self.hang_factor
+        return min(self.max_hang_factor, max(self.hang_factor, self.learn_margin * max(self._ratios)))
+
+    def deadline_s(self) -> float | None:
+        """Silence allowed after a train step: ``k`` x mean (``initial_deadline_s`` before learning)."""
+        center = self.mean_s()
+        if center is None:
+            return self.initial_deadline_s
+        return self.effective_hang_factor() * center
+
+    def stats(self) -> IterationStats:
+        center = self.mean_s()
+        spread = None
+        if center is not None:
+            spread = MAD_TO_SIGMA * statistics.median(abs(d - center) for d in self._pooled)
+        return IterationStats(
+            len(self._pooled), center, spread, self.effective_hang_factor(), self.deadline_s()
+        )
+
+    def _slow_phase(self, state: _Rank) -> IterationPhase | None:
+        """The phase of the step ``state``'s rank is working on, when it is a slow one."""
+        if state.announced is not None and state.announced[0] == state.last_iteration + 1:
+            return state.announced[1]
+        for phase, seen in self._phase_iterations.items():
+            if len(seen) == 2 and seen[1] > seen[0] and state.last_iteration + 1 == 2 * seen[1] - seen[0]:
+                return phase
+        return None
+
+    def _limit(self, state: _Rank, base: float | None) -> float | None:
+        phase = self._slow_phase(state)
+        if phase is None:
+            return base
+        durations = self._phase_durations.get(phase)
+        if durations:
+            slow = self.effective_hang_factor() * statistics.median(durations)
+            return slow if base is None else max(base, slow)
+        return self.slow_step_timeout_s  # announced, its duration not learned yet
+
+    # --- decisions --------------------------------------------------------------------
+
+    def check(self, now_s: float) -> HangVerdict | None:
+        """A verdict while some rank is silent past its deadline, else None (level-triggered)."""
+        _check_clock(now_s, self._clock)
+        self._clock = now_s
+        base = self.deadline_s()
+        stalled: list[tuple[int, _Rank, float, float]] = []
+        for rank, state in self._ranks.items():
+            limit = self._limit(state, base)
+            wait = now_s - state.last_seen_s
+            if limit is not None and wait > limit:
+                stalled.append((rank, state, wait, limit))
+        if not stalled:
+            return None
+        lowest = min(state.last_iteration for _, state, _, _ in stalled)
+        suspects = [s for s in stalled if s[1].last_iteration == lowest]
+        longest = max(suspects, key=lambda s: s[2])
+        return HangVerdict(
+            ranks=tuple(sorted(s[0] for s in suspects)),
+            stalled_ranks=tuple(sorted(s[0] for s in stalled)),
+            last_iteration=lowest,
+            waited_s=longest[2],
+            deadline_s=longest[3],
+            mean_iteration_s=self.mean_s(),
+        )
+
+    def straggler_scores(
+        self, reference: StragglerReference | str = StragglerReference.BEST_RANK
+    ) -> dict[int, float]:
+        """Per rank, in [0, 1] (1 = not straggling), for ranks with ``min_samples`` train steps.
+
+        ``best_rank``: the best rank's recent median / this rank's recent median.
+        ``own_history``: this rank's median over the window / its recent median (capped at 1).
+        "Recent" is the last ``recent`` train steps.
+        """
+        reference = StragglerReference(reference)
+        recent: dict[int, float] = {}
+        history: dict[int, float] = {}
+        for rank, state in self._ranks.items():
+            if len(state.durations) >= self.min_samples:
+                tail = list(state.durations)[-self.recent :]
+                recent[rank] = statistics.median(tail)
+                history[rank] = statistics.median(state.durations)
+        if reference is StragglerReference.BEST_RANK:
+            best = min(recent.values(), default=0.0)
+            return {r: _ratio(best, value) for r, value in sorted(recent.items())}
+        return {r: _ratio(history[r], value) for r, value in sorted(recent.items())}
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(self._ranks))
+
+    def __repr__(self) -> str:
+        return f"IterationMonitor(ranks={len(self._ranks)}, stats={self.stats()})"
+
+
+def _ratio(good: float, value: float) -> float:
+    """``good / value`` clamped to [0, 1]; a zero time is never a straggler."""
+    if value <= 0:
+        return 1.0
+    return max(0.0, min(1.0, good / value))

@@ -1,0 +1,407 @@
+#!/usr/bin/env python3
+"""Detection latency, false alarms and agent overhead on the real dev cluster.
+
+Starts a private dev cluster (2 nodes), holds both nodes with one batch job, launches
+one ``unicorn-agent`` per node through ``srun --overlap`` running a 2-node torchrun job
+(gloo, one rank per node, an all-reduce per iteration), and runs the coordinator's real
+detection path in this process: events read from Redis through the consumer group
+(:class:`unicornd.ingest.StreamIngest`) into :class:`unicornd.detector.Detector`.
+
+Faults, ``--trials`` each (the default 20):
+
+- ``process_exit``: SIGKILL the rank on n2; latency = kill -> finding.
+- ``exception``: the rank on n2 raises at a chosen iteration; latency = the rank's
+  report time (``wall_time_s``, stamped by the hook as the exception propagates, same
+  machine clock) -> finding.
+- ``hang``: SIGSTOP the rank on n2; latency = stop -> first hang finding (the agent's
+  local monitor or the coordinator's), divided by the mean iteration time.
+- ``node_loss``: ``dev-cluster kill-node n2``; latency = kill -> heartbeat finding.
+
+Then ``false_alarms``: a fault-free run of ``--quiet-s`` seconds with noise (a CPU hog
+process on this 2-core machine, and a checkpoint command every 20 s that makes one
+step ``--ckpt-s`` slower), counting every finding. And ``agent_overhead_pct``: the
+same compute loop run alternately with and without the agent (``--overhead-pairs``
+pairs), throughput ratio in one run.
+
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from detect import load_classifier  # noqa: E402
+from unicorn_core import redis_io  # noqa: E402
+from unicorn_core.config import load_config  # noqa: E402
+from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys  # noqa: E402
+from unicorn_core.protocol import (  # noqa: E402
+    AgentAction,
+    AgentCommand,
+    ExceptionReport,
+    Heartbeat,
+    Message,
+    encode,
+)
+from unicorn_core.slurm.cli import CliSlurm  # noqa: E402
+from unicornd.detector import Detector, JobFinding  # noqa: E402
+from unicornd.ingest import StreamIngest  # noqa: E402
+
+DEV = REPO / "scripts" / "dev-cluster"
+TOY = REPO / "scripts" / "workloads" / "toy_loop.py"
+BIN = Path(sys.executable).parent
+NODES = ("n1", "n2")
+
+
+def p95(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {
+        "n": len(xs),
+        "p50": round(statistics.median(xs), 4),
+        "p95": round(p95(xs), 4),
+        "max": round(max(xs), 4),
+    }
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, state: Path) -> None:
+        self.args = args
+        self.state = state
+        self.env: dict[str, str] = {}
+        self.findings: list[tuple[float, JobFinding]] = []
+        self.heartbeats: dict[str, Heartbeat] = {}
+        self.agents: dict[str, Any] = {}
+        self.job_id = 0
+        self.port = 29500 + os.getpid() % 1000
+        self.generation = 0
+        self.exception_latency = float("nan")
+
+    def dev(self, *a: str) -> str:
+        return subprocess.run(
+            [str(DEV), "--state-dir", str(self.state), *a], check=True, capture_output=True, text=True
+        ).stdout
+
+    async def on_message(self, msg: Message, now: float) -> None:
+        if isinstance(msg, Heartbeat):
+            self.heartbeats[msg.node] = msg
+        found = self.detector.on_message(msg, now)
+        if found and isinstance(msg, ExceptionReport):
+            # Same machine, same wall clock: the hook's stamp -> the coordinator's finding.
+            self.exception_latency = time.time() - msg.wall_time_s
+        for f in found:
+            self.findings.append((now, f))
+
+    async def checker(self) -> None:
+        while True:
+            now = time.monotonic()
+            for f in self.detector.check(now):
+                self.findings.append((now, f))
+            await asyncio.sleep(0.01)
+
+    def train_argv(self, node_rank: int, extra: list[str]) -> list[str]:
+        return [
+            str(BIN / "torchrun"),
+            "--nnodes=2",
+            f"--node-rank={node_rank}",
+            "--nproc-per-node=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={self.port + self.generation}",
+            "--max-restarts=0",
+            str(TOY),
+            "--iter-s",
+            str(self.args.iter_s),
+            "--fault-rank",
+            "1",
+            *extra,
+        ]
+
+    async def start_agents(self, extra: list[str]) -> None:
+        self.generation += 1
+        for i, node in enumerate(NODES):
+            argv = [
+                str(BIN / "unicorn-agent"),
+                "--job-id",
+                str(self.job_id),
+                "--node",
+                node,
+                "--run-dir",
+                str(self.state / "runs" / f"{node}-{self.generation}"),
+                "--",
+                *self.train_argv(i, extra),
+            ]
+            self.agents[node] = await self.slurm.launch_step(self.job_id, [node], argv, capture=False)
+            self.detector.expect_agent(self.job_id, node, time.monotonic())
+
+    async def stop_agents(self) -> None:
+        for node, step in list(self.agents.items()):
+            self.detector.forget_agent(self.job_id, node)
+            with contextlib.suppress(Exception):
+                await step.stop(grace_s=10.0)
+        self.agents.clear()
+        self.detector.forget_job(self.job_id)
+        self.heartbeats.clear()
+
+    async def wait_training(self, min_iteration: int, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            hb = self.heartbeats.get("n2")
+            it = self.detector.last_iteration(self.job_id)
+            if hb is not None and len(hb.pids) >= 2 and it is not None and it >= min_iteration:
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError("training did not start")
+
+    def rank_pid(self) -> int:
+        hb = self.heartbeats["n2"]
+        for pid in hb.pids:
+            with contextlib.suppress(OSError):
+                if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes():
+                    return pid
+        raise RuntimeError(f"rank 1 not among {hb.pids}")
+
+    async def wait_finding(
+        self, since: float, pred: Any, timeout_s: float = 30.0
+    ) -> tuple[float, JobFinding]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for t, f in self.findings:
+                if t >= since and pred(f):
+                    return t, f
+            await asyncio.sleep(0.005)
+        raise RuntimeError(
+            f"no finding after {timeout_s}s; have {[(f.classification.status) for _, f in self.findings]}"
+        )
+
+    async def trial(self, kind: str) -> float:
+        extra: list[str] = []
+        if kind == "exception":
+            extra = ["--raise-at", "40"]
+        await self.start_agents(extra)
+        try:
+            await self.wait_training(20)
+            self.findings.clear()
+            if kind == "process_exit":
+                pid = self.rank_pid()
+                t0 = time.monotonic()
+                os.kill(pid, signal.SIGKILL)
+                t, _ = await self.wait_finding(
+                    t0, lambda f: f.finding.source == "exit" and f.finding.node == "n2"
+                )
+                return t - t0
+            if kind == "exception":
+                await self.wait_finding(0, lambda f: f.finding.source == "exception")
+                return self.exception_latency
+            if kind == "hang":
+                pid = self.rank_pid()
+                mean = self.detector._jobs[self.job_id].monitor.mean_s() or self.args.iter_s
+                t0 = time.monotonic()
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    t, _ = await self.wait_finding(t0, lambda f: str(f.classification.status) == "task_hang")
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                return (t - t0) / mean
+            if kind == "node_loss":
+                t0 = time.monotonic()
+                self.dev("kill-node", "n2")
+                try:
+                    t, _ = await self.wait_finding(
+                        t0, lambda f: f.finding.source == "heartbeat" and f.finding.node == "n2"
+                    )
+                finally:
+                    self.dev("revive-node", "n2")
+                    await self.wait_node_back()
+                return t - t0
+            raise ValueError(kind)
+        finally:
+            await self.stop_agents()
+
+    async def wait_node_back(self) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                await self.slurm.resume("n2")
+            info = await self.slurm.get_node("n2")
+            job = await self.slurm.get_job(self.job_id)
+            if info.usable is False and "n2" in job.nodes and info.state.value in ("ALLOCATED", "MIXED"):
+                return
+            if "n2" in job.nodes and info.state.value in ("ALLOCATED", "MIXED") and not info.flags:
+                return
+            await asyncio.sleep(0.5)
+        raise RuntimeError("n2 did not come back into the job")
+
+    async def quiet_run(self) -> dict[str, Any]:
+        await self.start_agents(["--ckpt-s", str(self.args.ckpt_s)])
+        hog = await asyncio.create_subprocess_exec(sys.executable, "-c", "while True: pass")
+        try:
+            await self.wait_training(5)
+            self.findings.clear()
+            t_end = time.monotonic() + self.args.quiet_s
+            n_ckpt = 0
+            while time.monotonic() < t_end:
+                await asyncio.sleep(min(20.0, max(0.0, t_end - time.monotonic())))
+                if time.monotonic() < t_end:
+                    n_ckpt += 1
+                    for node in NODES:
+                        await self.command(node, AgentAction.CHECKPOINT_NOW, f"ck{n_ckpt}")
+            alarms = [f for _, f in self.findings]
+            return {
+                "false_alarms": len(alarms),
+                "false_alarm_detail": [f"{f.classification.status}:{f.finding.source}" for f in alarms][:10],
+                "quiet_s": self.args.quiet_s,
+                "slow_checkpoint_steps": n_ckpt,
+                "last_iteration": self.detector.last_iteration(self.job_id),
+            }
+        finally:
+            hog.kill()
+            await hog.wait()
+            await self.stop_agents()
+
+    async def command(self, node: str, action: AgentAction, cid: str) -> None:
+        cmd = AgentCommand(
+            job_id=self.job_id,
+            node=node,
+            wall_time_s=time.time(),
+            command_id=cid,
+            action=action,
+            deadline_s=30,
+        )
+        await self.client.xadd(self.keys.agent_commands(self.job_id, node), {PAYLOAD_FIELD: encode(cmd)})
+
+    def overhead(self) -> dict[str, Any]:
+        """Throughput of the same compute loop with and without the agent, alternated."""
+        n_iter = self.args.overhead_iters
+        loop = [sys.executable, str(TOY), "--compute", "--iterations", str(n_iter)]
+
+        def timed(argv: list[str]) -> float:
+            t0 = time.perf_counter()
+            subprocess.run(argv, check=True, env={**os.environ, **self.env}, capture_output=True)
+            return time.perf_counter() - t0
+
+        with_agent: list[float] = []
+        without: list[float] = []
+        for i in range(self.args.overhead_pairs):
+            agent = [
+                str(BIN / "unicorn-agent"), "--job-id", "999", "--node", "n1", "--exit-with-training",
+                "--run-dir", str(self.state / "runs" / f"overhead-{i}"), "--", *loop,
+            ]  # fmt: skip
+            order = (agent, loop) if i % 2 == 0 else (loop, agent)
+            for argv in order:
+                (with_agent if argv is agent else without).append(timed(argv))
+        # The agent process adds its own start-up (~0.5 s Python import) once per run; training
+        # throughput is the loop's own time, so compare medians of total wall time per run.
+        ratio = statistics.median(with_agent) / statistics.median(without)
+        return {
+            "agent_overhead_pct": round(100 * (ratio - 1), 2),
+            "overhead_runs_s": {
+                "with_agent": [round(x, 3) for x in with_agent],
+                "without": [round(x, 3) for x in without],
+            },
+        }
+
+    async def run(self) -> dict[str, Any]:
+        self.dev("up", "--nodes", "2", "--gpus-per-node", "1", "--cpus-per-node", "2")
+        for line in self.dev("env").splitlines():
+            key, _, value = line.removeprefix("export ").partition("=")
+            self.env[key] = value.strip("'\"")
+        prefix = f"bench{os.getpid()}"
+        self.env["UNICORN_REDIS__KEY_PREFIX"] = prefix
+        os.environ.update(self.env)
+        cfg = load_config(None)
+        self.keys = RedisKeys(prefix)
+        self.client = redis_io.connect(cfg.redis)
+        self.slurm = CliSlurm(timeout_s=cfg.slurm.command_timeout_s)
+        self.detector = Detector(cfg.detect, cfg.agent, load_classifier())
+        self.job_id = await self.slurm.submit_batch(
+            "#!/bin/sh\nsleep 100000\n", ["-N", "2", "--no-kill", "-J", "bench-hold", "-o", "/dev/null"]
+        )
+        deadline = time.monotonic() + 30
+        while (await self.slurm.get_job(self.job_id)).state.value != "RUNNING":
+            if time.monotonic() > deadline:
+                raise RuntimeError("holder job did not start")
+            await asyncio.sleep(0.2)
+        ingest = StreamIngest(self.client, self.keys.events(), "bench", self.on_message)
+        tasks = [asyncio.create_task(ingest.run()), asyncio.create_task(self.checker())]
+        out: dict[str, Any] = {
+            "machine": os.uname().nodename,
+            "cpus": os.cpu_count(),
+            "trials": self.args.trials,
+            "heartbeat_interval_s": cfg.agent.heartbeat_interval_s,
+            "heartbeat_timeout_s": cfg.detect.heartbeat_timeout_s,
+            "hang_factor": cfg.detect.hang_factor,
+            "iter_s": self.args.iter_s,
+        }
+        try:
+            results: dict[str, list[float]] = {}
+            for kind in self.args.faults:
+                results[kind] = []
+                for _ in range(self.args.trials):
+                    results[kind].append(await self.trial(kind))
+            for kind, xs in results.items():
+                out[kind] = summary(xs)
+            if "process_exit" in results:
+                out["process_exit_p95_s"] = out["process_exit"]["p95"]
+            if "exception" in results:
+                out["exception_p95_s"] = out["exception"]["p95"]
+            if "hang" in results:
+                out["hang_detect_over_iter"] = out["hang"]["p95"]
+            if "node_loss" in results:
+                out["node_loss_p95_s"] = out["node_loss"]["p95"]
+            if self.args.quiet_s > 0:
+                out.update(await self.quiet_run())
+            if self.args.overhead_pairs > 0:
+                out.update(self.overhead())
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.slurm.cancel(self.job_id)
+            await self.client.aclose()
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument(
+        "--faults", nargs="+", default=["process_exit", "exception", "hang", "node_loss"],
+        choices=["process_exit", "exception", "hang", "node_loss"],
+    )  # fmt: skip
+    ap.add_argument("--iter-s", type=float, default=0.1, help="sleep per toy iteration")
+    ap.add_argument("--quiet-s", type=float, default=600.0)
+    ap.add_argument("--ckpt-s", type=float, default=1.0, help="extra time of a checkpoint step")
+    ap.add_argument("--overhead-pairs", type=int, default=6)
+    ap.add_argument("--overhead-iters", type=int, default=300)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="unicorn-bench-") as tmp:
+        state = Path(tmp) / "cluster"
+        Path(tmp).chmod(0o755)
+        bench = Bench(args, state)
+        try:
+            out = asyncio.run(bench.run())
+        finally:
+            subprocess.run([str(DEV), "--state-dir", str(state), "down"], capture_output=True, check=False)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""IterationMonitor on replayed synthetic traces: no false alarms under noise, fast stop detection."""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from detect.stats import HangVerdict, IterationMonitor, StragglerReference
+from detect.statuses import ErrorStatus, Severity
+from unicorn_core.errors import InvalidArgument
+from unicorn_core.protocol import IterationPhase
+
+CHECK_PERIOD_S = 0.05
+"""How often the replay calls check(): the detection delay is measured to this resolution."""
+
+
+@dataclass
+class Trace:
+    """Lock-step data-parallel training, as a time-ordered list of reports.
+
+    Every rank finishes iteration i at the same moment (the all-reduce) plus a small
+    per-rank reporting jitter. Noise: log-normal iteration times, bursts of CPU
+    contention that slow several iterations, slow warm-up iterations, and checkpoint
+    steps that take many iteration times.
+    """
+
+    seed: int
+    ranks: int = 8
+    iterations: int = 600
+    mean_s: float = 1.0
+    sigma: float = 0.05
+    warmup_s: float = 6.0
+    spike_probability: float = 0.03
+    spike_factor: tuple[float, float] = (1.2, 1.7)
+    checkpoints: dict[int, float] = field(default_factory=lambda: {300: 15.0})
+    """iteration -> its duration (announced before it starts)."""
+    stop_rank: int | None = None
+    stop_at_s: float | None = None
+    """SIGSTOP ``stop_rank`` at this time: it never reports again, and (lock-step) neither
+    does any other rank after the iteration in flight."""
+
+    def events(self) -> list[tuple[float, int, int, str, float, int]]:
+        """(time, order, rank, kind, duration, iteration); kind is 'report' or 'announce'."""
+        rng = random.Random(self.seed)
+        out: list[tuple[float, int, int, str, float, int]] = []
+        t, burst, order = 0.0, 0, 0
+        for i in range(self.iterations):
+            phase_duration = self.checkpoints.get(i)
+            if phase_duration is not None:
+                out.append((t, order, -1, "announce", 0.0, i))
+                order += 1
+                duration = phase_duration
+            elif i < 2:
+                duration = self.warmup_s
+            else:
+                if burst == 0 and rng.random() < self.spike_probability:
+                    burst = rng.randint(1, 5)
+                factor = rng.uniform(*self.spike_factor) if burst else 1.0
+                burst = max(0, burst - 1)
+                duration = self.mean_s * math.exp(rng.gauss(0, self.sigma)) * factor
+            end = t + duration
+            if self.stop_at_s is not None and end > self.stop_at_s:
+                break  # the stopped rank never joins this iteration's all-reduce
+            for rank in range(self.ranks):
+                jitter = rng.uniform(0, 0.02)
+                out.append((end + jitter, order, rank, "report", duration, i))
+                order += 1
+            t = end
+        return sorted(out)
+
+    def phase_of(self, iteration: int) -> IterationPhase:
+        return IterationPhase.CHECKPOINT if iteration in self.checkpoints else IterationPhase.TRAIN
+
+
+def replay(
+    trace: Trace, monitor: IterationMonitor, until_s: float | None = None
+) -> list[tuple[float, HangVerdict]]:
+    """Feed the trace and check() every CHECK_PERIOD_S; the verdicts with their times."""
+    events = trace.events()
+    heapq.heapify(events)
+    end = until_s if until_s is not None else (max(e[0] for e in events) if events else 0.0)
+    verdicts = []
+    now = 0.0
+    while now <= end:
+        while events and events[0][0] <= now:
+            time_s, _, rank, kind, duration, iteration = heapq.heappop(events)
+            if kind == "announce":
+                if monitor.ranks:
+                    monitor.expect_slow_step(IterationPhase.CHECKPOINT, time_s, iteration=iteration)
+            else:
+                monitor.observe(rank, iteration, duration, trace.phase_of(iteration), now_s=time_s)
+        verdict = monitor.check(now)
+        if verdict is not None:
+            verdicts.append((now, verdict))
+        now = round(now + CHECK_PERIOD_S, 6)
+    return verdicts
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_no_false_alarms_at_k2_under_noise(seed: int) -> None:
+    """600 iterations (~10 min at 1 s) with contention bursts up to 1.7x, warm-up and a
+    15 s checkpoint step: k = 2 raises nothing."""
+    trace = Trace(seed=seed)
+    monitor = IterationMonitor(hang_factor=2.0, warmup_iterations=2, min_samples=5)
+    verdicts = replay(trace, monitor)
+    assert verdicts == []
+    stats = monitor.stats()
+    assert stats.mean_s is not None and abs(stats.mean_s - trace.mean_s) < 0.05
+    assert stats.samples == monitor.window  # the window is full: learning happened
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13, 14, 15])
+def test_stop_detected_within_2x_mean_iteration(seed: int) -> None:
+    rng = random.Random(seed)
+    stop_at = rng.uniform(120.0, 400.0)
+    trace = Trace(seed=seed, stop_rank=3, stop_at_s=stop_at, checkpoints={})
+    monitor = IterationMonitor(hang_factor=2.0, warmup_iterations=2, min_samples=5)
+    verdicts = replay(trace, monitor, until_s=stop_at + 10.0)
+    assert verdicts, "the stop was never detected"
+    first_time, first = verdicts[0]
+    mean = first.mean_iteration_s
+    assert mean is not None
+    delay_over_iter = (first_time - stop_at) / mean
+    assert 0 < delay_over_iter <= 2.0 + CHECK_PERIOD_S / mean
+    # lock-step: every rank stalls at the same iteration; within the reporting jitter
+    # (20 ms) after the first verdict, all are named
+    assert first.ranks and first.stalled_ranks == first.ranks
+    later = next(v for t, v in verdicts if t >= first_time + 0.02)
+    assert later.ranks == tuple(range(8)) and later.last_iteration == first.last_iteration
+    assert first.deadline_s == pytest.approx(2.0 * mean)
+    cls = first.classification()
+    assert (cls.status, cls.severity, cls.rule, cls.secondary) == (
+        ErrorStatus.TASK_HANG,
+        Severity.SEV2,
+        "iteration_stall",
+        True,
+    )
+    assert "rank(s) 0, 1, 2, 3, 4, 5, 6, 7 " in later.classification().evidence
+
+
+def test_lagging_rank_is_named_alone() -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3)
+    t = 0.0
+    for i in range(10):
+        t += 1.0
+        for rank in range(4):
+            if not (rank == 2 and i >= 8):
+                m.observe(rank, i, 1.0, now_s=t)
+    assert m.check(t) is None  # rank 2 silent for 2 s: exactly the deadline
+    verdict = m.check(t + 0.5)  # rank 2 silent for 2.5 s (> 2 s); the others 0.5 s
+    assert verdict is not None and verdict.ranks == (2,) and verdict.last_iteration == 7
+    assert verdict.waited_s == pytest.approx(2.5)
+
+
+def test_nothing_before_learning_unless_an_initial_deadline() -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=2, min_samples=5)
+    m.register(0, now_s=0.0)
+    assert m.deadline_s() is None and m.check(1000.0) is None
+    first = IterationMonitor(hang_factor=2.0, initial_deadline_s=60.0)
+    first.register(0, now_s=0.0)
+    first.register(1, now_s=0.0)
+    first.observe(1, 0, 30.0, now_s=30.0)
+    verdict = first.check(61.0)
+    assert verdict is not None and verdict.ranks == (0,) and verdict.last_iteration == -1
+
+
+WARMUP = [(30.0, "train"), (20.0, "train")]
+
+
+def test_warmup_and_slow_phases_do_not_feed_statistics() -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=2, min_samples=3)
+    t = 0.0
+    for i, (d, phase) in enumerate(
+        [*WARMUP, (1.0, "train"), (1.0, "train"), (50.0, "checkpoint"), (9.0, "eval"), (1.0, "train")]
+    ):
+        t += d
+        m.observe(0, i, d, phase, now_s=t)
+    stats = m.stats()
+    assert (stats.samples, stats.mean_s, stats.spread_s) == (3, 1.0, 0.0)
+
+
+def test_restart_from_checkpoint_warms_up_again() -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=1, min_samples=2)
+    for i in range(5):
+        m.observe(0, 100 + i, 1.0, now_s=float(i + 1))
+    m.observe(0, 90, 40.0, now_s=50.0)  # iteration went back: a relaunch; its first step is warm-up
+    assert m.mean_s() == 1.0
+
+
+def _steady(m: IterationMonitor, iterations: range, t: float) -> float:
+    for i in iterations:
+        t += 1.0
+        m.observe(0, i, 1.0, now_s=t)
+    return t
+
+
+def test_unlearned_announced_checkpoint_gets_slow_step_timeout() -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3, slow_step_timeout_s=100.0)
+    t = _steady(m, range(5), 0.0)
+    m.expect_slow_step("checkpoint", t, iteration=5)
+    assert m.check(t + 90.0) is None
+    stalled = m.check(t + 101.0)
+    assert stalled is not None and stalled.deadline_s == 100.0
+
+
+def test_learned_checkpoint_time_bounds_the_next_one() -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3)
+    t = _steady(m, range(5), 0.0)
+    m.expect_slow_step("checkpoint", t, iteration=5)
+    assert m.check(t + 1000.0) is None  # not learned and no slow_step_timeout_s: no limit
+    t += 1000.0
+    m.observe(0, 5, 10.0, "checkpoint", now_s=t)  # learned: checkpoints take 10 s
+    t = _steady(m, range(6, 9), t)
+    m.expect_slow_step("checkpoint", t)  # each rank's next iteration (9)
+    assert m.check(t + 19.0) is None
+    hung = m.check(t + 21.0)
+    assert hung is not None and hung.deadline_s == pytest.approx(20.0)
+    m.observe(0, 9, 10.0, "checkpoint", now_s=t + 22.0)
+    assert m.check(t + 23.0) is None
+    assert m.check(t + 24.5) is not None  # back to the train deadline (2 s)
+
+
+def test_periodic_checkpoints_are_predicted_without_announcement() -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3)
+    t = 0.0
+    for i in range(1, 301):
+        slow = i % 100 == 0
+        d = 12.0 if slow else 1.0
+        if slow and i == 300:
+            # the third checkpoint is due; nobody announced it
+            assert m.check(t + 20.0) is None
+            assert m.check(t + 24.5) is not None  # 2 x the learned 12 s
+            return
+        t += d
+        m.observe(0, i, d, "checkpoint" if slow else "train", now_s=t)
+
+
+def test_learned_hang_factor_follows_noise_within_bounds() -> None:
+    fixed = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3)
+    learned = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3, max_hang_factor=3.0)
+    t = 0.0
+    for i, d in enumerate([1.0] * 10 + [2.0] + [1.0] * 5):
+        t += d
+        fixed.observe(0, i, d, now_s=t)
+        learned.observe(0, i, d, now_s=t)
+    assert fixed.effective_hang_factor() == 2.0
+    assert learned.effective_hang_factor() == pytest.approx(2.5)  # 1.25 x the 2x spike
+    assert learned.deadline_s() == pytest.approx(2.5)
+    t += 4.0
+    learned.observe(0, 99, 4.0, now_s=t)
+    assert learned.effective_hang_factor() == 3.0  # capped
+
+
+def test_straggler_scores() -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=5, recent=5)
+    t = 0.0
+    for i in range(20):
+        t += 1.0
+        m.observe(0, i, 1.0, now_s=t)
+        m.observe(1, i, 1.0 if i < 15 else 2.0, now_s=t)  # rank 1 slowed down lately
+        m.observe(2, i, 1.25, now_s=t)  # rank 2 always a bit slower
+    best = m.straggler_scores()
+    assert best == {0: 1.0, 1: 0.5, 2: 0.8}
+    own = m.straggler_scores(StragglerReference.OWN_HISTORY)
+    assert own == {0: 1.0, 1: 0.5, 2: 1.0}
+    assert all(0.0 <= v <= 1.0 for v in best.values())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(min_value=0.0, max_value=100.0), min_size=1, max_size=40))
+def test_straggler_scores_are_ratios_in_0_1(durations: list[float]) -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=1)
+    t = 0.0
+    for i, d in enumerate(durations):
+        t += 1.0
+        m.observe(i % 3, i, d, now_s=t)
+    for reference in StragglerReference:
+        scores = m.straggler_scores(reference)
+        assert scores and all(0.0 <= v <= 1.0 for v in scores.values())
+
+
+def test_bad_input_is_rejected_and_changes_nothing() -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=1)
+    m.observe(0, 0, 1.0, now_s=10.0)
+    for bad in (
+        lambda: m.observe(0, 1, -1.0, now_s=11.0),
+        lambda: m.observe(0, 1, math.nan, now_s=11.0),
+        lambda: m.observe(-1, 1, 1.0, now_s=11.0),
+        lambda: m.observe(0, 1, 1.0, "warp", now_s=11.0),
+        lambda: m.observe(0, 1, 1.0, now_s=9.0),  # the clock went back
+        lambda: m.check(5.0),
+        lambda: m.expect_slow_step("train", 11.0),
+        lambda: m.expect_slow_step("checkpoint", 11.0, rank=7),
+    ):
+        with pytest.raises(InvalidArgument):
+            bad()
+    assert m.stats().samples == 1 and m.ranks == (0,)
+    m.observe(0, 1, 1.0, now_s=10.5)  # the clock still reads 10.0 as its last value
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"hang_factor": 1.0},
+        {"warmup_iterations": -1},
+        {"min_samples": 0},
+        {"window": 2, "min_samples": 5},
+        {"max_hang_factor": 1.5, "hang_factor": 2.0},
+        {"learn_margin": 0.5},
+        {"initial_deadline_s": 0.0},
+        {"slow_step_timeout_s": -3.0},
+    ],
+)
+def test_bad_settings(kwargs: dict[str, float]) -> None:
+    with pytest.raises(InvalidArgument):
+        IterationMonitor(**kwargs)  # type: ignore[arg-type]
+
+
+def test_forget_and_reset() -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=1)
+    m.observe(0, 0, 1.0, now_s=1.0)
+    m.observe(1, 0, 1.0, now_s=1.0)
+    m.forget(1)
+    assert m.ranks == (0,)
+    m.reset()
+    assert m.ranks == () and m.mean_s() is None

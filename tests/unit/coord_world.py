@@ -1,0 +1,115 @@
+"""Builders for the coordinator's decision tests: a small cluster, tasks, findings, plans."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from detect.statuses import ErrorStatus, Severity, default_severity
+from plan.memory import MemoryEstimate
+from plan.perf import LayoutEstimate
+from plan.planner import Assignment, Plan
+from unicorn_core.layout import Layout
+from unicorn_core.model import ModelSpec
+from unicornd.actions import Action, Decision
+from unicornd.decide import Finding
+from unicornd.state import NodeRecord, Policy, Snapshot, TaskRecord, TaskState
+
+GPN = 2
+"""GPUs per node of the test cluster."""
+
+MODEL = ModelSpec(layers=4, hidden=256, heads=4, sequence=128, vocabulary=1000, global_batch=240)
+
+
+def layout_for(nodes: int) -> Layout:
+    return Layout(tp=1, pp=1, dp=nodes * GPN, micro_batch=1, global_batch=240)
+
+
+def task(
+    task_id: str, job_id: int, nodes: Sequence[str], *, state: TaskState = TaskState.RUNNING, **kw: object
+) -> TaskRecord:
+    fields: dict[str, object] = {
+        "task_id": task_id,
+        "name": task_id,
+        "model": MODEL,
+        "command": ("unicorn-train", "--iterations", "100"),
+        "job_id": job_id,
+        "state": state,
+        "layout": layout_for(len(nodes)) if nodes else None,
+        "nodes": tuple(nodes),
+        "last_iteration": 10,
+    }
+    fields.update(kw)
+    return TaskRecord(**fields)  # type: ignore[arg-type]
+
+
+def world(
+    n_nodes: int, tasks: Iterable[TaskRecord], policy: Policy | None = None, *, first: int = 1
+) -> Snapshot:
+    """``n_nodes`` healthy nodes n<first>..; each task's nodes point back at it."""
+    tasks = tuple(tasks)
+    owner = {n: t.task_id for t in tasks for n in t.nodes}
+    nodes = {f"n{i}": NodeRecord(f"n{i}", task_id=owner.get(f"n{i}")) for i in range(first, first + n_nodes)}
+    return Snapshot(
+        tasks={t.task_id: t for t in tasks},
+        nodes=nodes,
+        gpus_per_node=GPN,
+        policy=policy or Policy(),
+    )
+
+
+def finding(
+    finding_id: str,
+    job_id: int | None,
+    node: str,
+    status: ErrorStatus,
+    *,
+    rank: int | None = 0,
+    rank_died: bool = False,
+    secondary: bool = False,
+    severity: Severity | None = None,
+) -> Finding:
+    sev = severity or default_severity(status)
+    assert sev is not None
+    return Finding(
+        finding_id=finding_id,
+        job_id=job_id,
+        node=node,
+        rank=rank,
+        status=status,
+        severity=sev,
+        rule=f"rule-{status.value}",
+        evidence=f"evidence for {status.value}",
+        rank_died=rank_died,
+        secondary=secondary,
+    )
+
+
+def apply(snapshot: Snapshot, decision: Decision) -> Snapshot:
+    return decision.applied_to(snapshot)
+
+
+def of_kind(actions: Iterable[Action], kind: type[Action]) -> list[Action]:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def plan(gpus_by_task: Mapping[str, int]) -> Plan:
+    """A plan giving each task ``gpus`` GPUs at a pure data-parallel layout."""
+    assignments = []
+    for name, gpus in gpus_by_task.items():
+        estimate = None
+        if gpus:
+            memory = MemoryEstimate(1.0, 1.0, 2.0)
+            estimate = LayoutEstimate(layout_for(gpus // GPN), 1.0, 10.0, 10.0 / gpus, 0.5, memory, True)
+        assignments.append(
+            Assignment(name, gpus // GPN, gpus, estimate, 10.0 if gpus else 0.0, 10.0, 0, True)
+        )
+    workers = sum(a.workers for a in assignments)
+    return Plan(tuple(assignments), workers, 0, GPN, 10.0 * len(assignments), 1.0)
+
+
+def render(task: TaskRecord, layout: Layout, nodes: tuple[str, ...]) -> dict[str, list[str]]:
+    """A stand-in for launcher.render: one argv per node, naming its rank and the layout."""
+    return {
+        node: ["torchrun", f"--nnodes={len(nodes)}", f"--node-rank={rank}", *task.command, layout.describe()]
+        for rank, node in enumerate(nodes)
+    }

@@ -1,0 +1,172 @@
+"""The coordinator's detector: agent messages and a clock in, classified findings out.
+
+Pure: no I/O. :meth:`Detector.on_message` classifies what an agent reported (an abnormal
+exit, an exception, a GPU event, the agent's own fault report) and feeds heartbeats and
+iteration timings to the trackers; :meth:`Detector.check` turns silence into findings
+(a lost node agent, a task whose iterations stopped). Both take the caller's monotonic
+clock, so the daemon and tests drive it alike.
+
+A finding is reported once per episode: a lost agent once until it beats again, a
+task hang once until an iteration advances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from detect import (
+    Classification,
+    Classifier,
+    ErrorStatus,
+    Finding,
+    HeartbeatTracker,
+    IterationMonitor,
+    Severity,
+)
+from unicorn_core.config import AgentConfig, DetectConfig
+from unicorn_core.protocol import (
+    ExceptionReport,
+    FaultReport,
+    GpuHealthEvent,
+    Heartbeat,
+    IterationTiming,
+    Message,
+    ProcessExit,
+)
+
+
+@dataclass(frozen=True)
+class JobFinding:
+    """A :class:`detect.Finding` of one job (task)."""
+
+    job_id: int
+    finding: Finding
+
+    @property
+    def classification(self) -> Classification:
+        return self.finding.classification
+
+
+@dataclass
+class _JobState:
+    monitor: IterationMonitor
+    hang_reported: bool = False
+    last_iteration: int | None = None
+
+
+@dataclass
+class Detector:
+    """Findings from agent messages; see the module docstring."""
+
+    detect_cfg: DetectConfig
+    agent_cfg: AgentConfig
+    classifier: Classifier
+    liveness: HeartbeatTracker = field(init=False)
+    _jobs: dict[int, _JobState] = field(init=False, default_factory=dict)
+    _lost: set[tuple[int, str]] = field(init=False, default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.liveness = HeartbeatTracker(
+            timeout_s=self.detect_cfg.heartbeat_timeout_s,
+            # A freshly launched agent needs time to start Python and connect.
+            initial_timeout_s=max(self.detect_cfg.heartbeat_timeout_s, 30.0),
+        )
+
+    def _job(self, job_id: int) -> _JobState:
+        state = self._jobs.get(job_id)
+        if state is None:
+            state = self._jobs[job_id] = _JobState(
+                IterationMonitor(
+                    hang_factor=self.detect_cfg.hang_factor,
+                    warmup_iterations=self.detect_cfg.warmup_iterations,
+                )
+            )
+        return state
+
+    def expect_agent(self, job_id: int, node: str, now_s: float) -> None:
+        """An agent was launched for (job, node): its silence from now on counts."""
+        self.liveness.expect(job_id, node, now_s)
+
+    def forget_agent(self, job_id: int, node: str) -> None:
+        """The agent was stopped on purpose: its silence means nothing."""
+        self.liveness.forget(job_id, node)
+        self._lost.discard((job_id, node))
+
+    def forget_job(self, job_id: int) -> None:
+        self.liveness.forget_job(job_id)
+        self._jobs.pop(job_id, None)
+        self._lost = {k for k in self._lost if k[0] != job_id}
+
+    def restart_job(self, job_id: int) -> None:
+        """The job's processes were relaunched (maybe at a new layout): relearn its timing."""
+        self._jobs.pop(job_id, None)
+
+    def last_iteration(self, job_id: int) -> int | None:
+        state = self._jobs.get(job_id)
+        return None if state is None else state.last_iteration
+
+    def on_message(self, msg: Message, now_s: float) -> list[JobFinding]:
+        """Classify one agent message received at ``now_s`` (monotonic)."""
+        if isinstance(msg, Heartbeat):
+            self.liveness.beat(msg.job_id, msg.node, now_s)
+            self._lost.discard((msg.job_id, msg.node))
+            return []
+        if isinstance(msg, IterationTiming):
+            job = self._job(msg.job_id)
+            job.monitor.observe(msg.rank, msg.iteration, msg.duration_s, msg.phase, now_s=now_s)
+            if job.last_iteration is None or msg.iteration > job.last_iteration:
+                job.last_iteration = msg.iteration
+                job.hang_reported = False
+            return []
+        c: Classification | None = None
+        rank: int | None = None
+        source = ""
+        if isinstance(msg, ProcessExit):
+            if msg.exit_code == 0:
+                return []
+            c = self.classifier.classify_exit(msg.exit_code, msg.signal, msg.stderr_tail, msg.error_file_text)
+            rank, source = msg.rank, "exit"
+        elif isinstance(msg, ExceptionReport):
+            c = self.classifier.classify_exception(msg.exc_type, msg.message, msg.traceback)
+            rank, source = msg.rank, "exception"
+        elif isinstance(msg, GpuHealthEvent):
+            c = self.classifier.classify_gpu(msg.kind, msg.value)
+            source = "gpu"
+        elif isinstance(msg, FaultReport):
+            c = self._fault(msg)
+            rank, source = msg.rank, f"agent:{msg.rule}"
+        if c is None or not c.is_fault:
+            return []
+        return [JobFinding(msg.job_id, Finding(msg.node, rank, now_s, c, source))]
+
+    def _fault(self, msg: FaultReport) -> Classification:
+        """The agent's classification, if it names a known status and severity; else re-classified."""
+        try:
+            status, severity = ErrorStatus(msg.status), Severity(msg.severity)
+        except ValueError:
+            return self.classifier.classify_text(msg.evidence)
+        if status is ErrorStatus.NONE:
+            return self.classifier.classify_text(msg.evidence)
+        secondary = status in (ErrorStatus.TASK_HANG, ErrorStatus.NCCL_TIMEOUT)
+        return Classification(status, severity, msg.rule, msg.evidence[:1000], secondary)
+
+    def check(self, now_s: float) -> list[JobFinding]:
+        """Findings from silence at ``now_s``: lost agents, and tasks whose iterations stopped."""
+        out: list[JobFinding] = []
+        for exp in self.liveness.expired(now_s):
+            key = (exp.job_id, exp.node)
+            if key in self._lost:
+                continue
+            self._lost.add(key)
+            out.append(JobFinding(exp.job_id, Finding(exp.node, None, now_s, exp.classification(), "heartbeat")))
+        for job_id, job in self._jobs.items():
+            verdict = job.monitor.check(now_s)
+            if verdict is None:
+                job.hang_reported = False
+                continue
+            if job.hang_reported:
+                continue
+            job.hang_reported = True
+            rank = verdict.ranks[0] if verdict.ranks else None
+            out.append(JobFinding(job_id, Finding("", rank, now_s, verdict.classification(), "hang")))
+        return out

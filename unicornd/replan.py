@@ -1,0 +1,237 @@
+"""From the current allocation to the planner's new one: which nodes, which Slurm resize, which commands.
+
+:func:`plan_transition` is pure: it takes the snapshot, the :class:`plan.planner.Plan`
+the planner returned for it, and a ``render`` callable (``launcher.render`` builds the
+argv), and returns a :class:`~unicornd.actions.Decision`. Node choice keeps every task
+on as many of its current healthy nodes as it may keep (moving ranks costs a restart
+and a checkpoint load elsewhere), then hands free healthy nodes out in name order.
+
+For each task whose nodes or layout change (or that waits for this plan), in order
+over all tasks: JIT checkpoint (``checkpoint_now`` to its healthy nodes), ``stop`` on
+healthy nodes it leaves, then shrinks and requeues (they free nodes), then grows, then
+``relaunch`` on the nodes it keeps and :class:`LaunchAgents` on new ones. A job that
+would exceed ``Policy.max_resizes_per_run`` (Slurm without slurmdbd resizes a job once
+per run), or that is not running, is requeued onto its new nodes instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TypeAlias
+
+from plan.planner import Assignment, Plan
+from unicorn_core.errors import InvalidArgument
+from unicorn_core.layout import Layout
+from unicorn_core.protocol import AgentAction
+from unicornd.actions import Action, Decision, Grow, LaunchAgents, NodeArgv, Requeue, SendCommand, Shrink
+from unicornd.state import Incident, LadderStage, NodeHealth, Snapshot, TaskRecord, TaskState
+
+Render: TypeAlias = Callable[[TaskRecord, Layout, tuple[str, ...]], Mapping[str, Sequence[str]]]
+"""``render(task, layout, nodes)`` -> one training argv per node of ``nodes`` (node-rank order)."""
+
+PLANNED_STATES = frozenset({TaskState.PENDING, TaskState.LAUNCHING, TaskState.RUNNING, TaskState.RECOVERING})
+"""Tasks the planner must cover: every task that has not ended or been stopped."""
+
+
+def _nodes_needed(assignment: Assignment, gpus_per_node: int) -> tuple[int, Layout | None]:
+    if assignment.estimate is None or assignment.gpus <= 0:
+        return 0, None
+    return math.ceil(assignment.gpus / gpus_per_node), assignment.estimate.layout
+
+
+def _allocate(
+    snapshot: Snapshot, tasks: Sequence[TaskRecord], needs: Mapping[str, int]
+) -> dict[str, tuple[str, ...]]:
+    """New node list per task: current healthy nodes first (in their order), then free ones."""
+    usable = sorted(n.name for n in snapshot.nodes.values() if n.health is NodeHealth.HEALTHY and not n.held)
+    usable_set = set(usable)
+    taken: set[str] = set()
+    out: dict[str, list[str]] = {}
+    for task in tasks:
+        kept = [n for n in task.nodes if n in usable_set][: needs[task.task_id]]
+        out[task.task_id] = kept
+        taken.update(kept)
+    free = [n for n in usable if n not in taken]
+    short = sum(needs[t.task_id] - len(out[t.task_id]) for t in tasks) - len(free)
+    if short > 0:
+        raise InvalidArgument(
+            f"plan needs {sum(needs.values())} nodes, only {len(usable)} are healthy and not held "
+            f"({short} missing); replan on the current snapshot"
+        )
+    for task in tasks:
+        while len(out[task.task_id]) < needs[task.task_id]:
+            out[task.task_id].append(free.pop(0))
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _argv(
+    render: Render, task: TaskRecord, layout: Layout, nodes: tuple[str, ...]
+) -> dict[str, tuple[str, ...]]:
+    rendered = render(task, layout, nodes)
+    if set(rendered) != set(nodes):
+        raise InvalidArgument(
+            f"render gave argv for {sorted(rendered)}, task {task.task_id} runs on {list(nodes)}"
+        )
+    out = {n: tuple(rendered[n]) for n in nodes}
+    empty = [n for n, argv in out.items() if not argv]
+    if empty:
+        raise InvalidArgument(f"render gave an empty argv for {empty}")
+    return out
+
+
+@dataclass
+class _Phases:
+    """Actions grouped by execution phase, and the records a transition writes."""
+
+    gen: int
+    checkpoints: list[Action] = field(default_factory=list)
+    stops: list[Action] = field(default_factory=list)
+    resizes: list[Action] = field(default_factory=list)
+    grows: list[Action] = field(default_factory=list)
+    launches: list[Action] = field(default_factory=list)
+    tasks: list[TaskRecord] = field(default_factory=list)
+    incidents: list[Incident] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def actions(self) -> tuple[Action, ...]:
+        return (*self.checkpoints, *self.stops, *self.resizes, *self.grows, *self.launches)
+
+
+def _check_plan(snapshot: Snapshot, new_plan: Plan) -> tuple[list[TaskRecord], dict[str, Assignment]]:
+    planned = sorted(
+        (t for t in snapshot.tasks.values() if t.state in PLANNED_STATES), key=lambda t: t.task_id
+    )
+    by_name: dict[str, TaskRecord] = {}
+    for task in planned:
+        if task.name in by_name:
+            raise InvalidArgument(
+                f"tasks {by_name[task.name].task_id} and {task.task_id} share the name {task.name!r}"
+            )
+        by_name[task.name] = task
+    assignments = {a.task: a for a in new_plan.assignments}
+    unknown = sorted(set(assignments) - set(by_name))
+    missing = sorted(set(by_name) - set(assignments))
+    if unknown or missing:
+        raise InvalidArgument(f"plan does not match the tasks: unknown {unknown}, missing {missing}")
+    return planned, {task.task_id: assignments[task.name] for task in planned}
+
+
+def plan_transition(snapshot: Snapshot, new_plan: Plan, render: Render, now_s: float) -> Decision:
+    """Actions and records that move every task to ``new_plan``.
+
+    Raises InvalidArgument (nothing changed) when the plan names an unknown task or
+    misses a planned one, needs more healthy nodes than there are, gives GPUs to a task
+    without a Slurm job, or ``render`` does not cover the planned nodes. Tasks whose
+    nodes and layout stay the same are left alone, unless their incident waits for
+    this plan (they are relaunched from their nearest state).
+    """
+    planned, assignments = _check_plan(snapshot, new_plan)
+    needs: dict[str, int] = {}
+    layouts: dict[str, Layout | None] = {}
+    for task in planned:
+        needs[task.task_id], layouts[task.task_id] = _nodes_needed(
+            assignments[task.task_id], snapshot.gpus_per_node
+        )
+        if needs[task.task_id] and task.job_id is None:
+            raise InvalidArgument(
+                f"task {task.task_id} has no Slurm job; register its job id before planning it"
+            )
+    allocation = _allocate(snapshot, planned, needs)
+    phases = _Phases(gen=snapshot.plan_generation + 1)
+    owner: dict[str, str | None] = {}
+    for task in planned:
+        new_nodes = allocation[task.task_id]
+        owner.update(dict.fromkeys(task.nodes))
+        owner.update(dict.fromkeys(new_nodes, task.task_id))
+        _move_task(snapshot, phases, task, new_nodes, layouts[task.task_id], render=render, now_s=now_s)
+    nodes = tuple(
+        replace(snapshot.node(name), task_id=owner[name])
+        for name in sorted(owner)
+        if snapshot.node(name).task_id != owner[name]
+    )
+    return Decision(
+        actions=phases.actions(),
+        tasks=tuple(phases.tasks),
+        nodes=nodes,
+        incidents=tuple(phases.incidents),
+        notes=tuple(phases.notes),
+        plan_generation=phases.gen,
+    )
+
+
+def _move_task(
+    snapshot: Snapshot,
+    phases: _Phases,
+    task: TaskRecord,
+    new_nodes: tuple[str, ...],
+    layout: Layout | None,
+    *,
+    render: Render,
+    now_s: float,
+) -> None:
+    """Add the actions that move ``task`` to ``new_nodes`` at ``layout`` (none if unchanged)."""
+    pol = snapshot.policy
+    inc = snapshot.open_incident(task.task_id)
+    waiting = inc is not None and inc.stage is LadderStage.REPLAN
+    same = set(new_nodes) == set(task.nodes) and layout == task.layout
+    if same and not waiting and not (task.state is TaskState.PENDING and new_nodes):
+        return
+    base = f"plan-{phases.gen}/{task.task_id}"
+    job = task.job_id
+    healthy_now = [n for n in task.nodes if snapshot.node(n).health is NodeHealth.HEALTHY]
+    alive = healthy_now if task.state is not TaskState.PENDING and job is not None else []
+    if pol.jit_checkpoint and job is not None:
+        phases.checkpoints.extend(
+            SendCommand(
+                f"{base}/checkpoint_now/{n}", job, n, AgentAction.CHECKPOINT_NOW, pol.checkpoint_deadline_s
+            )
+            for n in alive
+        )
+    if job is not None:
+        phases.stops.extend(
+            SendCommand(f"{base}/stop/{n}", job, n, AgentAction.STOP, pol.command_deadline_s)
+            for n in alive
+            if n not in new_nodes
+        )
+    new = replace(task, nodes=new_nodes, layout=layout, launched_s=now_s)
+    if not new_nodes or layout is None or job is None:
+        if job is not None and task.state is not TaskState.PENDING:
+            phases.resizes.append(Requeue(f"{base}/requeue", task.task_id, job, ()))
+        phases.tasks.append(replace(new.with_state(TaskState.PENDING), resizes_this_run=0, launched_s=None))
+        phases.notes.append(f"plan-{phases.gen}: {task.task_id} gets no GPUs; held pending")
+        return
+    argv = _argv(render, task, layout, new_nodes)
+    dropped = [n for n in task.nodes if n not in new_nodes]
+    added = [n for n in new_nodes if n not in task.nodes]
+    resize_count = int(bool(dropped)) + int(bool(added))
+    running = task.state is not TaskState.PENDING and bool(set(task.nodes) & set(new_nodes))
+    if not running or task.resizes_this_run + resize_count > pol.max_resizes_per_run:
+        phases.resizes.append(Requeue(f"{base}/requeue", task.task_id, job, new_nodes))
+        commands = tuple(NodeArgv(n, argv[n]) for n in new_nodes)
+        phases.launches.append(LaunchAgents(f"{base}/launch", task.task_id, job, commands))
+        new = replace(new, resizes_this_run=0)
+        how = "requeue"
+    else:
+        if dropped:
+            kept = tuple(n for n in new_nodes if n in task.nodes)
+            phases.resizes.append(Shrink(f"{base}/shrink", task.task_id, job, kept))
+        if added:
+            phases.grows.append(Grow(f"{base}/grow", task.task_id, job, tuple(added)))
+        phases.launches.extend(
+            SendCommand(f"{base}/relaunch/{n}", job, n, AgentAction.RELAUNCH, pol.command_deadline_s, argv[n])
+            for n in new_nodes
+            if n in task.nodes
+        )
+        if added:
+            commands = tuple(NodeArgv(n, argv[n]) for n in added)
+            phases.launches.append(LaunchAgents(f"{base}/launch", task.task_id, job, commands))
+        new = replace(new, resizes_this_run=task.resizes_this_run + resize_count)
+        how = "+".join(w for w, on in (("shrink", dropped), ("grow", added)) if on) or "relaunch"
+    phases.tasks.append(new.with_state(TaskState.LAUNCHING))
+    if inc is not None and waiting:
+        phases.incidents.append(replace(inc.moved(LadderStage.TRANSITION, now_s), last_action_s=now_s))
+    phases.notes.append(
+        f"plan-{phases.gen}: {task.task_id} {layout.describe()} on {', '.join(new_nodes)} ({how})"
+    )

@@ -1,0 +1,588 @@
+"""The coordinator's state: enums with explicit transition tables, persisted records, policy.
+
+Everything here is a value: frozen dataclasses whose ``to_dict()`` gives plain JSON types
+(so unicornd can persist them in Redis) and whose ``from_dict()`` rejects bad data with
+:class:`~unicorn_core.errors.ProtocolError` (wrong shape or type, unknown key) or
+:class:`~unicorn_core.errors.InvalidArgument` (a value out of range). No I/O, no clock:
+timestamps (``*_s``) are wall-clock seconds (``time.time()``) passed in by the caller,
+because these records outlive the process and windows such as "failures in the last
+day" must survive a restart; decisions only ever use differences of them.
+
+State machines (every pair is tested; :func:`transition` raises on anything else)::
+
+    TaskState    pending -> launching -> running <-> recovering -> launching ...
+                 any live state -> finished | failed | stopped;  stopped -> pending (operator)
+    NodeHealth   healthy -> suspect -> draining -> drained -> returning -> healthy
+    LadderStage  detected -> retry_in_place -> restart_processes -> isolate -> replan
+                 -> transition -> resumed -> closed   (Unicron Fig. 7; see the table)
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Final, Self, TypeVar
+
+import msgspec
+
+from detect.statuses import ErrorStatus, Severity
+from unicorn_core.errors import InvalidArgument, ProtocolError
+from unicorn_core.keys import RedisKeys
+from unicorn_core.layout import Layout
+from unicorn_core.model import ModelSpec
+from unicorn_core.taskspec import TaskSpec
+
+# --- state machines ------------------------------------------------------------------
+
+
+class TaskState(enum.StrEnum):
+    """Lifecycle of a training task (one Slurm job submitted through unicorn).
+
+    ``pending``: known, not running (waiting for GPUs or for its first plan).
+    ``launching``: agents and training processes are being (re)started at a layout.
+    ``running``: iterations advance. ``recovering``: an incident is open.
+    ``finished`` / ``failed``: the job ended (terminal). ``stopped``: unicorn gave up
+    (budget or no-progress breaker) and told the operator; only the operator restarts it.
+    """
+
+    PENDING = "pending"
+    LAUNCHING = "launching"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    FINISHED = "finished"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class NodeHealth(enum.StrEnum):
+    """unicorn's view of a node (beside Slurm's own state).
+
+    ``suspect``: a fault points at it but it is not drained (e.g. the drain limiter asked
+    the operator). ``draining``: a drain was ordered. ``drained``: out of every plan.
+    ``returning``: back in Slurm, running the node check before it may rejoin a task.
+    """
+
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"
+    DRAINING = "draining"
+    DRAINED = "drained"
+    RETURNING = "returning"
+
+
+class LadderStage(enum.StrEnum):
+    """Stage of an incident on the error-handling ladder (Unicron Fig. 7).
+
+    ``retry_in_place`` (SEV3), ``restart_processes`` (SEV2: same nodes, same layout),
+    ``isolate`` (SEV1: drain the node), ``replan`` (waiting for the cluster-wide plan),
+    ``transition`` (the plan is being applied), ``resumed`` (iterations advance again),
+    ``escalated_to_operator`` (unicorn stopped acting: breaker, budget or drain limit),
+    ``closed``.
+    """
+
+    DETECTED = "detected"
+    RETRY_IN_PLACE = "retry_in_place"
+    RESTART_PROCESSES = "restart_processes"
+    ISOLATE = "isolate"
+    REPLAN = "replan"
+    TRANSITION = "transition"
+    RESUMED = "resumed"
+    ESCALATED_TO_OPERATOR = "escalated_to_operator"
+    CLOSED = "closed"
+
+
+_T = TaskState
+TASK_TRANSITIONS: Final[Mapping[TaskState, frozenset[TaskState]]] = {
+    _T.PENDING: frozenset({_T.LAUNCHING, _T.FINISHED, _T.FAILED, _T.STOPPED}),
+    _T.LAUNCHING: frozenset({_T.RUNNING, _T.RECOVERING, _T.PENDING, _T.FINISHED, _T.FAILED, _T.STOPPED}),
+    _T.RUNNING: frozenset({_T.RECOVERING, _T.LAUNCHING, _T.PENDING, _T.FINISHED, _T.FAILED, _T.STOPPED}),
+    _T.RECOVERING: frozenset({_T.RUNNING, _T.LAUNCHING, _T.PENDING, _T.FINISHED, _T.FAILED, _T.STOPPED}),
+    _T.FINISHED: frozenset(),
+    _T.FAILED: frozenset(),
+    _T.STOPPED: frozenset({_T.PENDING, _T.FINISHED, _T.FAILED}),
+}
+"""Allowed next states of a task. ``running -> launching`` is a replan that moves a
+healthy task; ``-> pending`` is a plan that gives the task no GPUs."""
+
+_N = NodeHealth
+NODE_TRANSITIONS: Final[Mapping[NodeHealth, frozenset[NodeHealth]]] = {
+    _N.HEALTHY: frozenset({_N.SUSPECT, _N.DRAINING, _N.DRAINED}),
+    _N.SUSPECT: frozenset({_N.HEALTHY, _N.DRAINING, _N.DRAINED}),
+    _N.DRAINING: frozenset({_N.DRAINED, _N.RETURNING}),
+    _N.DRAINED: frozenset({_N.RETURNING}),
+    _N.RETURNING: frozenset({_N.HEALTHY, _N.DRAINING, _N.DRAINED}),
+}
+"""Allowed next health states. ``-> drained`` directly is a drain seen in Slurm that
+unicorn did not order (an administrator's, or a node marked down)."""
+
+_L = LadderStage
+_UP = frozenset({_L.ESCALATED_TO_OPERATOR, _L.CLOSED})
+LADDER_TRANSITIONS: Final[Mapping[LadderStage, frozenset[LadderStage]]] = {
+    _L.DETECTED: frozenset({_L.RETRY_IN_PLACE, _L.RESTART_PROCESSES, _L.ISOLATE}) | _UP,
+    _L.RETRY_IN_PLACE: frozenset({_L.RESTART_PROCESSES, _L.ISOLATE, _L.RESUMED}) | _UP,
+    _L.RESTART_PROCESSES: frozenset({_L.ISOLATE, _L.RESUMED}) | _UP,
+    _L.ISOLATE: frozenset({_L.REPLAN}) | _UP,
+    _L.REPLAN: frozenset({_L.TRANSITION, _L.ISOLATE}) | _UP,
+    _L.TRANSITION: frozenset({_L.RESUMED, _L.RETRY_IN_PLACE, _L.RESTART_PROCESSES, _L.ISOLATE, _L.REPLAN})
+    | _UP,
+    _L.RESUMED: frozenset({_L.CLOSED}),
+    _L.ESCALATED_TO_OPERATOR: frozenset({_L.ISOLATE, _L.CLOSED}),
+    _L.CLOSED: frozenset(),
+}
+"""Allowed next ladder stages. Every open stage may go to ``escalated_to_operator``
+(breaker, budget, drain limit) or straight to ``closed`` (the task ended, or the
+operator closed it). Going back down from ``transition`` to a retry or a restart
+handles a fault of the relaunched task: a fresh layout gets the in-place rungs again,
+but the incident's attempt counters carry on, so repeated failure still climbs. A
+second attempt at the same rung is not a transition: it increments ``attempts``."""
+
+_E = TypeVar("_E", TaskState, NodeHealth, LadderStage)
+
+_TABLES: Final[Mapping[type[enum.Enum], Mapping[Any, frozenset[Any]]]] = {
+    TaskState: TASK_TRANSITIONS,
+    NodeHealth: NODE_TRANSITIONS,
+    LadderStage: LADDER_TRANSITIONS,
+}
+
+
+class IllegalTransition(InvalidArgument):
+    """A state change that the transition table does not allow. Nothing was changed."""
+
+    def __init__(self, old: enum.Enum, new: enum.Enum, allowed: Iterable[enum.Enum]) -> None:
+        names = ", ".join(sorted(str(s.value) for s in allowed)) or "none (terminal)"
+        super().__init__(
+            f"{type(old).__name__}: {old.value} -> {new.value} is not allowed; from {old.value}: {names}"
+        )
+        self.old = old
+        self.new = new
+
+
+def transition(old: _E, new: _E) -> _E:
+    """Return ``new`` if its table allows ``old -> new``, else raise :class:`IllegalTransition`.
+
+    Staying in the same state is not a transition and raises too: callers that mean
+    "no change" do not call this.
+    """
+    if type(old) is not type(new):
+        raise InvalidArgument(f"cannot move a {type(old).__name__} to a {type(new).__name__}")
+    allowed = _TABLES[type(old)][old]
+    if new not in allowed:
+        raise IllegalTransition(old, new, allowed)
+    return new
+
+
+# --- persistence helpers -------------------------------------------------------------
+
+_KEYS: Final = RedisKeys()
+
+
+def _finite(value: float, what: str) -> None:
+    if not math.isfinite(value):
+        raise InvalidArgument(f"{what} must be finite, got {value!r}")
+
+
+def _non_negative(value: int, what: str) -> None:
+    if value < 0:
+        raise InvalidArgument(f"{what} must be >= 0, got {value!r}")
+
+
+def _name(value: str, what: str) -> None:
+    """Node names and task ids become Redis key components: the same rule applies."""
+    try:
+        _KEYS.node(value)
+    except InvalidArgument:
+        raise InvalidArgument(f"{what} {value!r} must match [A-Za-z0-9_.-]+") from None
+
+
+def _distinct(values: tuple[str, ...], what: str) -> None:
+    if len(set(values)) != len(values):
+        raise InvalidArgument(f"{what} must be distinct, got {list(values)}")
+
+
+_R = TypeVar("_R")
+
+
+def _load(cls: type[_R], data: object) -> _R:
+    """Convert plain JSON data to ``cls``; strict about types and unknown keys."""
+    if not isinstance(data, Mapping):
+        raise ProtocolError("invalid", f"{cls.__name__}: expected an object, got {type(data).__name__}")
+    valid = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    unknown = sorted(str(k) for k in data if k not in valid)
+    if unknown:
+        raise ProtocolError(
+            "invalid", f"{cls.__name__}: unknown field(s) {', '.join(unknown)}; valid: {', '.join(valid)}"
+        )
+    try:
+        return msgspec.convert(dict(data), cls)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError("invalid", f"{cls.__name__}: {exc}") from exc
+
+
+def _dump(value: object) -> dict[str, Any]:
+    """Plain JSON types only (lists, not tuples): what ``json.loads`` would give back."""
+    out = msgspec.json.decode(msgspec.json.encode(value))
+    assert isinstance(out, dict)
+    return out
+
+
+class _Record:
+    """``to_dict``/``from_dict`` for the frozen dataclasses below."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types; ``from_dict(to_dict())`` equals the record."""
+        return _dump(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> Self:
+        """Inverse of :meth:`to_dict`. Raises ProtocolError (shape, types, unknown keys)
+        or InvalidArgument (values out of range)."""
+        return _load(cls, data)
+
+
+# --- records -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TaskRecord(_Record):
+    """One training task as the coordinator tracks it.
+
+    ``nodes`` are the nodes it runs on now, in node-rank order. ``last_iteration`` is the
+    highest iteration ever reported (the no-progress breaker's mark).
+    ``recoveries_without_progress`` counts ladder actions since the iteration last passed
+    that mark; ``recovery_times_s`` are the times of ladder actions (the budget used is
+    how many fall in the budget window). ``resizes_this_run`` counts shrinks and grows
+    since the job (re)started (Slurm without slurmdbd allows one). ``incidents_opened``
+    numbers this task's incidents, so incident ids are deterministic. ``launched_s`` is
+    when the latest launch or relaunch was ordered (iterations reported after it prove
+    the launch worked).
+    """
+
+    task_id: str
+    name: str
+    model: ModelSpec
+    command: tuple[str, ...]
+    weight: float = 1.0
+    min_gpus: int = 1
+    max_gpus: int | None = None
+    job_id: int | None = None
+    state: TaskState = TaskState.PENDING
+    layout: Layout | None = None
+    nodes: tuple[str, ...] = ()
+    last_iteration: int | None = None
+    recoveries_without_progress: int = 0
+    recovery_times_s: tuple[float, ...] = ()
+    resizes_this_run: int = 0
+    incidents_opened: int = 0
+    launched_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _name(self.task_id, "task_id")
+        self.spec()  # name, weight, GPU bounds: TaskSpec's rules
+        if not self.command:
+            raise InvalidArgument(f"task {self.task_id}: command must not be empty")
+        if self.job_id is not None:
+            _non_negative(self.job_id, f"task {self.task_id}: job_id")
+        for node in self.nodes:
+            _name(node, f"task {self.task_id}: node")
+        _distinct(self.nodes, f"task {self.task_id}: nodes")
+        if self.last_iteration is not None:
+            _non_negative(self.last_iteration, f"task {self.task_id}: last_iteration")
+        for what in ("recoveries_without_progress", "resizes_this_run", "incidents_opened"):
+            _non_negative(getattr(self, what), f"task {self.task_id}: {what}")
+        for t in (*self.recovery_times_s, *(() if self.launched_s is None else (self.launched_s,))):
+            _finite(t, f"task {self.task_id}: timestamp")
+
+    def spec(self) -> TaskSpec:
+        """The planner's view of this task."""
+        return TaskSpec(
+            name=self.name,
+            model=self.model,
+            weight=self.weight,
+            min_gpus=self.min_gpus,
+            max_gpus=self.max_gpus,
+        )
+
+    def budget_used(self, now_s: float, window_s: float) -> int:
+        """Ladder actions within the last ``window_s`` seconds."""
+        return sum(1 for t in self.recovery_times_s if now_s - t < window_s)
+
+    def with_state(self, new: TaskState) -> TaskRecord:
+        """Copy in state ``new`` (raises :class:`IllegalTransition`); same state: unchanged."""
+        return self if new is self.state else replace(self, state=transition(self.state, new))
+
+
+@dataclass(frozen=True)
+class NodeRecord(_Record):
+    """One node: health, why, which task uses it, and its history.
+
+    ``failures_s``: times unicorn found it faulty (SEV1 isolations, failed node checks);
+    ``drains_s``: times unicorn drained it (the drain limiter counts these across the
+    cluster); ``held``: failed too often, stays drained until an operator resumes it;
+    ``joins``: how often it (re)joined, so join actions get deterministic ids.
+    """
+
+    name: str
+    health: NodeHealth = NodeHealth.HEALTHY
+    reason: str = ""
+    task_id: str | None = None
+    failures_s: tuple[float, ...] = ()
+    drains_s: tuple[float, ...] = ()
+    held: bool = False
+    joins: int = 0
+
+    def __post_init__(self) -> None:
+        _name(self.name, "node name")
+        if self.task_id is not None:
+            _name(self.task_id, f"node {self.name}: task_id")
+        for t in (*self.failures_s, *self.drains_s):
+            _finite(t, f"node {self.name}: timestamp")
+        _non_negative(self.joins, f"node {self.name}: joins")
+
+    def failures_within(self, now_s: float, window_s: float) -> int:
+        return sum(1 for t in self.failures_s if now_s - t < window_s)
+
+    def with_health(self, new: NodeHealth, reason: str | None = None) -> NodeRecord:
+        """Copy in health ``new`` (raises :class:`IllegalTransition`); same health: only the reason."""
+        health = self.health if new is self.health else transition(self.health, new)
+        return replace(self, health=health, reason=self.reason if reason is None else reason)
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    """One step of an incident's timeline: it entered ``stage`` at ``t_s``."""
+
+    stage: LadderStage
+    t_s: float
+
+
+@dataclass(frozen=True)
+class Incident(_Record):
+    """A fault of one task (or of an idle node, ``task_id`` None) and its way up the ladder.
+
+    ``node``/``rank``/``status``/``severity``/``rule``/``evidence`` describe the finding
+    that opened it (the root cause); ``severity`` is raised to the worst seen since.
+    ``attempts`` counts actions per rung; ``last_action_s`` is when the latest one was
+    issued (findings soon after it are its consequences, and stage deadlines run from
+    it). ``isolated_nodes`` are the nodes this incident drained; ``pending_drain`` the
+    node waiting for an operator's confirmation. ``finding_ids`` (the newest
+    :attr:`Policy.remembered_findings`) make a redelivered finding a no-op.
+    """
+
+    incident_id: str
+    task_id: str | None
+    node: str
+    rank: int | None
+    status: ErrorStatus
+    severity: Severity
+    rule: str
+    evidence: str
+    opened_s: float
+    stage: LadderStage = LadderStage.DETECTED
+    attempts: dict[LadderStage, int] = field(default_factory=dict)
+    timeline: tuple[StageEntry, ...] = ()
+    last_action_s: float = 0.0
+    finding_ids: tuple[str, ...] = ()
+    isolated_nodes: tuple[str, ...] = ()
+    pending_drain: str | None = None
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.incident_id:
+            raise InvalidArgument("incident_id must be non-empty")
+        _name(self.node, f"incident {self.incident_id}: node")
+        if self.rank is not None:
+            _non_negative(self.rank, f"incident {self.incident_id}: rank")
+        _finite(self.opened_s, f"incident {self.incident_id}: opened_s")
+        _finite(self.last_action_s, f"incident {self.incident_id}: last_action_s")
+        for stage, count in self.attempts.items():
+            _non_negative(count, f"incident {self.incident_id}: attempts[{stage}]")
+        for entry in self.timeline:
+            _finite(entry.t_s, f"incident {self.incident_id}: timeline time")
+
+    @property
+    def is_open(self) -> bool:
+        return self.stage is not LadderStage.CLOSED
+
+    def attempts_at(self, stage: LadderStage) -> int:
+        return self.attempts.get(stage, 0)
+
+    def moved(self, new: LadderStage, now_s: float) -> Incident:
+        """Copy in stage ``new`` with a timeline entry (raises :class:`IllegalTransition`)."""
+        stage = transition(self.stage, new)
+        return replace(self, stage=stage, timeline=(*self.timeline, StageEntry(stage, now_s)))
+
+
+# --- policy and snapshot -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Every constant the decision functions use, with its default and why.
+
+    Ladder (Unicron Fig. 7):
+
+    - ``max_retries_in_place`` = 2: SEV3 faults are transient (connection resets, NCCL
+      timeouts caused elsewhere); two reattempts ride out a network blip, more only
+      delay the restart that a persistent fault needs.
+    - ``max_process_restarts`` = 1: a restart from the nearest state fixes a corrupted
+      process; a second failure on the same nodes points at the node, so isolate.
+    - ``settle_s`` = 10: findings within this time of an action and no worse than the
+      current rung are its consequences (peers' collectives time out, ranks being
+      restarted exit), not new failures. NCCL's abort after a peer dies takes seconds.
+    - ``retry_timeout_s`` = 60, ``restart_timeout_s`` = 180, ``transition_timeout_s`` =
+      600: with no iteration after the rung's action for this long, the rung failed
+      (retry waits for a transient fault to clear; a restart reloads a checkpoint; a
+      transition may resize jobs and start agents on new nodes).
+
+    Breakers:
+
+    - ``no_progress_limit`` = 3: recoveries allowed while the iteration does not pass
+      its previous maximum; beyond, the task is stopped and the operator told
+      (nvidia-resiliency-ext's restart-loop breaker).
+    - ``recovery_budget`` = 10 ladder actions per ``budget_window_s`` = 3600 s and task:
+      more than one fault every six minutes is not self-healing any more.
+    - ``max_drain_fraction`` = 0.25 of the nodes per ``drain_window_s`` = 600 s, but
+      at least ``min_drains_per_window`` = 1: a storm of false positives must not empty
+      the cluster; beyond, the operator confirms each drain. One drain is always
+      allowed, so a 4-node cluster still heals a dead node by itself.
+    - ``node_failure_limit`` = 2 failures per ``node_failure_window_s`` = 86400 s: a
+      node failing twice a day stays drained until an operator resumes it (flapping
+      nodes cost every task on them a transition).
+
+    Execution:
+
+    - ``node_check_on_join`` = True: a returning node runs the node check before it
+      rejoins a task (a node that comes back broken would fail the task again).
+    - ``jit_checkpoint`` = True: before a transition stops ranks, healthy nodes are
+      told to checkpoint now, so at most the current iteration is recomputed.
+    - ``max_resizes_per_run`` = 1: without slurmdbd Slurm 22.05 resizes a job once per
+      run (measured; the next update fails on the db_index); beyond, requeue.
+    - ``command_deadline_s`` = 120 (restart, relaunch, stop) and
+      ``checkpoint_deadline_s`` = 60 (checkpoint now): how long an agent may take.
+    - ``remembered_findings`` = 64: finding ids kept per incident for deduplication
+      (a redelivered stream entry arrives soon, not after 64 newer findings).
+    - ``drain_reason_chars`` = 160: Slurm stores the reason in a fixed-size field and
+      ``sinfo -R`` shows it on one line.
+    """
+
+    max_retries_in_place: int = 2
+    max_process_restarts: int = 1
+    settle_s: float = 10.0
+    retry_timeout_s: float = 60.0
+    restart_timeout_s: float = 180.0
+    transition_timeout_s: float = 600.0
+    no_progress_limit: int = 3
+    recovery_budget: int = 10
+    budget_window_s: float = 3600.0
+    max_drain_fraction: float = 0.25
+    min_drains_per_window: int = 1
+    drain_window_s: float = 600.0
+    node_failure_limit: int = 2
+    node_failure_window_s: float = 86400.0
+    node_check_on_join: bool = True
+    jit_checkpoint: bool = True
+    max_resizes_per_run: int = 1
+    command_deadline_s: float = 120.0
+    checkpoint_deadline_s: float = 60.0
+    remembered_findings: int = 64
+    drain_reason_chars: int = 160
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                continue
+            if not math.isfinite(value) or value < 0:
+                raise InvalidArgument(f"policy {f.name} must be finite and >= 0, got {value!r}")
+        if not 0.0 <= self.max_drain_fraction <= 1.0:
+            raise InvalidArgument(
+                f"policy max_drain_fraction must be in [0, 1], got {self.max_drain_fraction!r}"
+            )
+        for name in (
+            "command_deadline_s",
+            "checkpoint_deadline_s",
+            "drain_reason_chars",
+            "remembered_findings",
+        ):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"policy {name} must be > 0, got {getattr(self, name)!r}")
+
+    def drain_limit(self, nodes: int) -> int:
+        """Drains allowed per window on a cluster of ``nodes`` nodes."""
+        return max(self.min_drains_per_window, math.floor(self.max_drain_fraction * nodes))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the decision functions see: every record, the cluster shape and the policy.
+
+    ``incidents`` holds open incidents and recently closed ones (kept so a redelivered
+    finding is recognised). ``plan_generation`` numbers applied plans (action ids of a
+    transition derive from it). Treat the mappings as read-only; :meth:`apply` returns
+    a new snapshot.
+    """
+
+    tasks: Mapping[str, TaskRecord]
+    nodes: Mapping[str, NodeRecord]
+    gpus_per_node: int
+    incidents: Mapping[str, Incident] = field(default_factory=dict)
+    plan_generation: int = 0
+    policy: Policy = field(default_factory=Policy)
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node <= 0:
+            raise InvalidArgument(f"gpus_per_node must be > 0, got {self.gpus_per_node!r}")
+        for key, task in self.tasks.items():
+            if key != task.task_id:
+                raise InvalidArgument(f"tasks: key {key!r} holds task {task.task_id!r}")
+        for key, node in self.nodes.items():
+            if key != node.name:
+                raise InvalidArgument(f"nodes: key {key!r} holds node {node.name!r}")
+        for key, inc in self.incidents.items():
+            if key != inc.incident_id:
+                raise InvalidArgument(f"incidents: key {key!r} holds incident {inc.incident_id!r}")
+
+    def task_of_job(self, job_id: int) -> TaskRecord | None:
+        for task in self.tasks.values():
+            if task.job_id == job_id:
+                return task
+        return None
+
+    def open_incident(self, task_id: str) -> Incident | None:
+        """The task's open incident (at most one exists)."""
+        for inc in self.incidents.values():
+            if inc.task_id == task_id and inc.is_open:
+                return inc
+        return None
+
+    def open_node_incident(self, node: str) -> Incident | None:
+        """The open incident of an idle node (``task_id`` None) on ``node``."""
+        for inc in self.incidents.values():
+            if inc.task_id is None and inc.node == node and inc.is_open:
+                return inc
+        return None
+
+    def node(self, name: str) -> NodeRecord:
+        """The node's record; a node never seen is healthy with no history."""
+        return self.nodes.get(name) or NodeRecord(name)
+
+    def drains_within(self, now_s: float, window_s: float) -> int:
+        return sum(1 for n in self.nodes.values() for t in n.drains_s if now_s - t < window_s)
+
+    def apply(
+        self,
+        *,
+        tasks: Iterable[TaskRecord] = (),
+        nodes: Iterable[NodeRecord] = (),
+        incidents: Iterable[Incident] = (),
+        plan_generation: int | None = None,
+    ) -> Snapshot:
+        """A copy with these records upserted (what unicornd persists after a decision)."""
+        return replace(
+            self,
+            tasks={**self.tasks, **{t.task_id: t for t in tasks}},
+            nodes={**self.nodes, **{n.name: n for n in nodes}},
+            incidents={**self.incidents, **{i.incident_id: i for i in incidents}},
+            plan_generation=self.plan_generation if plan_generation is None else plan_generation,
+        )
