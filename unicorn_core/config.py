@@ -240,22 +240,24 @@ class DetectConfig(Section):
     """Failure detection: lost heartbeats, hangs and slowdowns."""
 
     heartbeat_timeout_s: float = field(
-        default=3.0,
+        default=1.5,
         metadata=_meta(
-            "Seconds without a heartbeat after which a process or node counts as lost. Must "
-            "exceed agent.heartbeat_interval_s. Default 3 s: three beats at the default "
-            "interval, so one late write is tolerated and a dead node is still caught in "
-            "seconds.",
+            "Seconds without a heartbeat after which a node agent counts as lost. Must "
+            "exceed agent.heartbeat_interval_s. Default 1.5 s: with 1 s beats a dead node is "
+            "caught within 2 s (Unicron: 5.6 s) and a beat up to 0.5 s late is tolerated; "
+            "measured without false alarms under CPU contention (BENCHMARKS.md). Silence "
+            "alone never drains a node: unicornd confirms out of band first.",
             gt=0,
         ),
     )
     hang_factor: float = field(
-        default=3.0,
+        default=2.0,
         metadata=_meta(
-            "An iteration taking longer than this multiple of the learned mean iteration time "
-            "counts as a hang or slowdown (a ratio, no unit; must be > 1). Default 3: normal "
-            "jitter (data loading, logging steps) stays well below 3x, a stuck collective "
-            "passes it quickly.",
+            "A rank silent for longer than this multiple of the learned mean iteration time "
+            "counts as hung (a ratio, no unit; must be > 1). Default 2 (Unicron uses 3): "
+            "steady training jitters far below 2x, checkpoint steps are excluded or "
+            "announced, and a stuck collective is caught within 2 iterations; measured "
+            "without false alarms in BENCHMARKS.md.",
             gt=1,
         ),
     )

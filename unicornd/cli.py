@@ -24,7 +24,8 @@ from unicorn_core.config import Config, describe, load_config
 from unicorn_core.errors import ConfigError, UnicornError
 from unicorn_core.logs import configure_logging
 from unicorn_core.slurm import JobInfo, NodeInfo, make_backend
-from unicorn_core.slurm.hostlist import compress
+from unicorn_core.slurm.hostlist import compress, expand
+from unicornd.paircheck import PairedCheckReport, paired_check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,15 +170,41 @@ def config_cmd(ctx: click.Context, show_docs: bool) -> None:
     default=None,
     help="TEST ONLY: a GPU fault file (JSON lines); any fault in it fails the check.",
 )
+@click.option(
+    "--paired",
+    "paired",
+    default=None,
+    metavar="NODES",
+    help="Instead: the two-round paired check across NODES (a Slurm hostlist, e.g. n[1-4]).",
+)
+@click.option("--job", "job_id", type=int, default=None, help="--paired: run as steps of this job.")
+@click.option("--master-addr", default=None, help="--paired: rendezvous address (default: first node).")
+@click.option("--timeout-s", type=click.FloatRange(min=5), default=60.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def node_check(
-    disk_paths: tuple[Path, ...], min_free_gib: float, fault_file: Path | None, as_json: bool
+@click.pass_context
+def node_check(  # noqa: PLR0917 - click passes options positionally
+    ctx: click.Context,
+    disk_paths: tuple[Path, ...],
+    min_free_gib: float,
+    fault_file: Path | None,
+    paired: str | None,
+    job_id: int | None,
+    master_addr: str | None,
+    timeout_s: float,
+    as_json: bool,
 ) -> None:
     """Check this node (GPUs through NVML, disk space, stuck GPU processes).
 
     Exits 0 when healthy, 1 with the failed checks as the reason otherwise (for Slurm's
-    HealthCheckProgram and for unicornd before a node rejoins).
+    HealthCheckProgram and for unicornd before a node rejoins). With ``--paired NODES``
+    runs a small all-gather and matmul per pair of nodes, re-pairs suspects with
+    healthy nodes, and exits 1 naming the bad node(s).
     """
+    if paired is not None:
+        _paired_check(
+            ctx, paired, job_id=job_id, master_addr=master_addr, timeout_s=timeout_s, as_json=as_json
+        )
+        return
     results = run_local_checks(disk_paths=list(disk_paths), min_free_gib=min_free_gib, fault_file=fault_file)
     failed = [r for r in results if r.outcome == Outcome.FAILED]
     if as_json:
@@ -188,6 +215,46 @@ def node_check(
     if failed:
         reason = "; ".join(f"{r.name}: {r.detail}" for r in failed)
         click.echo(f"unhealthy: {reason}", err=True)
+        sys.exit(1)
+
+
+def _paired_check(
+    ctx: click.Context,
+    hostlist: str,
+    *,
+    job_id: int | None,
+    master_addr: str | None,
+    timeout_s: float,
+    as_json: bool,
+) -> None:
+    cfg = _config(ctx)
+    try:
+        nodes = expand(hostlist)
+    except UnicornError as e:
+        raise click.BadParameter(str(e), param_hint="--paired") from None
+    if len(nodes) < 2:
+        raise click.BadParameter("needs at least 2 nodes", param_hint="--paired")
+
+    async def go() -> PairedCheckReport:
+        slurm = await make_backend(cfg.slurm)
+        known = {n.name for n in await slurm.list_nodes()}
+        unknown = [n for n in nodes if n not in known]
+        if unknown:
+            raise click.BadParameter(f"unknown node(s) {unknown}", param_hint="--paired")
+        return await paired_check(slurm, nodes, master_addr=master_addr, timeout_s=timeout_s, job_id=job_id)
+
+    try:
+        report = asyncio.run(go())
+    except UnicornError as e:
+        raise click.ClickException(f"paired check failed to run: {e}") from None
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        for r in report.results:
+            click.echo(f"{'ok' if r.ok else 'FAILED':<7} {','.join(r.nodes):<16} {r.detail}")
+        d = report.diagnosis
+        click.echo(f"bad: {', '.join(d.bad) or '-'}   unresolved: {', '.join(d.unresolved) or '-'}")
+    if report.diagnosis.bad or report.diagnosis.unresolved:
         sys.exit(1)
 
 

@@ -54,8 +54,8 @@ def test_no_file_no_env_gives_defaults() -> None:
     assert config.slurm.command_timeout_s == 30.0
     assert config.agent.heartbeat_interval_s == 1.0
     assert config.agent.heartbeat_ttl_s == 5.0
-    assert config.detect.heartbeat_timeout_s == 3.0
-    assert config.detect.hang_factor == 3.0
+    assert config.detect.heartbeat_timeout_s == 1.5
+    assert config.detect.hang_factor == 2.0
     assert config.detect.warmup_iterations == 2
     assert (config.log.level, config.log.format) == ("info", "auto")
 
@@ -300,7 +300,7 @@ def test_ttl_must_exceed_heartbeat_interval(tmp_path: Path) -> None:
 
 def test_heartbeat_timeout_must_exceed_heartbeat_interval() -> None:
     env = {"UNICORN_AGENT__HEARTBEAT_INTERVAL_S": "4", "UNICORN_AGENT__HEARTBEAT_TTL_S": "10"}
-    with pytest.raises(ConfigError, match=r"detect.heartbeat_timeout_s = 3 must be greater than agent"):
+    with pytest.raises(ConfigError, match=r"detect.heartbeat_timeout_s = 1.5 must be greater than agent"):
         load_config(env=env)
 
 
@@ -363,7 +363,7 @@ def test_config_is_frozen() -> None:
         config.detect.hang_factor = 9.0  # type: ignore[misc]
     changed = dataclasses.replace(config, detect=DetectConfig(hang_factor=4.0))
     assert changed.detect.hang_factor == 4.0
-    assert config.detect.hang_factor == 3.0
+    assert config.detect.hang_factor == 2.0
 
 
 def test_each_load_returns_a_new_equal_config() -> None:

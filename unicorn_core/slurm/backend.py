@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from unicorn_core.errors import UnicornError
-from unicorn_core.proc import terminate_group
+from unicorn_core.proc import CommandOutput, terminate_group
 from unicorn_core.slurm.types import GrowResult, JobInfo, NodeInfo
 
 
@@ -77,6 +77,16 @@ class SlurmBackend(Protocol):
         options: Sequence[str] = (),
         capture: bool = True,
     ) -> StepHandle: ...
+
+    async def run_on_nodes(
+        self,
+        nodes: Sequence[str],
+        argv: Sequence[str],
+        *,
+        timeout_s: float,
+        job_id: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> CommandOutput: ...
 
     async def shrink(self, job_id: int, keep_nodes: Sequence[str]) -> None: ...
 

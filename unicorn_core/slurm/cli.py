@@ -16,6 +16,7 @@ from pathlib import Path
 
 from unicorn_core import proc
 from unicorn_core.errors import CommandFailed, InvalidArgument, UnknownJob, UnknownNode
+from unicorn_core.proc import CommandOutput
 from unicorn_core.slurm.backend import ResizeUnsupported, StepHandle
 from unicorn_core.slurm.hostlist import compress
 from unicorn_core.slurm.parse import (
@@ -184,6 +185,45 @@ class CliSlurm:
             step_env.update(env)
         process = await proc.start(cmd, env=step_env, capture=capture)
         return StepHandle(job_id, tuple(nodes), tuple(cmd), process)
+
+    async def run_on_nodes(
+        self,
+        nodes: Sequence[str],
+        argv: Sequence[str],
+        *,
+        timeout_s: float,
+        job_id: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> CommandOutput:
+        """Run ``argv`` once per node on ``nodes`` with srun and wait (output, exit code).
+
+        Without ``job_id`` srun allocates the nodes itself (they must be free); with it the
+        tasks run as an ``--overlap`` step of that job. A non-zero exit is returned, not
+        raised: for checks, failing is an answer. Raises CommandTimeout past ``timeout_s``.
+        """
+        if not nodes or not argv:
+            raise InvalidArgument("run_on_nodes needs nodes and a command")
+        for n in nodes:
+            check_node_name(n)
+        where: list[str] = []
+        if job_id is not None:
+            check_job_id(job_id)
+            where = [f"--jobid={job_id}", "--overlap"]
+        cmd = self._argv(
+            "srun",
+            *where,
+            f"--nodelist={compress(list(nodes))}",
+            f"--nodes={len(nodes)}",
+            f"--ntasks={len(nodes)}",
+            "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1",
+            "--quiet",
+            *argv,
+        )
+        step_env = dict(self.env)
+        if env:
+            step_env.update(env)
+        return await proc.run(cmd, timeout_s=timeout_s, env=step_env, check=False)
 
     async def shrink(self, job_id: int, keep_nodes: Sequence[str]) -> None:
         """Release every node of the job except ``keep_nodes`` (their steps are killed)."""
