@@ -1,0 +1,270 @@
+"""``torch.distributed.checkpoint`` storage on the checkpoint tiers (memory first).
+
+``MemoryStorageWriter`` turns each rank's part of a DCP save into one shard of the
+snapshot format (one entry per write item: a DTensor/ShardedTensor chunk, a whole
+tensor, or DCP's serialized non-tensor objects), written through a
+:class:`~ckpt.snapshot.SnapshotWriter`, so a DCP save *is* a snapshot: the agent seals,
+persists and replicates it like any other. No global metadata file is written: each
+shard records its items (fully qualified name, chunk offsets and sizes, global size,
+dtype), and ``MemoryStorageReader.read_metadata`` rebuilds DCP's ``Metadata`` from all
+shards of the iteration. DCP's planners then reshard (DP4 -> DP2, DP -> TP, ...) by
+chunk overlap, reading zero-copy from the first tier that holds each shard verified.
+
+Checksums: the reader verifies each entry it reads (not the whole shard), so a layout
+reading a quarter of a shard hashes a quarter of it.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgspec
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckpt.errors import InvalidArgument, ShardUnavailable
+from ckpt.format import dtype_name, torch_dtype
+from ckpt.shard import OpenShard, seal_shard
+from ckpt.snapshot import SnapshotHandle, SnapshotWriter
+from ckpt.tier import TierDir
+from unicorn_core.logs import get_logger
+
+EXTRA_KEY: Final = "dcp"
+
+
+class DcpItem(msgspec.Struct, frozen=True, kw_only=True):
+    """One DCP write item as recorded in a shard's ``extra["dcp"]``."""
+
+    fqn: str
+    entry: str
+    is_bytes: bool
+    offsets: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+    global_size: tuple[int, ...] = ()
+    dtype: str = ""
+    requires_grad: bool = False
+
+
+def _entry_name(fqn: str, offsets: Sequence[int]) -> str:
+    return f"{fqn}@{','.join(map(str, offsets))}"
+
+
+def _encode_planner_data(data: Any) -> Any:
+    """DCP's default planner data (fqn -> object path of str/int) as JSON; None if other."""
+    if not isinstance(data, dict):
+        return None
+    out = {}
+    for key, path in data.items():
+        if not isinstance(key, str) or not isinstance(path, tuple | list):
+            return None
+        if not all(isinstance(p, str | int) and not isinstance(p, bool) for p in path):
+            return None
+        out[key] = list(path)
+    return out
+
+
+class MemoryStorageWriter(StorageWriter):
+    """DCP ``StorageWriter`` into the snapshot tier: ``dcp.save(sd, storage_writer=...)``.
+
+    Every rank passes its own ``SnapshotWriter`` (same root and job, its rank).
+    ``seal=True`` computes checksums before ``save`` returns (a restore can read it at
+    once); ``False`` leaves that to the agent and keeps the stall to the copy.
+    """
+
+    def __init__(self, writer: SnapshotWriter, iteration: int, *, seal: bool = True) -> None:
+        super().__init__()
+        self.writer = writer
+        self.iteration = iteration
+        self.seal = seal
+        self.handle: SnapshotHandle | None = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.handle = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        state: dict[str, Any] = {}
+        items: list[DcpItem] = []
+        results: list[WriteResult] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                assert isinstance(data, io.BytesIO)
+                name = _entry_name(item.index.fqn, ())
+                state[name] = data.getvalue()
+                items.append(DcpItem(fqn=item.index.fqn, entry=name, is_bytes=True))
+                nbytes = len(state[name])
+            else:
+                assert isinstance(data, torch.Tensor) and item.tensor_data is not None
+                chunk = item.tensor_data.chunk
+                name = _entry_name(item.index.fqn, chunk.offsets)
+                state[name] = data.detach()
+                props = item.tensor_data.properties
+                items.append(
+                    DcpItem(
+                        fqn=item.index.fqn,
+                        entry=name,
+                        is_bytes=False,
+                        offsets=tuple(chunk.offsets),
+                        sizes=tuple(chunk.sizes),
+                        global_size=tuple(item.tensor_data.size),
+                        dtype=dtype_name(props.dtype),
+                        requires_grad=props.requires_grad,
+                    )
+                )
+                nbytes = data.numel() * data.element_size()
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=(self.writer.rank, name))
+            )
+        extra = {
+            EXTRA_KEY: msgspec.to_builtins(items),
+            "planner_data": _encode_planner_data(plan.planner_data),
+        }
+        self.handle = self.writer.snapshot(state, self.iteration, extra=extra)
+        if self.seal:
+            seal_shard(self.handle.paths)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Nothing global to write: the reader rebuilds the metadata from the shards."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+
+class MemoryStorageReader(StorageReader):
+    """DCP ``StorageReader`` over the tiers: ``dcp.load(sd, storage_reader=...)``.
+
+    ``sources``: tier folders searched per shard in order (e.g. shm, local, remote); each
+    shard is read from the first that holds it sealed. The world size of the *saved*
+    layout comes from the shards; the loading layout may differ.
+    """
+
+    def __init__(self, sources: Sequence[TierDir], iteration: int) -> None:
+        super().__init__()
+        if not sources:
+            raise InvalidArgument("MemoryStorageReader needs at least one source tier")
+        self.sources = tuple(sources)
+        self.iteration = iteration
+        self._shards: dict[int, OpenShard] = {}
+        self._log = get_logger("ckpt.dcp", job_id=sources[0].job_id, iteration=iteration)
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.close()
+
+    def _open(self, rank: int) -> OpenShard:
+        if rank in self._shards:
+            return self._shards[rank]
+        reasons = []
+        for tier in self.sources:
+            try:
+                shard = OpenShard(tier.shard(self.iteration, rank))
+            except ShardUnavailable as exc:
+                reasons.append(f"{tier.tier}: {exc}")
+                self._log.warning(
+                    "dcp source skipped", tier=str(tier.tier), rank=rank, reason=exc.reason, detail=exc.detail
+                )
+                continue
+            self._shards[rank] = shard
+            return shard
+        raise ShardUnavailable("missing", f"rank {rank} of iteration {self.iteration}: {'; '.join(reasons)}")
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        world_size = self._open(0).meta.world_size
+        state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        storage: dict[MetadataIndex, tuple[int, str]] = {}
+        planner_data: dict[str, tuple[str | int, ...]] = {}
+        for rank in range(world_size):
+            meta = self._open(rank).meta
+            if meta.world_size != world_size:
+                raise ShardUnavailable(
+                    "corrupt", f"rank {rank} says world size {meta.world_size}, rank 0 {world_size}"
+                )
+            for raw in meta.extra.get(EXTRA_KEY, []):
+                item = msgspec.convert(raw, DcpItem)
+                if item.is_bytes:
+                    state_md[item.fqn] = BytesStorageMetadata()
+                    storage[MetadataIndex(item.fqn)] = (rank, item.entry)
+                    continue
+                md = state_md.get(item.fqn)
+                if not isinstance(md, TensorStorageMetadata):
+                    props = TensorProperties(dtype=torch_dtype(item.dtype), requires_grad=item.requires_grad)
+                    md = state_md[item.fqn] = TensorStorageMetadata(props, torch.Size(item.global_size), [])
+                md.chunks.append(ChunkStorageMetadata(torch.Size(item.offsets), torch.Size(item.sizes)))
+                storage[MetadataIndex(item.fqn, torch.Size(item.offsets))] = (rank, item.entry)
+            for key, path in (meta.extra.get("planner_data") or {}).items():
+                planner_data[key] = tuple(path)
+        return Metadata(state_dict_metadata=state_md, planner_data=planner_data or None, storage_data=storage)
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.storage_data: dict[MetadataIndex, tuple[int, str]] = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for item in plan.items:
+            rank, name = self.storage_data[item.storage_index]
+            shard = self._open(rank)
+            value = shard.value(name, copy=False, verify=True)
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(value))
+                continue
+            source = value
+            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                source = source.narrow(dim, start, length)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != source.size():
+                raise ShardUnavailable(
+                    "corrupt", f"{name}: read {tuple(source.size())}, expected {tuple(target.size())}"
+                )
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False
+
+    def close(self) -> None:
+        """Release the shards (their locks); call after ``dcp.load`` returns."""
+        for shard in self._shards.values():
+            shard.close()
+        self._shards.clear()

@@ -1,0 +1,91 @@
+"""Just-in-time checkpoint: on the agent's order, the last consistent state is snapshot at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ckpt.jit import JitCheckpointer, jit_responses, request_jit, request_path
+from ckpt.shard import OpenShard
+from ckpt.snapshot import SnapshotWriter
+from ckpt.tier import Tier, TierDir
+
+
+class Loop:
+    """A fake training loop whose update writes two tensors that must always agree."""
+
+    def __init__(self) -> None:
+        self.a = torch.zeros(1000)
+        self.b = torch.zeros(1000)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"a": self.a, "b": self.b}
+
+
+def _wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_agent_request_snapshots_the_last_completed_iteration_after_the_update(shm_root: Path) -> None:
+    loop = Loop()
+    writer = SnapshotWriter(shm_root, "job", 0, 1)
+    jit = JitCheckpointer(
+        writer, loop.state, request_file=request_path(shm_root, "job"), poll_interval_s=0.01
+    )
+    jit.start()
+    try:
+        for iteration in range(1, 4):
+            with jit.updating():
+                loop.a += 1
+                loop.b += 1
+            jit.completed(iteration)
+        with jit.updating():  # iteration 4 is mid-update when the order arrives
+            loop.a += 1
+            request_jit(shm_root, "job", "fail-17")
+            time.sleep(0.1)
+            assert jit.last_jit is None  # the JIT thread waits for the update to finish
+            loop.b += 1
+        jit.completed(4)
+        _wait_for(lambda: jit.last_jit is not None)
+    finally:
+        jit.stop()
+    shm = TierDir(shm_root, "job", Tier.SHM)
+    assert jit_responses(shm, "fail-17") == {0: 4}
+    assert jit.last_jit is not None
+    jit.last_jit.seal()
+    with OpenShard(shm.shard(4, 0)) as shard:
+        assert torch.equal(shard.value("a"), torch.full((1000,), 4.0))
+        assert torch.equal(shard.value("b"), torch.full((1000,), 4.0))
+
+
+def test_signal_triggers_a_snapshot_and_a_stale_request_does_not(shm_root: Path) -> None:
+    request_jit(shm_root, "job", "old-order")  # written before this rank started: not for it
+    loop = Loop()
+    jit = JitCheckpointer(
+        SnapshotWriter(shm_root, "job", 0, 1),
+        loop.state,
+        request_file=request_path(shm_root, "job"),
+        poll_interval_s=0.01,
+    )
+    jit.completed(9)
+    previous = signal.getsignal(signal.SIGUSR1)
+    jit.install_signal(signal.SIGUSR1)
+    jit.start()
+    try:
+        time.sleep(0.05)
+        assert jit.last_jit is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        _wait_for(lambda: jit.last_jit is not None)
+    finally:
+        jit.stop()
+        signal.signal(signal.SIGUSR1, previous)
+    assert jit.last_jit is not None and jit.last_jit.iteration == 9
+    assert jit.last_jit.meta.extra == {"jit_request": f"signal-{int(signal.SIGUSR1)}"}
