@@ -14,12 +14,19 @@ from detect.liveness import Expired, HeartbeatTracker, Liveness
 from detect.pairing import Diagnosis, GroupResult, RepairPlan, diagnose, pair_nodes, repair_suspects
 from detect.rootcause import Finding, choose_root_cause
 from detect.rules import Rule, RuleKind, load_rules_file
-from detect.stats import HangVerdict, IterationMonitor, IterationStats, StragglerReference
+from detect.stats import (
+    SLOW_STEP_TIMEOUT_S,
+    HangVerdict,
+    IterationMonitor,
+    IterationStats,
+    StragglerReference,
+)
 from detect.statuses import DEFAULT_SEVERITY, ErrorStatus, Severity, default_severity, worst
 
 __all__ = [
     "BENIGN",
     "DEFAULT_SEVERITY",
+    "SLOW_STEP_TIMEOUT_S",
     "Classification",
     "Classifier",
     "Diagnosis",

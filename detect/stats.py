@@ -44,6 +44,11 @@ from detect.statuses import ErrorStatus, Severity
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.protocol import IterationPhase
 
+SLOW_STEP_TIMEOUT_S: Final = 600.0
+"""What agents and unicornd allow an announced slow step (a checkpoint save, an
+evaluation) before its phase's duration is learned: a save of a large model to a remote
+filesystem takes minutes; a save that never ends is still caught."""
+
 MAD_TO_SIGMA: Final = 1.4826
 """Scales the median absolute deviation to the standard deviation of a normal sample."""
 

@@ -40,7 +40,7 @@ from typing import Any, Final, cast
 import click
 import redis.asyncio as aioredis
 
-from detect import Classifier, IterationMonitor, load_classifier
+from detect import SLOW_STEP_TIMEOUT_S, Classifier, IterationMonitor, load_classifier
 from launcher.gpu import FaultFile, GpuMonitor
 from launcher.hook import ENV_JOB_ID, ENV_NODE, ENV_SOCKET, MAX_DATAGRAM
 from launcher.outbox import Outbox
@@ -63,6 +63,7 @@ from unicorn_core.protocol import (
     IterationTiming,
     ProcessExit,
     SafeDecoder,
+    SlowStep,
 )
 
 log = get_logger(__name__)
@@ -337,7 +338,7 @@ class Agent:
         if msg is None:
             self.counters.hook_rejected += 1
             return
-        if not isinstance(msg, IterationTiming | ExceptionReport):
+        if not isinstance(msg, IterationTiming | ExceptionReport | SlowStep):
             self.counters.hook_rejected += 1
             return
         if msg.job_id != self.job_id or msg.node != self.node:
@@ -347,6 +348,8 @@ class Agent:
             if self.iteration is None or msg.iteration > self.iteration:
                 self.iteration = msg.iteration
             self.monitor.observe(msg.rank, msg.iteration, msg.duration_s, msg.phase, now_s=time.monotonic())
+        elif isinstance(msg, SlowStep):
+            self.monitor.expect_slow_step(msg.phase, time.monotonic(), iteration=msg.iteration, rank=msg.rank)
         else:
             log.info("rank_exception", rank=msg.rank, exc_type=msg.exc_type, message=msg.message[:200])
         self._emit(msg)
@@ -439,7 +442,11 @@ class Agent:
 
     def _new_monitor(self) -> IterationMonitor:
         d = self.cfg.detect
-        return IterationMonitor(hang_factor=d.hang_factor, warmup_iterations=d.warmup_iterations)
+        return IterationMonitor(
+            hang_factor=d.hang_factor,
+            warmup_iterations=d.warmup_iterations,
+            slow_step_timeout_s=SLOW_STEP_TIMEOUT_S,
+        )
 
     async def _watch_hangs(self) -> None:
         """Report a stall once per episode, naming the stopped rank when one is in state T."""

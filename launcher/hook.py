@@ -35,7 +35,7 @@ from typing import Final
 
 from unicorn_core import protocol
 from unicorn_core.errors import ProtocolError
-from unicorn_core.protocol import ExceptionReport, IterationPhase, IterationTiming
+from unicorn_core.protocol import ExceptionReport, IterationPhase, IterationTiming, SlowStep
 
 ENV_SOCKET: Final = "UNICORN_HOOK_SOCKET"
 ENV_JOB_ID: Final = "UNICORN_JOB_ID"
@@ -58,6 +58,7 @@ class Hook:
         self.sent = 0
         self.dropped = 0
         self._lock = threading.Lock()
+        self._last_iteration: int | None = None
         self._sock: socket.socket | None = None
         if socket_path is not None:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -78,6 +79,8 @@ class Hook:
         """Report that this rank finished ``iteration`` in ``duration_s`` seconds. Never blocks."""
         if self._sock is None:
             return
+        if phase == IterationPhase.TRAIN:
+            self._last_iteration = iteration
         msg = IterationTiming(
             job_id=self.job_id,
             node=self.node,
@@ -88,6 +91,23 @@ class Hook:
             samples=samples,
             phase=IterationPhase(phase),
             loss=loss,
+        )
+        self._send(protocol.encode(msg), blocking=False)
+
+    def slow_step(self, phase: IterationPhase | str = IterationPhase.CHECKPOINT) -> None:
+        """Announce, *before* it starts, that this rank's next report comes after a slow
+        step (a checkpoint save, an evaluation), so hang detection allows that phase's
+        time instead of the training deadline. Never blocks."""
+        if self._sock is None:
+            return
+        iteration = 0 if self._last_iteration is None else self._last_iteration + 1
+        msg = SlowStep(
+            job_id=self.job_id,
+            node=self.node,
+            wall_time_s=time.time(),
+            rank=self.rank,
+            iteration=iteration,
+            phase=IterationPhase(phase),
         )
         self._send(protocol.encode(msg), blocking=False)
 
@@ -120,9 +140,7 @@ class Hook:
         previous = sys.excepthook
         previous_thread = threading.excepthook
 
-        def hook(
-            exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
-        ) -> None:
+        def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
             if not isinstance(exc, KeyboardInterrupt | SystemExit):
                 self.exception(exc)
             previous(exc_type, exc, tb)

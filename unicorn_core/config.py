@@ -224,6 +224,29 @@ class AgentConfig(Section):
             gt=0,
         ),
     )
+    bin_dir: str = field(
+        default="",
+        metadata=_meta(
+            "Directory holding unicorn-agent, torchrun and python on the compute nodes. "
+            "Empty = the directory of the Python running unicornd (one shared virtual "
+            "environment, as on the dev cluster). Default: empty."
+        ),
+    )
+    rendezvous_host: str = field(
+        default="",
+        metadata=_meta(
+            "Address torchrun's nodes meet at. Empty = the first node of the task (its "
+            "Slurm name must resolve). The dev cluster sets 127.0.0.1. Default: empty."
+        ),
+    )
+    rendezvous_port_base: int = field(
+        default=29500,
+        metadata=_meta(
+            "First TCP port for torchrun rendezvous; each launch of a task takes the next "
+            "one of 1000 (so a relaunch never waits for a port in TIME_WAIT). Default 29500.",
+            ge=1024,
+        ),
+    )
 
     def problems(self) -> list[str]:
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
@@ -280,6 +303,28 @@ class DetectConfig(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class PlanConfig(Section):
+    """The cluster-wide planner as unicornd runs it."""
+
+    gpu: str = field(
+        default="a100-80g",
+        metadata=_meta(
+            "GPU type of the nodes, a name from etc/gpus.toml (the planner's performance "
+            "model needs it; Slurm's gres often does not say). Default a100-80g."
+        ),
+    )
+    node_mtbf_h: float = field(
+        default=672.0,
+        metadata=_meta(
+            "Mean time between failures of one node, in hours: how long a new plan is "
+            "expected to run, which prices a transition (Unicron Eq. 3). Default 672 h "
+            "(4 weeks).",
+            gt=0,
+        ),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class LogConfig(Section):
     """Logging of every unicorn process (see ``unicorn_core.logs.configure_logging``)."""
 
@@ -307,6 +352,7 @@ class Config(Section):
     slurm: SlurmConfig = field(default_factory=SlurmConfig, metadata=_meta("Access to Slurm."))
     agent: AgentConfig = field(default_factory=AgentConfig, metadata=_meta("Per-node agent."))
     detect: DetectConfig = field(default_factory=DetectConfig, metadata=_meta("Failure detection."))
+    plan: PlanConfig = field(default_factory=PlanConfig, metadata=_meta("Cluster-wide planning."))
     log: LogConfig = field(default_factory=LogConfig, metadata=_meta("Logging."))
 
     def problems(self) -> list[str]:

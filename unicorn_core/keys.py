@@ -19,6 +19,9 @@ Key                            Redis type   Written by            Read by
 ``plan_current()``             string       unicornd              ``unicornctl plan``
 ``incidents()``                stream       unicornd              CLI
 ``actions_done()``             set          unicornd executor     unicornd executor
+``state()``                    string       unicornd              unicornd, CLI
+``actions_pending()``          list         unicornd              unicornd executor
+``control()``                  stream       CLI, sbatch wrapper   unicornd (group)
 =============================  ===========  ====================  ==========================
 
 ``events()`` carries Heartbeat, ProcessExit, ExceptionReport, IterationTiming,
@@ -26,6 +29,10 @@ GpuHealthEvent and FaultReport; ``agent_commands`` carries AgentCommand; ``comma
 CommandResult. ``task`` holds one task's record and ``tasks`` the ids of known tasks;
 ``node`` holds one node's health state; ``plan_current`` the plan being applied;
 ``actions_done`` the ids of executed actions, so a restarted executor never repeats one.
+``state`` is the coordinator's whole snapshot (tasks, nodes, incidents, plan generation)
+as one JSON document, written in the same transaction as ``actions_pending`` (the
+actions decided but not yet executed), so a restarted unicornd resumes exactly where it
+was. ``control`` carries requests to unicornd (register a task, drain, resume) as JSON.
 """
 
 from __future__ import annotations
@@ -117,3 +124,15 @@ class RedisKeys:
     def actions_done(self) -> str:
         """Set: ids of actions already executed (idempotency)."""
         return self._key("actions", "done")
+
+    def state(self) -> str:
+        """String: unicornd's snapshot as JSON."""
+        return self._key("state")
+
+    def actions_pending(self) -> str:
+        """List: actions decided and persisted but not yet executed, in order (JSON each)."""
+        return self._key("actions", "pending")
+
+    def control(self) -> str:
+        """Stream: requests to unicornd (task registration, operator drain/resume)."""
+        return self._key("control")

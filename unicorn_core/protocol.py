@@ -3,7 +3,8 @@
 Every message is defined here and nowhere else. On the wire a message is one msgpack
 map: the envelope fields (``type``, ``v``, ``job_id``, ``node``, ``wall_time_s``) plus
 the fields of its type, keyed by name. ``type`` is a short tag that never changes once
-released (``hb``, ``exit``, ``exc``, ``iter``, ``gpu``, ``fault``, ``cmd``, ``result``).
+released (``hb``, ``exit``, ``exc``, ``iter``, ``slow``, ``gpu``, ``fault``, ``cmd``,
+``result``).
 
 Versioning (``v``, currently :data:`SCHEMA_VERSION`):
 
@@ -190,6 +191,24 @@ class IterationTiming(Envelope, frozen=True, kw_only=True, tag="iter"):
         _check_optional_index(self.samples, "samples")
 
 
+class SlowStep(Envelope, frozen=True, kw_only=True, tag="slow"):
+    """Agent -> coordinator: ``rank`` announces that iteration ``iteration`` is a slow step.
+
+    Sent before a checkpoint save or an evaluation starts, so hang detection allows that
+    phase's learned time instead of the training deadline (a save is not a hang).
+    """
+
+    rank: int
+    iteration: int
+    phase: IterationPhase
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.rank >= 0, f"rank must be >= 0, got {self.rank}")
+        _check(self.iteration >= 0, f"iteration must be >= 0, got {self.iteration}")
+        _check(self.phase != IterationPhase.TRAIN, "a slow step is a checkpoint or eval step")
+
+
 class GpuHealthEvent(Envelope, frozen=True, kw_only=True, tag="gpu"):
     """Agent -> coordinator: a GPU fault or threshold crossing.
 
@@ -273,6 +292,7 @@ Message: TypeAlias = (
     | ProcessExit
     | ExceptionReport
     | IterationTiming
+    | SlowStep
     | GpuHealthEvent
     | FaultReport
     | AgentCommand
@@ -285,6 +305,7 @@ MESSAGE_TYPES: Final[tuple[type[Message], ...]] = (
     ProcessExit,
     ExceptionReport,
     IterationTiming,
+    SlowStep,
     GpuHealthEvent,
     FaultReport,
     AgentCommand,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from detect import (
+    SLOW_STEP_TIMEOUT_S,
     Classification,
     Classifier,
     ErrorStatus,
@@ -32,6 +33,7 @@ from unicorn_core.protocol import (
     IterationTiming,
     Message,
     ProcessExit,
+    SlowStep,
 )
 
 
@@ -79,6 +81,7 @@ class Detector:
                 IterationMonitor(
                     hang_factor=self.detect_cfg.hang_factor,
                     warmup_iterations=self.detect_cfg.warmup_iterations,
+                    slow_step_timeout_s=SLOW_STEP_TIMEOUT_S,
                 )
             )
         return state
@@ -110,6 +113,10 @@ class Detector:
         if isinstance(msg, Heartbeat):
             self.liveness.beat(msg.job_id, msg.node, now_s)
             self._lost.discard((msg.job_id, msg.node))
+            return []
+        if isinstance(msg, SlowStep):
+            job = self._job(msg.job_id)
+            job.monitor.expect_slow_step(msg.phase, now_s, iteration=msg.iteration, rank=msg.rank)
             return []
         if isinstance(msg, IterationTiming):
             job = self._job(msg.job_id)
@@ -158,7 +165,9 @@ class Detector:
             if key in self._lost:
                 continue
             self._lost.add(key)
-            out.append(JobFinding(exp.job_id, Finding(exp.node, None, now_s, exp.classification(), "heartbeat")))
+            out.append(
+                JobFinding(exp.job_id, Finding(exp.node, None, now_s, exp.classification(), "heartbeat"))
+            )
         for job_id, job in self._jobs.items():
             verdict = job.monitor.check(now_s)
             if verdict is None:

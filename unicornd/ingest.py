@@ -25,8 +25,10 @@ from unicorn_core.protocol import Message, SafeDecoder
 
 log = get_logger(__name__)
 
-Handler = Callable[[Message, float], Awaitable[None]]
-"""(message, monotonic arrival time) -> None."""
+Handler = Callable[[Message, float, str], Awaitable[None]]
+"""(message, monotonic arrival time, stream entry id) -> None."""
+RawHandler = Callable[[dict[bytes, bytes], str], Awaitable[None]]
+"""(entry fields, stream entry id) -> None: for streams that do not carry protocol messages."""
 
 _Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 READ_COUNT: Final = 512
@@ -47,11 +49,22 @@ async def ensure_group(client: aioredis.Redis, stream: str) -> None:
 class StreamIngest:
     """One consumer of ``stream`` in the coordinator group."""
 
-    def __init__(self, client: aioredis.Redis, stream: str, consumer: str, handler: Handler) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        stream: str,
+        consumer: str,
+        handler: Handler | None = None,
+        *,
+        raw_handler: RawHandler | None = None,
+    ) -> None:
+        if (handler is None) == (raw_handler is None):
+            raise ValueError("give exactly one of handler and raw_handler")
         self.client = client
         self.stream = stream
         self.consumer = consumer
         self.handler = handler
+        self.raw_handler = raw_handler
         self.decoder = SafeDecoder()
         self.handled = 0
 
@@ -69,12 +82,18 @@ class StreamIngest:
         for _stream, items in entries:
             for entry_id, fields in items:
                 now = time.monotonic()
-                msg = self.decoder.decode(fields.get(PAYLOAD_FIELD.encode(), b""))
-                if msg is None:
-                    log.warning("event_rejected", id=entry_id.decode(), error=str(self.decoder.last_error))
-                else:
-                    await self.handler(msg, now)
+                eid = entry_id.decode()
+                if self.raw_handler is not None:
+                    await self.raw_handler(fields, eid)
                     self.handled += 1
+                else:
+                    assert self.handler is not None
+                    msg = self.decoder.decode(fields.get(PAYLOAD_FIELD.encode(), b""))
+                    if msg is None:
+                        log.warning("event_rejected", id=eid, error=str(self.decoder.last_error))
+                    else:
+                        await self.handler(msg, now, eid)
+                        self.handled += 1
                 await redis_io.call(
                     ("XACK", self.stream), self.client.xack(self.stream, COORDINATOR_GROUP, entry_id)
                 )

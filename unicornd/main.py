@@ -1,8 +1,9 @@
 """``unicornd``: the coordinator daemon's entry point.
 
-The recovery loop (issue "unicornd: the coordinator's recovery loop") is not built yet.
-What exists: ``unicornd --check`` validates the configuration and that Slurm and Redis
-answer, exiting non-zero otherwise, so deployments can be verified today.
+``unicornd`` runs the recovery loop (:mod:`unicornd.daemon`) until a signal: SIGTERM
+drains (finishes the action in flight), SIGINT/SIGQUIT stop now; it exits non-zero
+when one of its root tasks dies, so systemd restarts it. ``unicornd --check``
+validates the configuration and that Slurm and Redis answer, then exits.
 """
 
 from __future__ import annotations
@@ -44,10 +45,13 @@ def cli(config_path: Path | None, check_only: bool) -> None:
         raise click.ClickException(str(e)) from None
     configure_logging(cfg.log.level, cfg.log.format)
     if not check_only:
-        click.echo(
-            "unicornd: the coordinator loop is not implemented yet; only --check is available", err=True
-        )
-        sys.exit(2)
+        from unicornd.daemon import run_daemon
+
+        try:
+            sys.exit(asyncio.run(run_daemon(cfg, config_path=str(config_path) if config_path else None)))
+        except UnicornError as e:
+            get_logger("unicornd").error("unicornd failed to start", error=str(e))
+            sys.exit(1)
     try:
         asyncio.run(check(cfg))
     except UnicornError as e:

@@ -206,7 +206,10 @@ def _move_task(
     dropped = [n for n in task.nodes if n not in new_nodes]
     added = [n for n in new_nodes if n not in task.nodes]
     resize_count = int(bool(dropped)) + int(bool(added))
-    running = task.state is not TaskState.PENDING and bool(set(task.nodes) & set(new_nodes))
+    # A pending task registered with its job's nodes (``task.nodes``) has no agents yet:
+    # its job is resized like a running one's, and agents start on every planned node.
+    fresh = task.state is TaskState.PENDING
+    running = bool(set(task.nodes) & set(new_nodes))
     if not running or task.resizes_this_run + resize_count > pol.max_resizes_per_run:
         phases.resizes.append(Requeue(f"{base}/requeue", task.task_id, job, new_nodes))
         commands = tuple(NodeArgv(n, argv[n]) for n in new_nodes)
@@ -219,16 +222,22 @@ def _move_task(
             phases.resizes.append(Shrink(f"{base}/shrink", task.task_id, job, kept))
         if added:
             phases.grows.append(Grow(f"{base}/grow", task.task_id, job, tuple(added)))
-        phases.launches.extend(
-            SendCommand(f"{base}/relaunch/{n}", job, n, AgentAction.RELAUNCH, pol.command_deadline_s, argv[n])
-            for n in new_nodes
-            if n in task.nodes
-        )
-        if added:
-            commands = tuple(NodeArgv(n, argv[n]) for n in added)
+        if not fresh:
+            phases.launches.extend(
+                SendCommand(
+                    f"{base}/relaunch/{n}", job, n, AgentAction.RELAUNCH, pol.command_deadline_s, argv[n]
+                )
+                for n in new_nodes
+                if n in task.nodes
+            )
+        starting = new_nodes if fresh else tuple(added)
+        if starting:
+            commands = tuple(NodeArgv(n, argv[n]) for n in starting)
             phases.launches.append(LaunchAgents(f"{base}/launch", task.task_id, job, commands))
         new = replace(new, resizes_this_run=task.resizes_this_run + resize_count)
-        how = "+".join(w for w, on in (("shrink", dropped), ("grow", added)) if on) or "relaunch"
+        how = "+".join(w for w, on in (("shrink", dropped), ("grow", added)) if on) or (
+            "launch" if fresh else "relaunch"
+        )
     phases.tasks.append(new.with_state(TaskState.LAUNCHING))
     if inc is not None and waiting:
         phases.incidents.append(replace(inc.moved(LadderStage.TRANSITION, now_s), last_action_s=now_s))

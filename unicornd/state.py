@@ -242,6 +242,10 @@ class _Record:
 
 # --- records -------------------------------------------------------------------------
 
+FRAMEWORKS: Final = ("unicorn-train", "megatron")
+"""``unicorn-train``: the built-in trainer (layout as --tp/--pp/--dp/...); ``megatron``:
+Megatron-LM's pretrain_gpt.py (layout as --tensor-model-parallel-size/...)."""
+
 
 @dataclass(frozen=True)
 class TaskRecord(_Record):
@@ -255,7 +259,8 @@ class TaskRecord(_Record):
     since the job (re)started (Slurm without slurmdbd allows one). ``incidents_opened``
     numbers this task's incidents, so incident ids are deterministic. ``launched_s`` is
     when the latest launch or relaunch was ordered (iterations reported after it prove
-    the launch worked).
+    the launch worked). ``framework`` says how a layout is passed to ``command``
+    (:data:`FRAMEWORKS`).
     """
 
     task_id: str
@@ -275,9 +280,14 @@ class TaskRecord(_Record):
     resizes_this_run: int = 0
     incidents_opened: int = 0
     launched_s: float | None = None
+    framework: str = "unicorn-train"
 
     def __post_init__(self) -> None:
         _name(self.task_id, "task_id")
+        if self.framework not in FRAMEWORKS:
+            raise InvalidArgument(
+                f"task {self.task_id}: framework {self.framework!r} is not one of {', '.join(FRAMEWORKS)}"
+            )
         self.spec()  # name, weight, GPU bounds: TaskSpec's rules
         if not self.command:
             raise InvalidArgument(f"task {self.task_id}: command must not be empty")

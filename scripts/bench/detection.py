@@ -99,7 +99,7 @@ class Bench:
             [str(DEV), "--state-dir", str(self.state), *a], check=True, capture_output=True, text=True
         ).stdout
 
-    async def on_message(self, msg: Message, now: float) -> None:
+    async def on_message(self, msg: Message, now: float, _entry_id: str) -> None:
         if isinstance(msg, Heartbeat):
             self.heartbeats[msg.node] = msg
         found = self.detector.on_message(msg, now)
@@ -249,7 +249,7 @@ class Bench:
         raise RuntimeError("n2 did not come back into the job")
 
     async def quiet_run(self) -> dict[str, Any]:
-        await self.start_agents(["--ckpt-s", str(self.args.ckpt_s)])
+        await self.start_agents(["--compute", "--ckpt-s", str(self.args.ckpt_s)])
         hog = await asyncio.create_subprocess_exec(sys.executable, "-c", "while True: pass")
         try:
             await self.wait_training(5)

@@ -43,7 +43,7 @@ def main() -> None:
         "--compute", action="store_true", help="a fixed numpy matmul per iteration instead of sleeping"
     )
     p.add_argument("--ckpt-s", type=float, default=0.0, help="extra seconds of a step after SIGUSR1")
-    args = p.parse_args()
+    args, _layout = p.parse_known_args()  # layout flags (--tp, --dp, ...) from unicornd are ignored
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))

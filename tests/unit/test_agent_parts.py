@@ -24,6 +24,7 @@ from unicorn_core.protocol import (
     IterationPhase,
     IterationTiming,
     ProcessExit,
+    SlowStep,
     decode,
 )
 
@@ -174,3 +175,18 @@ def test_node_check_cli_exit_codes(tmp_path: Path) -> None:
     sick = runner.invoke(cli, ["node-check", "--disk", str(tmp_path), "--inject-gpu-faults", str(faults)])
     assert sick.exit_code == 1 and "gpu 1: injected ecc_uncorrectable" in sick.output
 
+
+def test_hook_announces_slow_steps_for_the_next_report(tmp_path: Path) -> None:
+    path = tmp_path / "s.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(str(path))
+    hook = Hook(str(path), job_id=1, node="n1", rank=0)
+    hook.slow_step("eval")  # nothing reported yet: the first step
+    hook.iteration(7, 0.1)
+    hook.slow_step()
+    first, _it, second = (decode(server.recv(MAX_DATAGRAM)) for _ in range(3))
+    assert isinstance(first, SlowStep) and first.iteration == 0 and first.phase == IterationPhase.EVAL
+    assert (
+        isinstance(second, SlowStep) and second.iteration == 8 and second.phase == IterationPhase.CHECKPOINT
+    )
+    server.close()

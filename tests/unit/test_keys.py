@@ -26,6 +26,9 @@ def test_default_names() -> None:
     assert keys.plan_current() == "unicorn:plan:current"
     assert keys.incidents() == "unicorn:incidents"
     assert keys.actions_done() == "unicorn:actions:done"
+    assert keys.state() == "unicorn:state"
+    assert keys.actions_pending() == "unicorn:actions:pending"
+    assert keys.control() == "unicorn:control"
     assert COORDINATOR_GROUP == "unicornd"
 
 
@@ -89,6 +92,9 @@ calls = st.one_of(
                 "plan_current",
                 "incidents",
                 "actions_done",
+                "state",
+                "actions_pending",
+                "control",
             ]
         ),
         st.just(()),
@@ -115,6 +121,9 @@ def test_calls_strategy_covers_every_method() -> None:
         "plan_current",
         "incidents",
         "actions_done",
+        "state",
+        "actions_pending",
+        "control",
         "agent_commands",
         "heartbeat",
         "task",
@@ -155,6 +164,9 @@ def test_distinct_keys_over_a_grid_of_look_alike_inputs() -> None:
                 "plan_current",
                 "incidents",
                 "actions_done",
+                "state",
+                "actions_pending",
+                "control",
             ]
         ]
         inputs += [(prefix, (method, (part,))) for method in ["task", "node"] for part in parts]

@@ -1,0 +1,169 @@
+"""Run a real unicornd against the dev cluster and watch its persisted state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from tests.conftest import DevCluster
+from unicorn_core import redis_io
+from unicorn_core.config import RedisConfig
+from unicorn_core.keys import RedisKeys
+from unicorn_core.model import ModelSpec
+from unicornd.registry import register_task, request
+from unicornd.state import Policy, Snapshot, TaskRecord
+from unicornd.store import snapshot_from_json
+
+UNICORND = Path(sys.executable).parent / "unicornd"
+_prefixes = itertools.count()
+
+PLANNER_MODEL = ModelSpec(layers=24, hidden=2048, heads=16, sequence=2048, vocabulary=50257, global_batch=12)
+"""What the planner sees: a GPT-3 1.3B shape (the dev cluster's fake GPUs are planned as
+A100s), with a global batch of 12 so every DP size up to 4 divides it."""
+
+_ITER_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*lm loss: ([0-9.E+-]+)")
+_RESUMED = re.compile(r"resumed_from=(\d+|None)")
+
+
+def trainer_command(save_dir: Path, *extra: str) -> tuple[str, ...]:
+    """The built-in trainer, tiny on CPU: 12 layers so PP 1..4 all divide them."""
+    return (
+        sys.executable,
+        "-m",
+        "launcher.train",
+        "--iterations=100000",
+        "--layers=12",
+        "--hidden=32",
+        "--heads=4",
+        "--seq=16",
+        "--vocab=64",
+        f"--save-dir={save_dir}",
+        f"--load={save_dir}",
+        "--save-interval=5",
+        "--log-interval=1",
+        "--dist-timeout-s=30",
+        *extra,
+    )
+
+
+def train_log(job_id: int, node: str) -> str:
+    path = Path(f"/tmp/unicorn/{job_id}/{node}/train.log")  # the agent's default run dir
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def iterations(text: str) -> list[tuple[int, float]]:
+    return [(int(m.group(1)), float(m.group(2))) for m in _ITER_LINE.finditer(text)]
+
+
+def resumes(text: str) -> list[int]:
+    return [0 if m.group(1) == "None" else int(m.group(1)) for m in _RESUMED.finditer(text)]
+
+
+@dataclass
+class Coordinator:
+    cluster: DevCluster
+    env: dict[str, str]
+    keys: RedisKeys
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [str(UNICORND)], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=10)
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.env["UNICORN_REDIS__URL"])
+
+    def snapshot(self) -> Snapshot | None:
+        with contextlib.closing(self.client()) as c:
+            raw = c.get(self.keys.state())
+        return None if raw is None else snapshot_from_json(raw, Policy())
+
+    def wait(self, pred: Callable[[Snapshot], bool], what: str, timeout_s: float = 120.0) -> Snapshot:
+        deadline = time.monotonic() + timeout_s
+        snap = None
+        while time.monotonic() < deadline:
+            snap = self.snapshot()
+            if snap is not None and pred(snap):
+                return snap
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"unicornd exited {self.proc.returncode}:\n{self.tail()}")
+            time.sleep(0.25)
+        raise AssertionError(f"timed out waiting for {what}; state: {snap}\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def _run(self, coro_fn: Callable[[object], object]) -> None:
+        async def go() -> None:
+            client = redis_io.connect(RedisConfig(url=self.env["UNICORN_REDIS__URL"]))
+            try:
+                await coro_fn(client)  # type: ignore[misc]
+            finally:
+                await client.aclose()
+
+        asyncio.run(go())
+
+    def register(self, task: TaskRecord) -> None:
+        self._run(lambda c: register_task(c, self.keys, task))  # type: ignore[arg-type]
+
+    def resume(self, node: str) -> None:
+        self._run(lambda c: request(c, self.keys, {"op": "resume", "node": node}))  # type: ignore[arg-type]
+
+    def hold_job(self, name: str, nodes: str) -> tuple[int, tuple[str, ...]]:
+        """A batch job holding ``nodes`` (what the sbatch wrapper will be), running."""
+        out = self.cluster.slurm(
+            "sbatch", "--parsable", "-N", str(len(nodes.split(","))), "-w", nodes, "--no-kill",
+            "-J", name, "-o", "/dev/null", "--wrap", "sleep 100000",
+        )  # fmt: skip
+        job = int(out.stdout.strip().split(";")[0])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st = self.cluster.slurm("squeue", "-h", "-j", str(job), "-o", "%T %N").stdout.split()
+            if st and st[0] == "RUNNING":
+                return job, tuple(nodes.split(","))
+            time.sleep(0.2)
+        raise AssertionError(f"job {job} did not start")
+
+
+@contextlib.contextmanager
+def coordinator(cluster: DevCluster, tmp: Path, **env: str) -> Iterator[Coordinator]:
+    prefix = f"e2e{os.getpid()}x{next(_prefixes)}"
+    full_env = {**os.environ, **cluster.env, "UNICORN_REDIS__KEY_PREFIX": prefix, **env}
+    c = Coordinator(cluster, full_env, RedisKeys(prefix), tmp / f"unicornd-{prefix}.log")
+    c.start()
+    jobs_before = set(cluster.slurm("squeue", "-h", "-o", "%i").stdout.split())
+    try:
+        yield c
+    finally:
+        c.stop(signal.SIGINT)
+        for job in set(cluster.slurm("squeue", "-h", "-o", "%i").stdout.split()) - jobs_before:
+            cluster.slurm("scancel", job, check=False)
+        deadline = time.monotonic() + 30
+        while cluster.slurm("squeue", "-h").stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.5)

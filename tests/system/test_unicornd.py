@@ -1,0 +1,178 @@
+"""unicornd end to end: real Slurm, real Redis, real torchrun training under real agents."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DevCluster
+from tests.system.coordinator import (
+    PLANNER_MODEL,
+    Coordinator,
+    coordinator,
+    iterations,
+    resumes,
+    train_log,
+    trainer_command,
+)
+from unicorn_core.keys import PAYLOAD_FIELD
+from unicorn_core.protocol import FaultReport, encode
+from unicornd.state import LadderStage, NodeHealth, Snapshot, TaskRecord, TaskState
+
+pytestmark = pytest.mark.system
+
+# Hang detection at 3x (Unicron's factor): several trainer ranks share this 2-core machine.
+ENV = {"UNICORN_DETECT__HANG_FACTOR": "3"}
+
+
+def task(c: Coordinator, name: str, nodes: str, weight: float, tmp: Path, *extra: str) -> TaskRecord:
+    job, held = c.hold_job(name, nodes)
+    return TaskRecord(
+        task_id=name,
+        name=name,
+        model=PLANNER_MODEL,
+        command=trainer_command(tmp / f"ckpt-{name}", *extra),
+        weight=weight,
+        min_gpus=1,
+        job_id=job,
+        nodes=held,
+    )
+
+
+def running(name: str, past: int = 0):  # type: ignore[no-untyped-def]
+    def pred(s: Snapshot) -> bool:
+        t = s.tasks.get(name)
+        return t is not None and t.state is TaskState.RUNNING and (t.last_iteration or 0) > past
+
+    return pred
+
+
+def node_reason(cluster: DevCluster, node: str) -> str:
+    return cluster.slurm("sinfo", "-h", "-n", node, "-o", "%E").stdout.strip()
+
+
+def test_node_loss_drains_replans_and_resumes_smaller(cluster: DevCluster, tmp_path: Path) -> None:
+    with coordinator(cluster, tmp_path, **ENV) as c:
+        a = task(c, "a", "n1,n2", 1.0, tmp_path)
+        b = task(c, "b", "n3,n4", 1.2, tmp_path)
+        c.register(a)
+        c.register(b)
+        snap = c.wait(lambda s: running("a", 6)(s) and running("b", 6)(s), "both tasks training", 180)
+        b_before = snap.tasks["b"]
+        assert snap.tasks["a"].nodes == ("n1", "n2") and snap.tasks["a"].layout is not None
+        assert snap.tasks["a"].layout.pp == 2
+
+        t_kill = time.monotonic()
+        cluster.script("kill-node", "n2")
+        try:
+            snap = c.wait(
+                lambda s: s.nodes["n2"].health in (NodeHealth.DRAINING, NodeHealth.DRAINED), "n2 drained", 60
+            )
+            t_drained = time.monotonic() - t_kill
+            mark = snap.tasks["a"].last_iteration or 0
+            snap = c.wait(
+                lambda s: s.tasks["a"].nodes == ("n1",) and running("a", mark)(s), "a resumed on n1", 180
+            )
+            t_resumed = time.monotonic() - t_kill
+        finally:
+            cluster.script("revive-node", "n2")
+        assert node_reason(cluster, "n2").startswith("unicorn: lost_connection")
+        a_now = snap.tasks["a"]
+        assert a_now.layout is not None and a_now.layout.world_size == 1
+        # b was left alone: same nodes, same layout, never relaunched.
+        assert snap.tasks["b"].nodes == b_before.nodes and snap.tasks["b"].layout == b_before.layout
+        assert snap.tasks["b"].launched_s == b_before.launched_s
+        incident = next(i for i in snap.incidents.values() if i.task_id == "a")
+        stages = [e.stage for e in incident.timeline]
+        assert LadderStage.ISOLATE in stages and LadderStage.RESUMED in stages
+        # The loss curve continues: the relaunch resumed from a checkpoint, not step 0.
+        log = train_log(a.job_id or 0, "n1")
+        starts = resumes(log)
+        assert len(starts) >= 2 and starts[-1] >= 5, starts
+        after = [it for it, _ in iterations(log) if it > starts[-1]]
+        assert after and after[0] == starts[-1] + 1
+        print(f"drained after {t_drained:.1f}s, resumed after {t_resumed:.1f}s")
+
+        # The node comes back: the operator resumes it, it passes its check, a replan uses it.
+        c.resume("n2")
+        snap = c.wait(
+            lambda s: s.nodes["n2"].health is NodeHealth.HEALTHY and "n2" in s.tasks["a"].nodes,
+            "n2 rejoined task a",
+            180,
+        )
+        c.wait(running("a", snap.tasks["a"].last_iteration or 0), "a training on 2 nodes again", 180)
+
+
+def test_exception_restarts_in_place_without_drain(cluster: DevCluster, tmp_path: Path) -> None:
+    with coordinator(cluster, tmp_path, **ENV) as c:
+        marker = tmp_path / "fault-fired"
+        a = task(
+            c, "x", "n1,n2", 1.0, tmp_path,
+            "--fail-at-iteration=12", "--fail-rank=1", "--fail-mode=raise", f"--fail-once-marker={marker}",
+        )  # fmt: skip
+        c.register(a)
+        snap = c.wait(lambda s: marker.exists() and bool(s.incidents), "the injected exception seen", 180)
+        snap = c.wait(running("x", 13), "x past the fault", 180)
+        inc = next(iter(snap.incidents.values()))
+        assert inc.status.value in ("other_software_error", "exited_abnormally"), inc
+        stages = [e.stage for e in inc.timeline]
+        assert LadderStage.RESTART_PROCESSES in stages and LadderStage.ISOLATE not in stages
+        assert snap.tasks["x"].nodes == ("n1", "n2")
+        assert all(n.health is NodeHealth.HEALTHY for n in snap.nodes.values())
+        assert not node_reason(cluster, "n2")
+
+
+def test_sev3_is_retried_in_place(cluster: DevCluster, tmp_path: Path) -> None:
+    with coordinator(cluster, tmp_path, **ENV) as c:
+        a = task(c, "y", "n3,n4", 1.0, tmp_path)
+        c.register(a)
+        snap = c.wait(running("y", 6), "y training", 180)
+        report = FaultReport(
+            job_id=a.job_id or 0,
+            node="n4",
+            wall_time_s=time.time(),
+            status="connection_refused_reset",
+            severity="SEV3",
+            rule="injected",
+            rank=1,
+            evidence="RuntimeError: Connection reset by peer (injected by the test)",
+        )
+        with c.client() as r:
+            r.xadd(c.keys.events(), {PAYLOAD_FIELD: encode(report)})
+        snap = c.wait(
+            lambda s: any(i.stage is LadderStage.CLOSED for i in s.incidents.values()), "the retry closed", 60
+        )
+        inc = next(iter(snap.incidents.values()))
+        stages = [e.stage for e in inc.timeline]
+        assert stages[0] is LadderStage.RETRY_IN_PLACE and LadderStage.RESTART_PROCESSES not in stages
+        assert snap.tasks["y"].nodes == ("n3", "n4")
+
+
+def test_kill9_during_recovery_loses_nothing(cluster: DevCluster, tmp_path: Path) -> None:
+    with coordinator(cluster, tmp_path, **ENV) as c:
+        a = task(c, "z", "n3,n4", 1.0, tmp_path)
+        c.register(a)
+        c.wait(running("z", 6), "z training", 180)
+        cluster.script("kill-node", "n4")
+        try:
+            # Kill -9 unicornd as soon as the drain decision is persisted.
+            c.wait(lambda s: s.nodes["n4"].health is not NodeHealth.HEALTHY, "n4 isolated", 60)
+            assert c.stop(signal.SIGKILL) == -signal.SIGKILL
+            c.start()
+            snap = c.wait(
+                lambda s: s.tasks["z"].nodes == ("n3",) and running("z", 1)(s), "z resumed after restart", 180
+            )
+        finally:
+            cluster.script("revive-node", "n4")
+        with c.client() as r:
+            done = [m.decode() for m in r.smembers(c.keys.actions_done())]
+            pending = r.xpending(c.keys.events(), "unicornd")
+        drains = [a for a in done if "/drain/" in a]
+        assert drains == [next(a for a in done if "/drain/n4" in a)], done  # drained exactly once
+        assert pending["pending"] == 0  # every event was handled and acknowledged
+        assert snap.nodes["n4"].health in (NodeHealth.DRAINING, NodeHealth.DRAINED)
+        c.resume("n4")
+        c.wait(lambda s: s.nodes["n4"].health is NodeHealth.HEALTHY, "n4 back", 120)

@@ -1,0 +1,114 @@
+"""unicornd's persisted snapshot format and the command lines it launches."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from detect.statuses import ErrorStatus, Severity
+from unicorn_core.config import AgentConfig
+from unicorn_core.errors import ProtocolError
+from unicorn_core.layout import Layout
+from unicorn_core.model import ModelSpec
+from unicornd.launch import agent_argv, render_task, rendezvous_port
+from unicornd.state import (
+    Incident,
+    LadderStage,
+    NodeHealth,
+    NodeRecord,
+    Policy,
+    Snapshot,
+    StageEntry,
+    TaskRecord,
+)
+from unicornd.store import KEEP_CLOSED_S, prune, snapshot_from_json, snapshot_to_json
+
+MODEL = ModelSpec(layers=24, hidden=2048, heads=16, sequence=2048, vocabulary=50257, global_batch=12)
+
+
+def _task(**kw: object) -> TaskRecord:
+    base = dict(
+        task_id="a", name="a", model=MODEL, command=("/bin/train", "--x=1"), job_id=7, nodes=("n1", "n2")
+    )
+    return TaskRecord(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _snapshot() -> Snapshot:
+    inc = Incident(
+        incident_id="a.1", task_id="a", node="n2", rank=1, status=ErrorStatus.LOST_CONNECTION,
+        severity=Severity.SEV1, rule="heartbeat_timeout", evidence="silent", opened_s=100.0,
+        stage=LadderStage.CLOSED, timeline=(StageEntry(LadderStage.CLOSED, 100.0),),
+    )  # fmt: skip
+    return Snapshot(
+        tasks={"a": _task(layout=Layout(1, 2, 1, 1, 12))},
+        nodes={
+            "n1": NodeRecord("n1"),
+            "n2": NodeRecord("n2", health=NodeHealth.DRAINED, reason="unicorn: x"),
+        },
+        gpus_per_node=4,
+        incidents={"a.1": inc},
+        plan_generation=3,
+        policy=Policy(),
+    )
+
+
+def test_snapshot_round_trips_through_json() -> None:
+    snap = _snapshot()
+    assert snapshot_from_json(snapshot_to_json(snap), Policy()) == snap
+
+
+@pytest.mark.parametrize(
+    "text", ["not json", "[]", '{"v": 99}', '{"v": 1, "gpus_per_node": 1, "tasks": [{"x": 1}]}']
+)
+def test_bad_state_is_refused(text: str) -> None:
+    with pytest.raises(ProtocolError):
+        snapshot_from_json(text, Policy())
+
+
+def test_prune_drops_only_old_closed_incidents() -> None:
+    snap = _snapshot()
+    assert prune(snap, 100.0 + KEEP_CLOSED_S - 1) == snap
+    assert prune(snap, 100.0 + KEEP_CLOSED_S + 1).incidents == {}
+
+
+def test_render_task_builds_torchrun_per_node() -> None:
+    cfg = AgentConfig(bin_dir="/opt/u/bin", rendezvous_host="10.0.0.1")
+    layout = Layout(tp=1, pp=2, dp=1, micro_batch=1, global_batch=12, vpp=2)
+    argv = render_task(_task(), layout, ("n1", "n2"), cfg=cfg, gpus_per_node=1, generation=4)
+    port = rendezvous_port(cfg, "a", 4)
+    assert argv["n2"] == [
+        "/opt/u/bin/torchrun", "--nnodes=2", "--node-rank=1", "--nproc-per-node=1", "--max-restarts=0",
+        "--master-addr=10.0.0.1", f"--master-port={port}", "--monitor-interval=0.1", "--no-python",
+        "/bin/train", "--x=1", "--tp=1", "--pp=2", "--dp=1", "--micro-batch=1", "--global-batch=12",
+    ]  # fmt: skip
+    assert argv["n1"][2] == "--node-rank=0"
+    assert rendezvous_port(cfg, "a", 5) != port  # a relaunch never reuses the last port
+    script = render_task(
+        _task(command=("train.py",)), layout, ("n1",), cfg=cfg, gpus_per_node=2, generation=1
+    )
+    assert "--no-python" not in script["n1"] and "train.py" in script["n1"]
+
+
+def test_megatron_tasks_get_megatron_flags() -> None:
+    layout = Layout(tp=2, pp=1, dp=2, micro_batch=1, global_batch=12)
+    task = replace(_task(), framework="megatron", command=("pretrain_gpt.py",))
+    argv = render_task(
+        task, layout, ("n1",), cfg=AgentConfig(rendezvous_host="h"), gpus_per_node=4, generation=1
+    )
+    assert "--tensor-model-parallel-size" in argv["n1"] and "--tp=2" not in argv["n1"]
+
+
+def test_agent_argv() -> None:
+    cfg = AgentConfig(bin_dir="/opt/u/bin")
+    assert agent_argv(cfg, 7, "n1", ["torchrun", "x"], config_path="/etc/u.toml") == [
+        "/opt/u/bin/unicorn-agent", "--job-id", "7", "--node", "n1", "--config", "/etc/u.toml",
+        "--", "torchrun", "x",
+    ]  # fmt: skip
+
+
+def test_unknown_framework_is_refused() -> None:
+    from unicorn_core.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="framework"):
+        _task(framework="jax")

@@ -1,0 +1,93 @@
+"""How unicornd turns (task, layout, nodes) into command lines: torchrun per node, agents.
+
+Pure functions of their inputs (the coordinator shows a relaunch before doing it).
+The training program is the task's ``command``; the layout is appended in the task's
+framework's own flags (:func:`launcher.render.megatron_args` for Megatron-LM, the
+``--tp/--pp/--dp/--micro-batch/--global-batch`` flags for ``unicorn-train``).
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from launcher.render import RdzvBackend, Rendezvous, TorchrunOptions, megatron_args, torchrun_argvs
+from unicorn_core.config import AgentConfig
+from unicorn_core.layout import Layout
+from unicornd.replan import Render
+from unicornd.state import TaskRecord
+
+
+def bin_dir(cfg: AgentConfig) -> Path:
+    """Where unicorn-agent, torchrun and python live on compute nodes."""
+    return Path(cfg.bin_dir) if cfg.bin_dir else Path(sys.executable).parent
+
+
+def layout_args(task: TaskRecord, layout: Layout) -> list[str]:
+    """The layout in the framework's flags.
+
+    The built-in trainer runs the layout's TP/PP/DP and micro-batch; interleaving (vpp),
+    recompute and the distributed optimizer are Megatron features it lacks, so it runs the
+    same layout without them (the planner's estimate assumed them; on the dev cluster's
+    CPU ranks the difference is immaterial).
+    """
+    if task.framework == "megatron":
+        return megatron_args(layout)
+    return [
+        f"--tp={layout.tp}",
+        f"--pp={layout.pp}",
+        f"--dp={layout.dp}",
+        f"--micro-batch={layout.micro_batch}",
+        f"--global-batch={layout.global_batch}",
+    ]
+
+
+def rendezvous_port(cfg: AgentConfig, task_id: str, generation: int) -> int:
+    """A port that differs between launches of a task and (almost surely) between tasks."""
+    return cfg.rendezvous_port_base + (generation * 37 + zlib.crc32(task_id.encode())) % 1000
+
+
+def render_task(
+    task: TaskRecord,
+    layout: Layout,
+    nodes: Sequence[str],
+    *,
+    cfg: AgentConfig,
+    gpus_per_node: int,
+    generation: int,
+) -> dict[str, list[str]]:
+    """One training argv per node: torchrun (static rendezvous, fixed node ranks) + program + layout."""
+    rdzv = Rendezvous(
+        host=cfg.rendezvous_host or nodes[0],
+        port=rendezvous_port(cfg, task.task_id, generation),
+        run_id=f"{task.task_id}-{generation}",
+        backend=RdzvBackend.STATIC,
+    )
+    options = TorchrunOptions(program=(str(bin_dir(cfg) / "torchrun"),), monitor_interval_s=0.1)
+    heads = torchrun_argvs(layout, nodes=nodes, gpus_per_node=gpus_per_node, rendezvous=rdzv, options=options)
+    # torchrun runs a *.py program with python itself; anything else (python -m ..., a
+    # console script such as unicorn-train) is an executable: --no-python.
+    exe = [] if task.command[0].endswith(".py") else ["--no-python"]
+    tail = [*task.command, *layout_args(task, layout)]
+    return {node: [*heads[node], *exe, *tail] for node in nodes}
+
+
+def renderer(cfg: AgentConfig, gpus_per_node: int, generation: int) -> Render:
+    """The ``render`` callable :func:`unicornd.replan.plan_transition` takes, for one plan."""
+
+    def render(task: TaskRecord, layout: Layout, nodes: tuple[str, ...]) -> Mapping[str, Sequence[str]]:
+        return render_task(task, layout, nodes, cfg=cfg, gpus_per_node=gpus_per_node, generation=generation)
+
+    return render
+
+
+def agent_argv(
+    cfg: AgentConfig, job_id: int, node: str, command: Sequence[str], *, config_path: str | None = None
+) -> list[str]:
+    """``unicorn-agent`` for (job, node) supervising ``command`` (run by srun on that node)."""
+    argv = [str(bin_dir(cfg) / "unicorn-agent"), "--job-id", str(job_id), "--node", node]
+    if config_path:
+        argv += ["--config", config_path]
+    return [*argv, "--", *command]

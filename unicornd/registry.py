@@ -1,0 +1,67 @@
+"""Requests to a running unicornd: register a task, resume a node, confirm a drain.
+
+A request is one JSON document on the control stream; unicornd handles it, persists the
+outcome, and writes a reply under ``<control>:reply:<entry id>``. :func:`request` waits
+for that reply, so callers (the sbatch wrapper, ``unicornctl``, tests) learn whether it
+was accepted. Requests are validated here first, so bad input is refused before it is
+sent and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+
+from unicorn_core import redis_io
+from unicorn_core.errors import InvalidArgument, UnicornError
+from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
+from unicornd.state import TaskRecord
+
+
+class RequestRefused(UnicornError):
+    """unicornd refused the request (the reason is its message)."""
+
+
+class NoDaemon(UnicornError):
+    """No reply in time: unicornd is not running (or far behind)."""
+
+    temporary = True
+
+
+async def request(
+    client: aioredis.Redis, keys: RedisKeys, doc: Mapping[str, Any], *, timeout_s: float = 30.0
+) -> None:
+    """Send ``doc`` to unicornd and wait for its verdict; raises RequestRefused / NoDaemon."""
+    entry = await redis_io.call(
+        ("XADD", keys.control()), client.xadd(keys.control(), {PAYLOAD_FIELD: json.dumps(dict(doc))})
+    )
+    reply_key = f"{keys.control()}:reply:{cast(bytes, entry).decode()}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        raw = await redis_io.call(("GET", reply_key), client.get(reply_key))
+        if raw is not None:
+            reply = json.loads(cast(bytes, raw))
+            if not reply.get("ok"):
+                raise RequestRefused(str(reply.get("detail", "refused")))
+            return
+        await asyncio.sleep(0.05)
+    raise NoDaemon(f"unicornd did not answer within {timeout_s:g}s (is it running?)")
+
+
+async def register_task(
+    client: aioredis.Redis, keys: RedisKeys, task: TaskRecord, *, timeout_s: float = 30.0
+) -> None:
+    """Register ``task`` (state pending; ``job_id`` and ``nodes`` from its Slurm job)."""
+    if task.job_id is None:
+        raise InvalidArgument(f"task {task.task_id}: a task needs the Slurm job that holds its nodes")
+    await request(client, keys, {"op": "register", "task": task.to_dict()}, timeout_s=timeout_s)
+
+
+async def resume_node(client: aioredis.Redis, keys: RedisKeys, node: str, *, timeout_s: float = 30.0) -> None:
+    """An operator's resume: unicornd resumes the node in Slurm and lets it rejoin (after its check)."""
+    await request(client, keys, {"op": "resume", "node": node}, timeout_s=timeout_s)
