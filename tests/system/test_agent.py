@@ -244,7 +244,9 @@ def test_stopped_rank_is_named_as_a_hang(cluster: DevCluster, tmp_path: Path) ->
         _, hb = a.wait_for(lambda m: isinstance(m, Heartbeat) and len(m.pids) == 3)
         assert isinstance(hb, Heartbeat)
         victim = next(
-            p for p in set(hb.pids) - {a.proc.pid} if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{p}/environ").read_bytes()
+            p
+            for p in set(hb.pids) - {a.proc.pid}
+            if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{p}/environ").read_bytes()
         )
         os.kill(victim, signal.SIGSTOP)
         try:
