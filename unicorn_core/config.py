@@ -284,6 +284,16 @@ class DetectConfig(Section):
             gt=1,
         ),
     )
+    max_hang_factor: float = field(
+        default=4.0,
+        metadata=_meta(
+            "Upper bound of the learned hang factor (a ratio, no unit; >= hang_factor). The "
+            "factor in force is 1.25 x the largest iteration-time/mean ratio seen recently, "
+            "kept between hang_factor and this: steady training is judged at hang_factor, "
+            "a noisy one (shared CPUs, data-loading stalls) at up to this. Default 4.",
+            gt=1,
+        ),
+    )
     warmup_iterations: int = field(
         default=2,
         metadata=_meta(
@@ -356,6 +366,11 @@ class Config(Section):
     log: LogConfig = field(default_factory=LogConfig, metadata=_meta("Logging."))
 
     def problems(self) -> list[str]:
+        if self.detect.max_hang_factor < self.detect.hang_factor:
+            return [
+                f"detect.max_hang_factor = {self.detect.max_hang_factor:g} must be >= "
+                f"detect.hang_factor = {self.detect.hang_factor:g}"
+            ]
         if self.detect.heartbeat_timeout_s <= self.agent.heartbeat_interval_s:
             return [
                 f"detect.heartbeat_timeout_s = {self.detect.heartbeat_timeout_s:g} must be greater "

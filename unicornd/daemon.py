@@ -42,7 +42,7 @@ from plan.objective import FailureModel
 from plan.planner import Cluster, Granularity, PlanRequest, plan_cluster, task_curves
 from unicorn_core import protocol, redis_io
 from unicorn_core.config import Config
-from unicorn_core.errors import InvalidArgument, ProtocolError, UnicornError
+from unicorn_core.errors import CommandFailed, InvalidArgument, ProtocolError, UnicornError
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import get_logger
 from unicorn_core.protocol import (
@@ -442,7 +442,12 @@ class Daemon:
             await self._wait_running(action.job_id)
 
     async def _requeue(self, action: Requeue) -> None:
-        await self.slurm.requeue(action.job_id)
+        try:
+            await self.slurm.requeue(action.job_id)
+        except CommandFailed as e:
+            # Already requeued (e.g. by the action's first run before a crash): idempotent.
+            if "pending" not in f"{e.stdout} {e.stderr}".lower():
+                raise
         if action.nodes:
             await self._wait_running(action.job_id)
 
@@ -478,6 +483,8 @@ class Daemon:
             self._finished_nodes.pop(action.job_id, None)
         elif action.action is AgentAction.STOP:
             self.detector.forget_agent(action.job_id, action.node)
+        elif action.action is AgentAction.CHECKPOINT_NOW:
+            self.detector.expect_checkpoint(action.job_id, time.monotonic())
 
     async def _launch(self, action: LaunchAgents) -> None:
         self.detector.restart_job(action.job_id)

@@ -30,6 +30,7 @@ from unicorn_core.protocol import (
     FaultReport,
     GpuHealthEvent,
     Heartbeat,
+    IterationPhase,
     IterationTiming,
     Message,
     ProcessExit,
@@ -81,6 +82,7 @@ class Detector:
                 IterationMonitor(
                     hang_factor=self.detect_cfg.hang_factor,
                     warmup_iterations=self.detect_cfg.warmup_iterations,
+                    max_hang_factor=self.detect_cfg.max_hang_factor,
                     slow_step_timeout_s=SLOW_STEP_TIMEOUT_S,
                 )
             )
@@ -99,6 +101,12 @@ class Detector:
         self.liveness.forget_job(job_id)
         self._jobs.pop(job_id, None)
         self._lost = {k for k in self._lost if k[0] != job_id}
+
+    def expect_checkpoint(self, job_id: int, now_s: float) -> None:
+        """A checkpoint was commanded: every rank's next step may take a checkpoint's time."""
+        job = self._jobs.get(job_id)
+        if job is not None and job.monitor.ranks:
+            job.monitor.expect_slow_step(IterationPhase.CHECKPOINT, now_s)
 
     def restart_job(self, job_id: int) -> None:
         """The job's processes were relaunched (maybe at a new layout): relearn its timing."""

@@ -249,7 +249,9 @@ class Bench:
         raise RuntimeError("n2 did not come back into the job")
 
     async def quiet_run(self) -> dict[str, Any]:
-        await self.start_agents(["--compute", "--ckpt-s", str(self.args.ckpt_s)])
+        await self.start_agents(
+            ["--compute", str(self.args.quiet_compute), "--ckpt-s", str(self.args.ckpt_s)]
+        )
         hog = await asyncio.create_subprocess_exec(sys.executable, "-c", "while True: pass")
         try:
             await self.wait_training(5)
@@ -287,31 +289,45 @@ class Bench:
         await self.client.xadd(self.keys.agent_commands(self.job_id, node), {PAYLOAD_FIELD: encode(cmd)})
 
     def overhead(self) -> dict[str, Any]:
-        """Throughput of the same compute loop with and without the agent, alternated."""
-        n_iter = self.args.overhead_iters
-        loop = [sys.executable, str(TOY), "--compute", "--iterations", str(n_iter)]
+        """Training-loop time of the same compute loop with and without the agent, alternated.
 
-        def timed(argv: list[str]) -> float:
-            t0 = time.perf_counter()
-            subprocess.run(argv, check=True, env={**os.environ, **self.env}, capture_output=True)
-            return time.perf_counter() - t0
+        The loop reports every iteration through the hook when it runs under the agent;
+        its own ``loop_s`` excludes process start-up, so the ratio is the agent's cost to
+        training throughput. Median of the per-pair ratios.
+        """
+        loop = [
+            sys.executable, str(TOY), "--compute", str(self.args.overhead_compute), "--iter-s", "0",
+            "--iterations", str(self.args.overhead_iters),
+        ]  # fmt: skip
 
+        def loop_s(argv: list[str], log: Path | None) -> float:
+            out = subprocess.run(
+                argv, check=True, env={**os.environ, **self.env}, capture_output=True, text=True
+            )
+            text = out.stdout if log is None else log.read_text()
+            return float(text.rsplit("loop_s=", 1)[1].split()[0])
+
+        ratios: list[float] = []
         with_agent: list[float] = []
         without: list[float] = []
         for i in range(self.args.overhead_pairs):
+            run_dir = self.state / "runs" / f"overhead-{i}"
             agent = [
                 str(BIN / "unicorn-agent"), "--job-id", "999", "--node", "n1", "--exit-with-training",
-                "--run-dir", str(self.state / "runs" / f"overhead-{i}"), "--", *loop,
+                "--run-dir", str(run_dir), "--", *loop,
             ]  # fmt: skip
-            order = (agent, loop) if i % 2 == 0 else (loop, agent)
-            for argv in order:
-                (with_agent if argv is agent else without).append(timed(argv))
-        # The agent process adds its own start-up (~0.5 s Python import) once per run; training
-        # throughput is the loop's own time, so compare medians of total wall time per run.
-        ratio = statistics.median(with_agent) / statistics.median(without)
+            if i % 2 == 0:
+                a = loop_s(agent, run_dir / "train.log")
+                b = loop_s(loop, None)
+            else:
+                b = loop_s(loop, None)
+                a = loop_s(agent, run_dir / "train.log")
+            with_agent.append(a)
+            without.append(b)
+            ratios.append(a / b)
         return {
-            "agent_overhead_pct": round(100 * (ratio - 1), 2),
-            "overhead_runs_s": {
+            "agent_overhead_pct": round(100 * (statistics.median(ratios) - 1), 2),
+            "overhead_loop_s": {
                 "with_agent": [round(x, 3) for x in with_agent],
                 "without": [round(x, 3) for x in without],
             },
@@ -389,8 +405,10 @@ def main() -> None:
     ap.add_argument("--iter-s", type=float, default=0.1, help="sleep per toy iteration")
     ap.add_argument("--quiet-s", type=float, default=600.0)
     ap.add_argument("--ckpt-s", type=float, default=1.0, help="extra time of a checkpoint step")
-    ap.add_argument("--overhead-pairs", type=int, default=6)
-    ap.add_argument("--overhead-iters", type=int, default=300)
+    ap.add_argument("--quiet-compute", type=int, default=4, help="matmuls per quiet-run iteration")
+    ap.add_argument("--overhead-pairs", type=int, default=10)
+    ap.add_argument("--overhead-iters", type=int, default=500)
+    ap.add_argument("--overhead-compute", type=int, default=25, help="matmuls per overhead iteration")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="unicorn-bench-") as tmp:
         state = Path(tmp) / "cluster"

@@ -63,6 +63,7 @@ def main() -> None:
     flags = {"ckpt": False, "term": False}
     signal.signal(signal.SIGUSR1, lambda *_: flags.__setitem__("ckpt", True))
     signal.signal(signal.SIGTERM, lambda *_: flags.__setitem__("term", True))
+    t_loop = time.perf_counter()
     for it in range(1, args.iterations + 1):
         t0 = time.perf_counter()
         if args.flood and faulty:
@@ -70,13 +71,14 @@ def main() -> None:
             end = time.monotonic() + args.iter_s
             while time.monotonic() < end:
                 sys.stderr.write(junk * 50)
-        elif args.compute:
-            for _ in range(4):
+        else:
+            for _ in range(args.compute):
                 mat = mat @ mat
                 mat /= float(abs(mat).max()) or 1.0
-        else:
-            time.sleep(args.iter_s)
+            if args.iter_s > 0:
+                time.sleep(args.iter_s)
         if flags["ckpt"] and args.ckpt_s > 0:
+            hook.slow_step("checkpoint")  # announced before the slow part, as the trainer does
             time.sleep(args.ckpt_s)
         if dist is not None:
             torch, tdist = dist
@@ -95,6 +97,7 @@ def main() -> None:
         if flags["term"]:
             print(f"rank {rank}: SIGTERM, stopping after iteration {it}", flush=True)
             break
+    print(f"loop_s={time.perf_counter() - t_loop:.6f} iterations={it}", flush=True)
     if dist is not None:
         dist[1].destroy_process_group()
 
