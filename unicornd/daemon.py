@@ -118,6 +118,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._drain_only = False
         self._finished_nodes: dict[int, set[str]] = {}
+        self._quiet_jobs: set[int] = set()
         self.actions_run = 0
 
     # --- deciding -----------------------------------------------------------------------
@@ -259,6 +260,9 @@ class Daemon:
 
     async def _finding(self, jf: JobFinding, finding_id: str) -> None:
         f = jf.finding
+        if jf.job_id in self._quiet_jobs:
+            log.info("finding_ignored", job_id=jf.job_id, node=f.node, why="job being requeued")
+            return
         node = f.node
         task = self.snap.task_of_job(jf.job_id)
         if not node and task is not None:
@@ -438,10 +442,12 @@ class Daemon:
             await self.slurm.grow(action.job_id, len(action.add), exclude=self._all_but(action.add))
         except ResizeUnsupported as e:
             log.warning("grow_unsupported", job_id=action.job_id, error=str(e))
+            self._quiesce(action.job_id)
             await self.slurm.requeue(action.job_id)
             await self._wait_running(action.job_id)
 
     async def _requeue(self, action: Requeue) -> None:
+        self._quiesce(action.job_id)
         try:
             await self.slurm.requeue(action.job_id)
         except CommandFailed as e:
@@ -458,6 +464,12 @@ class Daemon:
     async def _close(self, action: CloseIncident) -> None:
         inc = self.snap.incidents.get(action.incident_id)
         await self._incident_log({"kind": "closed", "incident": inc.to_dict() if inc else action.incident_id})
+
+    def _quiesce(self, job_id: int) -> None:
+        """The job's processes are being killed on purpose (requeue): their exits and
+        silence are not faults until its agents are launched again."""
+        self._quiet_jobs.add(job_id)
+        self.detector.forget_job(job_id)
 
     def _all_but(self, nodes: tuple[str, ...]) -> list[str]:
         return sorted(set(self.snap.nodes) - set(nodes))
@@ -487,6 +499,7 @@ class Daemon:
             self.detector.expect_checkpoint(action.job_id, time.monotonic())
 
     async def _launch(self, action: LaunchAgents) -> None:
+        self._quiet_jobs.discard(action.job_id)
         self.detector.restart_job(action.job_id)
         self._finished_nodes.pop(action.job_id, None)
         for cmd in action.commands:

@@ -100,7 +100,7 @@ def test_node_loss_drains_replans_and_resumes_smaller(cluster: DevCluster, tmp_p
         # b was left alone: same nodes, same layout, never relaunched.
         assert snap.tasks["b"].nodes == b_before.nodes and snap.tasks["b"].layout == b_before.layout
         assert snap.tasks["b"].launched_s == b_before.launched_s
-        incident = next(i for i in snap.incidents.values() if i.task_id == "a")
+        incident = max((i for i in snap.incidents.values() if i.task_id == "a"), key=lambda i: i.opened_s)
         stages = [e.stage for e in incident.timeline]
         assert LadderStage.ISOLATE in stages and LadderStage.RESUMED in stages
         # The loss curve continues: the relaunch resumed from a checkpoint, not step 0.
