@@ -445,6 +445,7 @@ class Agent:
         return IterationMonitor(
             hang_factor=d.hang_factor,
             warmup_iterations=d.warmup_iterations,
+            max_hang_factor=d.max_hang_factor,
             slow_step_timeout_s=SLOW_STEP_TIMEOUT_S,
         )
 

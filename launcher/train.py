@@ -1,13 +1,219 @@
-"""``unicorn-train``: the built-in trainer (issue "Training integration").
+"""``unicorn-train``: the built-in trainer, run once per rank under torchrun.
 
-Not built yet: the entry point exists so packaging is fixed; it exits with status 2.
+    torchrun --standalone --nproc-per-node=4 -m launcher.train --tp=2 --pp=2 \\
+        --iterations=100 --save-dir=/ckpt --save-interval=10 --load=/ckpt
+
+Arguments are validated before torch is imported; an impossible layout (TP not
+dividing the heads or the node's ranks, PP not dividing the layers, DP x micro-batch
+not dividing the global batch, TP x PP x DP differing from torchrun's world) exits 2
+with one clear line. Exit codes: 0 done or stopped by SIGTERM after a just-in-time
+save; 1 uncaught error (also written to torchrun's error file and sent to the agent);
+2 invalid arguments; 3 injected ``exit`` fault. ``--fail-*`` options are for tests.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
+
+import click
+
+from launcher.trainer.config import (
+    DataParallel,
+    FaultInjection,
+    FaultMode,
+    PipelineSchedule,
+    TrainConfig,
+    resolve_layout,
+)
+from unicorn_core.errors import UnicornError
+from unicorn_core.model import ModelSpec
+
+EXIT_INVALID: int = 2
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UnicornError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size.")
+@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel size.")
+@click.option("--dp", type=int, default=None, help="Data-parallel size [default: world/(tp*pp)].")
+@click.option("--micro-batch", type=int, default=2, show_default=True, help="Sequences per micro-batch.")
+@click.option("--global-batch", type=int, default=16, show_default=True, help="Sequences per iteration.")
+@click.option("--layers", type=int, default=4, show_default=True)
+@click.option("--hidden", type=int, default=64, show_default=True)
+@click.option("--heads", type=int, default=4, show_default=True)
+@click.option("--ffn-hidden", type=int, default=0, help="MLP width [default: 4*hidden].")
+@click.option("--seq", "sequence", type=int, default=32, show_default=True, help="Sequence length.")
+@click.option("--vocab", "vocabulary", type=int, default=128, show_default=True)
+@click.option(
+    "--iterations", type=int, default=100, show_default=True, help="Total iterations (fixes LR schedule)."
+)
+@click.option("--lr", type=float, default=1e-3, show_default=True)
+@click.option("--min-lr", type=float, default=1e-4, show_default=True)
+@click.option("--warmup", "warmup_iterations", type=int, default=2, show_default=True)
+@click.option("--weight-decay", type=float, default=0.01, show_default=True)
+@click.option("--seed", type=int, default=1234, show_default=True, help="Weights and data.")
+@click.option("--save-dir", type=str, default=None, help="Checkpoint directory to save to.")
+@click.option("--save-interval", type=int, default=None, help="Save every N iterations.")
+@click.option(
+    "--load", "load_dir", type=str, default=None, help="Resume from this directory's latest version."
+)
+@click.option(
+    "--ckpt-step", "load_iteration", type=int, default=None, help="Load this version, not the latest."
+)
+@click.option("--exit-at-iteration", type=int, default=None, help="Save (if --save-dir) and exit 0 after it.")
+@click.option("--log-interval", type=int, default=1, show_default=True)
+@click.option(
+    "--data-parallel",
+    type=click.Choice([d.value for d in DataParallel]),
+    default=DataParallel.AUTO.value,
+    show_default=True,
+    help="DDP or FSDP2 (auto: DDP without TP, FSDP2 with TP).",
+)
+@click.option(
+    "--pp-schedule",
+    type=click.Choice([s.value for s in PipelineSchedule]),
+    default=PipelineSchedule.ONE_F_ONE_B.value,
+    show_default=True,
+)
+@click.option("--dist-timeout-s", type=float, default=120.0, show_default=True, help="Collective timeout.")
+@click.option(
+    "--fail-at-iteration", type=int, default=None, help="TEST ONLY: inject a fault at this iteration."
+)
+@click.option("--fail-rank", type=int, default=0, show_default=True, help="TEST ONLY: rank that fails.")
+@click.option(
+    "--fail-once-marker",
+    type=str,
+    default=None,
+    help="TEST ONLY: fail only if this file is absent (and create it): a transient fault.",
+)
+@click.option(
+    "--fail-mode",
+    type=click.Choice([m.value for m in FaultMode]),
+    default=FaultMode.RAISE.value,
+    show_default=True,
+    help="TEST ONLY: raise an exception, exit 3, or hang.",
+)
+def cli(**opts: object) -> None:
+    """Train a tiny GPT with TP/PP/DP on PyTorch's own parallel building blocks."""
+    start_s = time.time()
+    try:
+        cfg = _config(opts)
+    except UnicornError as exc:
+        click.echo(f"unicorn-train: error: {exc}", err=True)
+        sys.exit(EXIT_INVALID)
+    sys.exit(_run(cfg, start_s))
+
+
+def _config(opts: dict[str, object]) -> TrainConfig:
+    def i(name: str) -> int:
+        value = opts[name]
+        assert isinstance(value, int)
+        return value
+
+    def oi(name: str) -> int | None:
+        value = opts[name]
+        assert value is None or isinstance(value, int)
+        return value
+
+    def f(name: str) -> float:
+        value = opts[name]
+        assert isinstance(value, float | int)
+        return float(value)
+
+    def os_(name: str) -> str | None:
+        value = opts[name]
+        assert value is None or isinstance(value, str)
+        return value
+
+    model = ModelSpec(
+        layers=i("layers"),
+        hidden=i("hidden"),
+        heads=i("heads"),
+        sequence=i("sequence"),
+        vocabulary=i("vocabulary"),
+        global_batch=i("global_batch"),
+        ffn_hidden=i("ffn_hidden"),
+    )
+    layout = resolve_layout(
+        tp=i("tp"),
+        pp=i("pp"),
+        dp=oi("dp"),
+        micro_batch=i("micro_batch"),
+        global_batch=i("global_batch"),
+        world_size=_env_int("WORLD_SIZE", 1),
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+        model=model,
+    )
+    fail_at = oi("fail_at_iteration")
+    fault = None
+    if fail_at is not None:
+        marker = opts.get("fail_once_marker")
+        fault = FaultInjection(
+            iteration=fail_at,
+            rank=i("fail_rank"),
+            mode=FaultMode(str(opts["fail_mode"])),
+            once_marker=str(marker) if marker else None,
+        )
+    return TrainConfig(
+        model=model,
+        layout=layout,
+        iterations=i("iterations"),
+        lr=f("lr"),
+        min_lr=f("min_lr"),
+        warmup_iterations=i("warmup_iterations"),
+        weight_decay=f("weight_decay"),
+        seed=i("seed"),
+        save_dir=os_("save_dir"),
+        save_interval=oi("save_interval"),
+        load_dir=os_("load_dir"),
+        load_iteration=oi("load_iteration"),
+        exit_at_iteration=oi("exit_at_iteration"),
+        log_interval=i("log_interval"),
+        data_parallel=DataParallel(str(opts["data_parallel"])),
+        pp_schedule=PipelineSchedule(str(opts["pp_schedule"])),
+        fault=fault,
+        dist_timeout_s=f("dist_timeout_s"),
+    )
+
+
+def _run(cfg: TrainConfig, start_s: float) -> int:
+    """Import torch (timed for the relaunch benchmark) and train.
+
+    Uncaught errors go to torchrun's error file (``@record``) and, through the hook, to the agent.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from launcher.trainer.loop import StartupClock, report_error, run
+
+    clock = StartupClock(main_s=start_s, imported_s=time.time())
+
+    @record
+    def entry() -> int:
+        try:
+            return run(cfg, clock)
+        except UnicornError as exc:  # e.g. a checkpoint of another model: nothing was trained
+            report_error(exc)
+            return EXIT_INVALID
+
+    code = entry()
+    return 1 if code is None else code
 
 
 def main() -> None:
-    print("unicorn-train: not implemented yet (see README, 'What exists')", file=sys.stderr)
-    sys.exit(2)
+    """Console-script entry point (``unicorn-train``)."""
+    cli(prog_name="unicorn-train")
+
+
+if __name__ == "__main__":
+    main()

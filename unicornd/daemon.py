@@ -443,13 +443,14 @@ class Daemon:
         except ResizeUnsupported as e:
             log.warning("grow_unsupported", job_id=action.job_id, error=str(e))
             self._quiesce(action.job_id)
-            await self.slurm.requeue(action.job_id)
+            job = await self.slurm.get_job(action.job_id)
+            await self.slurm.requeue(action.job_id, [*job.nodes, *action.add])
             await self._wait_running(action.job_id)
 
     async def _requeue(self, action: Requeue) -> None:
         self._quiesce(action.job_id)
         try:
-            await self.slurm.requeue(action.job_id)
+            await self.slurm.requeue(action.job_id, action.nodes)
         except CommandFailed as e:
             # Already requeued (e.g. by the action's first run before a crash): idempotent.
             if "pending" not in f"{e.stdout} {e.stderr}".lower():

@@ -287,13 +287,18 @@ class CliSlurm:
         after = await self.get_job(job_id)
         return GrowResult(job_id, "expand", tuple(n for n in after.nodes if n not in job.nodes))
 
-    async def requeue(self, job_id: int) -> None:
+    async def requeue(self, job_id: int, nodes: Sequence[str] = ()) -> None:
         """Requeue a batch job and let it start again as soon as nodes allow.
 
-        Slurm holds a requeued job until ``cred_expire``; once it is PENDING, setting
-        ``StartTime=now+2`` brings it back in ~2 s (``now`` itself revokes its credential).
+        With ``nodes`` the job restarts on exactly those (``NumNodes`` and ``ReqNodeList``
+        are set while it is pending; a pending job's node count can be lowered, not
+        raised). Slurm holds a requeued job until ``cred_expire``; once it is PENDING,
+        setting ``StartTime=now+2`` brings it back in ~2 s (``now`` itself revokes its
+        credential).
         """
         check_job_id(job_id)
+        for n in nodes:
+            check_node_name(n)
         try:
             await self._run("scontrol", "requeue", str(job_id))
         except CommandFailed as e:
@@ -305,7 +310,8 @@ class CliSlurm:
             if time.monotonic() > deadline:
                 return  # Slurm restarts it on its own after cred_expire.
             await asyncio.sleep(0.05)
-        await self._run("scontrol", "update", f"jobid={job_id}", "StartTime=now+2")
+        where = [f"NumNodes={len(nodes)}", f"ReqNodeList={compress(list(nodes))}"] if nodes else []
+        await self._run("scontrol", "update", f"jobid={job_id}", *where, "StartTime=now+2")
 
     async def cancel(self, job_id: int, *, signal: str | None = None) -> None:
         check_job_id(job_id)

@@ -1,0 +1,182 @@
+"""What one ``unicorn-train`` run is asked to do, validated before torch is imported.
+
+Validation runs first so an impossible layout costs milliseconds and exits 2 with a
+clear message instead of failing inside a collective on some rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from unicorn_core.errors import InvalidArgument
+from unicorn_core.layout import Layout
+from unicorn_core.model import ModelSpec
+
+
+class DataParallel(StrEnum):
+    """Data-parallel implementation: DDP (replicated weights) or FSDP2 (``fully_shard``).
+
+    DDP cannot wrap DTensor parameters, so tensor parallelism needs FSDP2; ``auto``
+    picks DDP without TP and FSDP2 with it.
+    """
+
+    AUTO = "auto"
+    DDP = "ddp"
+    FSDP = "fsdp"
+
+
+class PipelineSchedule(StrEnum):
+    """``torch.distributed.pipelining`` schedule for pipeline parallelism."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+
+class FaultMode(StrEnum):
+    """Test-only fault injection: what the chosen rank does at the chosen iteration."""
+
+    RAISE = "raise"  # uncaught exception (reaches the agent through the hook)
+    EXIT = "exit"  # os._exit(FAULT_EXIT_CODE) without cleanup, like a crash
+    HANG = "hang"  # stop making progress (sleeps until killed)
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Make ``rank`` fail with ``mode`` when it starts iteration ``iteration`` (1-based).
+
+    With ``once_marker`` the fault fires only if that file does not exist, and creates it
+    first: a run relaunched from an earlier checkpoint passes the iteration again without
+    failing again (a transient fault, as recovery tests need).
+    """
+
+    iteration: int
+    rank: int
+    mode: FaultMode = FaultMode.RAISE
+    once_marker: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A validated run: model shape, layout, optimizer, checkpointing, logging.
+
+    Iterations are 1-based as in Megatron: iteration ``k`` consumes global samples
+    ``[(k-1)*G, k*G)``; a checkpoint "at k" holds the state after ``k`` iterations.
+    ``iterations`` is the total (Megatron's ``--train-iters``) and fixes the learning-rate
+    schedule, so a relaunch must pass the same value.
+    """
+
+    model: ModelSpec
+    layout: Layout
+    iterations: int
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_iterations: int = 2
+    weight_decay: float = 0.01
+    seed: int = 1234
+    save_dir: str | None = None
+    save_interval: int | None = None
+    load_dir: str | None = None
+    load_iteration: int | None = None
+    exit_at_iteration: int | None = None
+    log_interval: int = 1
+    data_parallel: DataParallel = DataParallel.AUTO
+    pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    fault: FaultInjection | None = None
+    dist_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_options()
+
+    def _check_numbers(self) -> None:
+        positive_ints = {"iterations": self.iterations, "log_interval": self.log_interval}
+        if self.save_interval is not None:
+            positive_ints["save_interval"] = self.save_interval
+        if self.exit_at_iteration is not None:
+            positive_ints["exit_at_iteration"] = self.exit_at_iteration
+        for name, value in positive_ints.items():
+            if isinstance(value, bool) or value <= 0:
+                raise InvalidArgument(f"{name} must be a positive integer, got {value!r}")
+        if self.warmup_iterations < 0:
+            raise InvalidArgument(f"warmup_iterations must be >= 0, got {self.warmup_iterations}")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise InvalidArgument(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr} min_lr={self.min_lr}")
+        if self.weight_decay < 0:
+            raise InvalidArgument(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.dist_timeout_s <= 0:
+            raise InvalidArgument(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
+
+    def _check_options(self) -> None:
+        if self.save_interval is not None and self.save_dir is None:
+            raise InvalidArgument("--save-interval needs --save-dir")
+        if self.load_iteration is not None and (self.load_dir is None or self.load_iteration < 0):
+            raise InvalidArgument("--ckpt-step needs --load and an iteration >= 0")
+        if self.exit_at_iteration is not None and self.exit_at_iteration > self.iterations:
+            raise InvalidArgument(
+                f"--exit-at-iteration {self.exit_at_iteration} is beyond --iterations {self.iterations}"
+            )
+        if self.layout.vpp is not None or self.layout.recompute or self.layout.distributed_optimizer:
+            raise InvalidArgument("unicorn-train supports neither vpp, recompute nor a distributed optimizer")
+        if self.model.num_query_groups != self.model.heads:
+            raise InvalidArgument("unicorn-train has no grouped-query attention")
+        if self.data_parallel is DataParallel.DDP and self.layout.tp > 1:
+            raise InvalidArgument(
+                "DDP cannot wrap tensor-parallel (DTensor) weights; use --data-parallel fsdp"
+            )
+        gpipe_ddp = self.pp_schedule is PipelineSchedule.GPIPE and self.layout.pp > 1 and self.layout.dp > 1
+        if gpipe_ddp and self.dp_impl is DataParallel.DDP:
+            raise InvalidArgument(
+                "GPipe runs every forward before any backward, which DDP's reducer rejects; "
+                "use --pp-schedule 1f1b or --data-parallel fsdp"
+            )
+        if self.fault is not None and self.fault.rank >= self.layout.world_size:
+            raise InvalidArgument(
+                f"--fail-rank {self.fault.rank} is outside the world of {self.layout.world_size} ranks"
+            )
+
+    @property
+    def dp_impl(self) -> DataParallel:
+        """The concrete data-parallel implementation (``auto`` resolved)."""
+        if self.data_parallel is not DataParallel.AUTO:
+            return self.data_parallel
+        return DataParallel.FSDP if self.layout.tp > 1 else DataParallel.DDP
+
+
+def resolve_layout(
+    *,
+    tp: int,
+    pp: int,
+    dp: int | None,
+    micro_batch: int,
+    global_batch: int,
+    world_size: int,
+    local_world_size: int,
+    model: ModelSpec,
+) -> Layout:
+    """The layout for this launch, checked against torchrun's world.
+
+    ``dp`` defaults to ``world / (tp*pp)``. Raises :class:`InvalidArgument` when
+    ``tp*pp*dp`` differs from the world size, TP does not fit in a node (the node's
+    ranks, ``LOCAL_WORLD_SIZE``) or the model, PP does not divide the layers, or
+    ``dp*micro_batch`` does not divide the global batch.
+    """
+    if world_size <= 0 or local_world_size <= 0:
+        raise InvalidArgument(f"bad world: WORLD_SIZE={world_size} LOCAL_WORLD_SIZE={local_world_size}")
+    for name, value in (("tp", tp), ("pp", pp)):
+        if value <= 0:
+            raise InvalidArgument(f"{name} must be a positive integer, got {value}")
+    if dp is None:
+        if world_size % (tp * pp):
+            raise InvalidArgument(
+                f"tp*pp = {tp}*{pp} = {tp * pp} does not divide the world size {world_size}"
+            )
+        dp = world_size // (tp * pp)
+    layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=micro_batch, global_batch=global_batch)
+    if layout.world_size != world_size:
+        raise InvalidArgument(
+            f"layout {layout.describe()} needs tp*pp*dp = {layout.world_size} ranks, "
+            f"but torchrun started {world_size}"
+        )
+    layout.validate(model, gpus_per_node=local_world_size)
+    return layout

@@ -1,0 +1,307 @@
+"""The training loop of ``unicorn-train`` (one process = one torchrun rank).
+
+Per iteration ``k`` (1-based): every DP replica takes its slice of global samples
+``[(k-1)*G, k*G)``, runs its micro-batches (:class:`~launcher.trainer.parallel.StepRunner`),
+the optimizer steps, and one all-reduce over the world combines the replica losses and
+the ranks' stop flags. That all-reduce is the only agreement point: a SIGTERM seen by
+any rank before it makes *every* rank save after the same iteration and exit 0 (the
+just-in-time save), so no rank waits in a collective the others skip.
+
+Exit codes (``main`` in :mod:`launcher.train`): 0 finished or stopped by SIGTERM after
+saving; 1 uncaught error; 2 invalid arguments or layout; 3 injected ``exit`` fault.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from types import FrameType
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from launcher.hook import get_hook
+from launcher.trainer import checkpoint
+from launcher.trainer.config import FaultMode, TrainConfig
+from launcher.trainer.data import batch, replica_samples
+from launcher.trainer.logline import iteration_line
+from launcher.trainer.model import build_stage, placement
+from launcher.trainer.parallel import StepRunner, apply_data_parallel, apply_tensor_parallel, build_mesh
+from unicorn_core.errors import InvalidArgument, UnicornError
+from unicorn_core.protocol import IterationPhase
+
+FAULT_EXIT_CODE: Final = 3
+
+
+class InjectedFault(RuntimeError):
+    """Raised by ``--fail-mode raise`` (test fault injection only)."""
+
+
+@dataclass
+class StartupClock:
+    """Wall-clock marks (``time.time()``) of one rank's start, for the relaunch benchmark.
+
+    Wall time because the benchmark compares them with the time it issued the
+    relaunch, in another process.
+    """
+
+    main_s: float
+    imported_s: float = 0.0
+    initialized_s: float = 0.0
+    built_s: float = 0.0
+    loaded_s: float = 0.0
+    first_iteration_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def learning_rate(iteration: int, cfg: TrainConfig) -> float:
+    """Megatron's linear warm-up then cosine decay to ``min_lr`` at ``cfg.iterations``; stateless."""
+    if cfg.warmup_iterations and iteration <= cfg.warmup_iterations:
+        return cfg.lr * iteration / cfg.warmup_iterations
+    span = max(1, cfg.iterations - cfg.warmup_iterations)
+    progress = min(1.0, (iteration - cfg.warmup_iterations) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+_SD_OPTIONS: Final = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class TrainState(Stateful):
+    """Model and optimizer as DCP sees them: global parameter names, DTensor shards resharded on load.
+
+    The optimizer state is flattened to one key per parameter (``state.<fqn>.exp_avg``,
+    ``param_groups.<fqn>.lr``): the default nested form keeps one ``param_groups`` list
+    per rank under a shared key, which pipeline stages (holding different parameters)
+    would overwrite with each other's.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SD_OPTIONS)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+            options=_SD_OPTIONS,
+        )
+
+
+def _meta(cfg: TrainConfig) -> dict[str, int]:
+    """What must match for a checkpoint to continue this run (the layout may differ)."""
+    m = cfg.model
+    return {
+        "seed": cfg.seed,
+        "layers": m.layers,
+        "hidden": m.hidden,
+        "heads": m.heads,
+        "ffn_hidden": m.ffn_hidden,
+        "sequence": m.sequence,
+        "vocabulary": m.vocabulary,
+        "global_batch": cfg.layout.global_batch,
+    }
+
+
+class _StopFlag:
+    """Set by SIGTERM; read once per iteration."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.requested = True
+
+
+def _inject_fault(cfg: TrainConfig, iteration: int, rank: int) -> None:
+    fault = cfg.fault
+    if fault is None or fault.iteration != iteration or fault.rank != rank:
+        return
+    if fault.once_marker is not None:
+        marker = Path(fault.once_marker)
+        if marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"fault at iteration {iteration} on rank {rank}\n")
+    print(f"[unicorn-train] rank {rank}: injecting fault {fault.mode} at iteration {iteration}", flush=True)
+    if fault.mode is FaultMode.RAISE:
+        raise InjectedFault(f"injected fault at iteration {iteration} on rank {rank}")
+    if fault.mode is FaultMode.EXIT:
+        os._exit(FAULT_EXIT_CODE)
+    while True:  # HANG: no progress until killed
+        time.sleep(3600)
+
+
+def run(cfg: TrainConfig, clock: StartupClock) -> int:
+    """Train on this rank under an initialised torchrun environment; returns the exit code.
+
+    The hook and the SIGTERM handler are installed first, so an exception or a stop
+    request during start-up (rendezvous, checkpoint load) is not lost.
+    """
+    get_hook().install()
+    stop = _StopFlag()
+    signal.signal(signal.SIGTERM, stop)
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.dist_timeout_s))
+    try:
+        return _train(cfg, clock, rank, device, stop)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, clock: StartupClock, rank: int, device: torch.device, stop: _StopFlag) -> int:
+    trainer = _Trainer(cfg, clock, rank, device, stop)
+    done = trainer.load()
+    clock.loaded_s = time.time()
+    if rank == 0:
+        print(
+            f"[unicorn-train] layout {cfg.layout.describe()} dp={cfg.dp_impl} pp_schedule={cfg.pp_schedule} "
+            f"device={device.type} world={dist.get_world_size()} resumed_from={done}",
+            flush=True,
+        )
+    iteration, last_saved = done, done
+    for iteration in range(done + 1, cfg.iterations + 1):
+        _inject_fault(cfg, iteration, rank)
+        stop_now = trainer.train_iteration(iteration, first=iteration == done + 1)
+        exiting = stop_now or iteration == cfg.exit_at_iteration
+        periodic = cfg.save_interval is not None and iteration % cfg.save_interval == 0
+        if cfg.save_dir is not None and (periodic or exiting or iteration == cfg.iterations):
+            trainer.save(iteration, cfg.save_dir)
+            last_saved = iteration
+        if exiting:
+            if rank == 0:
+                reason = "SIGTERM" if stop_now else "--exit-at-iteration"
+                print(f"[unicorn-train] stopping after iteration {iteration} ({reason})", flush=True)
+            break
+    if rank == 0:
+        print(f"[unicorn-train] done at iteration {iteration} (last saved {last_saved})", flush=True)
+    return 0
+
+
+class _Trainer:
+    """One rank's model, optimizer and step runner, built for ``cfg.layout``."""
+
+    def __init__(
+        self, cfg: TrainConfig, clock: StartupClock, rank: int, device: torch.device, stop: _StopFlag
+    ) -> None:
+        self.cfg, self.clock, self.rank, self.device, self.stop = cfg, clock, rank, device, stop
+        layout = cfg.layout
+        mesh = build_mesh(layout, device.type)
+        clock.initialized_s = time.time()
+        self.hook = get_hook()
+        pp_rank = mesh.get_local_rank("pp")
+        stage = build_stage(cfg.model, placement(cfg.model, pp_rank, layout.pp), cfg.seed).to(device)
+        apply_tensor_parallel(stage, mesh)
+        module = apply_data_parallel(stage, mesh, cfg.dp_impl, pipelined=layout.pp > 1)
+        self.optimizer = torch.optim.AdamW(
+            stage.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay
+        )
+        self.runner = StepRunner(module, mesh, layout, device, cfg.pp_schedule)
+        self.state: dict[str, Any] = {"train": TrainState(stage, self.optimizer), "meta": _meta(cfg)}
+        self.is_logger = rank == dist.get_world_size() - 1  # Megatron logs from the last rank (last stage)
+        self._window_s, self._window_n = 0.0, 0
+        clock.built_s = time.time()
+
+    def load(self) -> int:
+        """Restore from ``--load`` (latest or ``--ckpt-step``); returns the iterations already done."""
+        cfg = self.cfg
+        if cfg.load_dir is None:
+            return 0
+        if cfg.load_iteration is None:
+            loaded = checkpoint.load_latest(self.state, cfg.load_dir)
+        else:
+            loaded = checkpoint.load_version(self.state, cfg.load_dir, cfg.load_iteration)
+        if loaded is None:
+            return 0
+        if self.state["meta"] != _meta(cfg):
+            raise InvalidArgument(
+                f"checkpoint in {cfg.load_dir} was saved for {self.state['meta']}, this run is {_meta(cfg)}"
+            )
+        return loaded
+
+    def train_iteration(self, iteration: int, *, first: bool) -> bool:
+        """One optimizer step over the global batch; returns whether any rank asked to stop."""
+        cfg, layout = self.cfg, self.cfg.layout
+        t0 = time.monotonic()
+        lr = learning_rate(iteration, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        first_index, count = replica_samples(
+            iteration, global_batch=layout.global_batch, dp=layout.dp, dp_rank=self.runner.coords.dp
+        )
+        inputs, targets = batch(
+            first_index, count, seed=cfg.seed, sequence=cfg.model.sequence, vocabulary=cfg.model.vocabulary
+        )
+        local_loss = self.runner.step(inputs.to(self.device), targets.to(self.device))
+        self.optimizer.step()
+        replica_weight = 1.0 / (layout.tp * layout.dp)  # every last-stage rank holds its replica's loss
+        agreed = torch.tensor(
+            [0.0 if local_loss is None else local_loss * replica_weight, 1.0 if self.stop.requested else 0.0],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        dist.all_reduce(agreed)
+        loss, stop_now = float(agreed[0].item()), bool(agreed[1].item() > 0)
+        dt = time.monotonic() - t0
+        if first:
+            self.clock.first_iteration_s = time.time()
+            if self.rank == 0:
+                print(f"[unicorn-train] startup {json.dumps(asdict(self.clock))}", flush=True)
+        self.hook.iteration(iteration, dt, samples=layout.global_batch, phase=IterationPhase.TRAIN, loss=loss)
+        self._log(iteration, dt, lr, loss, force=stop_now)
+        return stop_now
+
+    def _log(self, iteration: int, dt: float, lr: float, loss: float, *, force: bool) -> None:
+        cfg = self.cfg
+        self._window_s, self._window_n = self._window_s + dt, self._window_n + 1
+        due = iteration % cfg.log_interval == 0 or force or iteration == cfg.iterations
+        if not (self.is_logger and due):
+            return
+        line = iteration_line(
+            iteration=iteration,
+            train_iters=cfg.iterations,
+            consumed_samples=iteration * cfg.layout.global_batch,
+            elapsed_ms=1000.0 * self._window_s / self._window_n,
+            learning_rate=lr,
+            global_batch=cfg.layout.global_batch,
+            lm_loss=loss,
+        )
+        print(line, flush=True)
+        self._window_s, self._window_n = 0.0, 0
+
+    def save(self, iteration: int, directory: str) -> None:
+        self.hook.slow_step(IterationPhase.CHECKPOINT)  # a save is slow, not a hang
+        t_save = time.monotonic()
+        checkpoint.save(self.state, iteration, directory)
+        self.hook.iteration(iteration, time.monotonic() - t_save, phase=IterationPhase.CHECKPOINT)
+        if self.rank == 0:
+            print(f"[unicorn-train] saved iteration {iteration} to {directory}", flush=True)
+
+
+def report_error(exc: UnicornError) -> None:
+    """Print a typed error for the operator (main exits 2)."""
+    print(f"unicorn-train: error: {exc}", file=sys.stderr, flush=True)
