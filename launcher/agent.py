@@ -503,7 +503,7 @@ def _describe_exit(info: ExitInfo) -> str:
     "--run-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Logs and the hook socket (default: /tmp/unicorn/<job>/<node>).",
+    help="Logs and the hook socket (default: /tmp/unicorn/<redis key prefix>/<job>/<node>).",
 )
 @click.option(
     "--inject-gpu-faults",
@@ -556,7 +556,8 @@ def cli(  # noqa: PLR0917 - click passes options positionally
         raise click.UsageError(str(e)) from None
     if exit_with_training and not command:
         raise click.UsageError("--exit-with-training needs a COMMAND")
-    run_dir = run_dir or Path("/tmp/unicorn") / str(job_id) / node  # noqa: S108 - per-job scratch
+    # Per installation (key prefix), job and node: job ids repeat across clusters.
+    run_dir = run_dir or Path("/tmp/unicorn") / cfg.redis.key_prefix / str(job_id) / node  # noqa: S108
     agent = Agent(
         cfg,
         job_id=job_id,

@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +55,7 @@ def sh(*argv: str, env: dict[str, str]) -> str:
 class Demo:
     def __init__(self) -> None:
         subprocess.run([*DEV, "down"], capture_output=True, check=False)
+        shutil.rmtree("/tmp/unicorn/demo", ignore_errors=True)  # agents' logs of an earlier demo
         subprocess.run([*DEV, "up", "--nodes", "4", "--gpus-per-node", "1"], check=True)
         self.env = dict(os.environ)
         for line in subprocess.run(
@@ -157,7 +159,7 @@ class Demo:
     def losses(self, name: str) -> None:
         job = self.jobs[name]
         for node in ("n1", "n2"):
-            log = Path(f"/tmp/unicorn/{job}/{node}/train.log")
+            log = Path(f"/tmp/unicorn/demo/{job}/{node}/train.log")
             if not log.exists():
                 continue
             text = log.read_text(errors="replace")

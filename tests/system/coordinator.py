@@ -58,8 +58,8 @@ def trainer_command(save_dir: Path, *extra: str) -> tuple[str, ...]:
     )
 
 
-def train_log(job_id: int, node: str) -> str:
-    path = Path(f"/tmp/unicorn/{job_id}/{node}/train.log")  # the agent's default run dir
+def train_log(prefix: str, job_id: int, node: str) -> str:
+    path = Path(f"/tmp/unicorn/{prefix}/{job_id}/{node}/train.log")  # the agent's default run dir
     return path.read_text(errors="replace") if path.exists() else ""
 
 

@@ -37,6 +37,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
     finally:
         c.script("down", check=False)
 
+
 # Hang detection at 3x (Unicron's factor): several trainer ranks share this 2-core machine.
 ENV = {"UNICORN_DETECT__HANG_FACTOR": "3"}
 
@@ -104,7 +105,7 @@ def test_node_loss_drains_replans_and_resumes_smaller(cluster: DevCluster, tmp_p
         stages = [e.stage for e in incident.timeline]
         assert LadderStage.ISOLATE in stages and LadderStage.RESUMED in stages
         # The loss curve continues: the relaunch resumed from a checkpoint, not step 0.
-        log = train_log(a.job_id or 0, "n1")
+        log = train_log(c.keys.prefix, a.job_id or 0, "n1")
         starts = resumes(log)
         assert len(starts) >= 2 and starts[-1] >= 5, starts
         after = [it for it, _ in iterations(log) if it > starts[-1]]
@@ -182,7 +183,9 @@ def test_kill9_during_recovery_loses_nothing(cluster: DevCluster, tmp_path: Path
             assert c.stop(signal.SIGKILL) == -signal.SIGKILL
             c.start()
             snap = c.wait(
-                lambda s: "n4" not in s.tasks["z"].nodes and running("z", 1)(s), "z resumed after restart", 180
+                lambda s: "n4" not in s.tasks["z"].nodes and running("z", 1)(s),
+                "z resumed after restart",
+                180,
             )
         finally:
             cluster.script("revive-node", "n4")
