@@ -190,3 +190,22 @@ def test_hook_announces_slow_steps_for_the_next_report(tmp_path: Path) -> None:
         isinstance(second, SlowStep) and second.iteration == 8 and second.phase == IterationPhase.CHECKPOINT
     )
     server.close()
+
+
+def test_agent_rejects_and_counts_garbage_on_the_hook_socket(tmp_path: Path) -> None:
+    from launcher.agent import Agent
+    from unicorn_core.config import Config
+    from unicorn_core.protocol import encode
+
+    agent = Agent(Config(), job_id=5, node="n1", run_dir=tmp_path, argv=[])
+    agent._on_hook_message(b"\xc1 not msgpack")
+    agent._on_hook_message(b"")
+    other_job = IterationTiming(
+        job_id=6, node="n1", wall_time_s=1.0, rank=0, iteration=1, duration_s=0.1, samples=None
+    )
+    agent._on_hook_message(encode(other_job))  # a message for another job: not ours to forward
+    hb = Heartbeat(job_id=5, node="n1", wall_time_s=1.0, agent_pid=1, pids=[], iteration=None, seq=0)
+    agent._on_hook_message(encode(hb))  # a valid message of a kind ranks may not send
+    assert agent.counters.hook_rejected == 3
+    assert agent.counters.hook_wrong_envelope == 1
+    assert agent.iteration is None  # nothing was accepted
