@@ -367,7 +367,7 @@ class Bench:
         }
         try:
             results: dict[str, list[float]] = {}
-            for kind in self.args.faults:
+            for kind in self.args.faults if self.args.trials > 0 else []:
                 results[kind] = []
                 for _ in range(self.args.trials):
                     results[kind].append(await self.trial(kind))
@@ -407,8 +407,8 @@ def main() -> None:
     ap.add_argument("--ckpt-s", type=float, default=1.0, help="extra time of a checkpoint step")
     ap.add_argument("--quiet-compute", type=int, default=4, help="matmuls per quiet-run iteration")
     ap.add_argument("--overhead-pairs", type=int, default=10)
-    ap.add_argument("--overhead-iters", type=int, default=500)
-    ap.add_argument("--overhead-compute", type=int, default=25, help="matmuls per overhead iteration")
+    ap.add_argument("--overhead-iters", type=int, default=300)
+    ap.add_argument("--overhead-compute", type=int, default=150, help="matmuls per overhead iteration")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="unicorn-bench-") as tmp:
         state = Path(tmp) / "cluster"

@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--flood", action="store_true")
     p.add_argument("--no-hook", action="store_true")
     p.add_argument(
-        "--compute", action="store_true", help="a fixed numpy matmul per iteration instead of sleeping"
+        "--compute", type=int, default=0, help="numpy 160x160 matmuls per iteration, besides --iter-s"
     )
     p.add_argument("--ckpt-s", type=float, default=0.0, help="extra seconds of a step after SIGUSR1")
     args, _layout = p.parse_known_args()  # layout flags (--tp, --dp, ...) from unicornd are ignored
