@@ -5,7 +5,9 @@ Per iteration ``k`` (1-based): every DP replica takes its slice of global sample
 the optimizer steps, and one all-reduce over the world combines the replica losses and
 the ranks' stop flags. That all-reduce is the only agreement point: a SIGTERM seen by
 any rank before it makes *every* rank save after the same iteration and exit 0 (the
-just-in-time save), so no rank waits in a collective the others skip.
+just-in-time save), so no rank waits in a collective the others skip. A SIGUSR1 (the
+agent's ``checkpoint_now``) seen by any rank makes every rank save after the same
+iteration and go on training.
 
 Exit codes (``main`` in :mod:`launcher.train`): 0 finished or stopped by SIGTERM after
 saving; 1 uncaught error; 2 invalid arguments or layout; 3 injected ``exit`` fault.
@@ -120,13 +122,19 @@ def _meta(cfg: TrainConfig) -> dict[str, int]:
 
 
 class _StopFlag:
-    """Set by SIGTERM; read once per iteration."""
+    """``requested`` is set by SIGTERM (save and stop), ``save_requested`` by SIGUSR1 (the
+    agent's checkpoint_now: save after this iteration and go on); both read once per
+    iteration."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.save_requested = False
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = True
+        if signum == signal.SIGUSR1:
+            self.save_requested = True
+        else:
+            self.requested = True
 
 
 def _inject_fault(cfg: TrainConfig, iteration: int, rank: int) -> None:
@@ -157,6 +165,7 @@ def run(cfg: TrainConfig, clock: StartupClock) -> int:
     get_hook().install()
     stop = _StopFlag()
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGUSR1, stop)
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available()
@@ -188,9 +197,12 @@ def _train(cfg: TrainConfig, clock: StartupClock, rank: int, device: torch.devic
         stop_now = trainer.train_iteration(iteration, first=iteration == done + 1)
         exiting = stop_now or iteration == cfg.exit_at_iteration
         periodic = cfg.save_interval is not None and iteration % cfg.save_interval == 0
-        if cfg.save_dir is not None and (periodic or exiting or iteration == cfg.iterations):
+        asked = trainer.save_now
+        if cfg.save_dir is not None and (periodic or exiting or asked or iteration == cfg.iterations):
             trainer.save(iteration, cfg.save_dir)
             last_saved = iteration
+            if asked and rank == 0:
+                print(f"[unicorn-train] saved iteration {iteration} on request (SIGUSR1)", flush=True)
         if exiting:
             if rank == 0:
                 reason = "SIGTERM" if stop_now else "--exit-at-iteration"
@@ -208,6 +220,7 @@ class _Trainer:
         self, cfg: TrainConfig, clock: StartupClock, rank: int, device: torch.device, stop: _StopFlag
     ) -> None:
         self.cfg, self.clock, self.rank, self.device, self.stop = cfg, clock, rank, device, stop
+        self.save_now = False  # some rank got SIGUSR1 before the last iteration's agreement
         layout = cfg.layout
         mesh = build_mesh(layout, device.type)
         clock.initialized_s = time.time()
@@ -260,12 +273,18 @@ class _Trainer:
         self.optimizer.step()
         replica_weight = 1.0 / (layout.tp * layout.dp)  # every last-stage rank holds its replica's loss
         agreed = torch.tensor(
-            [0.0 if local_loss is None else local_loss * replica_weight, 1.0 if self.stop.requested else 0.0],
+            [
+                0.0 if local_loss is None else local_loss * replica_weight,
+                1.0 if self.stop.requested else 0.0,
+                1.0 if self.stop.save_requested else 0.0,
+            ],
             dtype=torch.float64,
             device=self.device,
         )
+        self.stop.save_requested = False
         dist.all_reduce(agreed)
         loss, stop_now = float(agreed[0].item()), bool(agreed[1].item() > 0)
+        self.save_now = bool(agreed[2].item() > 0)
         dt = time.monotonic() - t0
         if first:
             self.clock.first_iteration_s = time.time()

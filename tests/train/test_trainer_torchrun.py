@@ -149,6 +149,34 @@ def test_sigterm_saves_just_in_time_and_exits_0(tmp_path: Path) -> None:
     assert sorted(resumed.losses) == [saved + 1]
 
 
+def test_sigusr1_to_one_rank_saves_on_every_rank_and_training_goes_on(tmp_path: Path) -> None:
+    from launcher.supervisor import descendants, read_environ
+
+    ckpt = tmp_path / "ckpt"
+    proc = start(2, *COMMON[:-2], "--iterations=100000", "--pp=2", f"--save-dir={ckpt}", "--log-interval=1")
+    assert proc.stdout is not None
+    seen: list[str] = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if " iteration        2/" in line:
+                rank1 = next(p for p in descendants(proc.pid) if read_environ(p, ["RANK"]).get("RANK") == "1")
+                os.kill(rank1, signal.SIGUSR1)  # what the agent does for checkpoint_now
+            if "on request (SIGUSR1)" in line:
+                break
+        else:
+            raise AssertionError("".join(seen)[-3000:])
+        saved = int((ckpt / "latest").read_text())
+        for line in proc.stdout:  # still training after the save
+            seen.append(line)
+            if f" iteration {saved + 2:8d}/" in line:
+                break
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        finish(proc, timeout_s=60)
+    assert saved >= 2 and any(f" iteration {saved + 2:8d}/" in line for line in seen)
+
+
 def test_reports_to_the_agent_through_the_hook(tmp_path: Path) -> None:
     """Every rank sends iteration timings (with the global loss), slow-step notices before
     saves, checkpoint timings, and the injected exception, to the agent's datagram socket."""
