@@ -22,10 +22,13 @@ from plan.sim.cli import simulate as simulate_command
 from unicorn_core import redis_io
 from unicorn_core.config import Config, describe, load_config
 from unicorn_core.errors import ConfigError, UnicornError
+from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import configure_logging
 from unicorn_core.slurm import JobInfo, NodeInfo, make_backend
 from unicorn_core.slurm.hostlist import compress, expand
 from unicornd.paircheck import PairedCheckReport, paired_check
+from unicornd.state import Policy, Snapshot
+from unicornd.store import snapshot_from_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,9 @@ class ClusterStatus:
     jobs: list[JobInfo]
     redis_ok: bool
     redis_error: str
+    daemon_alive: bool = False
+    snapshot: Snapshot | None = None
+    state_error: str = ""
 
 
 async def gather_status(cfg: Config) -> ClusterStatus:
@@ -41,14 +47,61 @@ async def gather_status(cfg: Config) -> ClusterStatus:
     client = redis_io.connect(cfg.redis, client_name="unicornctl")
     try:
         nodes, jobs = await asyncio.gather(slurm.list_nodes(), slurm.list_jobs())
+        keys = RedisKeys(cfg.redis.key_prefix)
+        alive, snap, state_error = False, None, ""
         try:
             await redis_io.call(("PING",), client.ping())
             redis_ok, redis_error = True, ""
+            alive = bool(await redis_io.call(("EXISTS",), client.exists(keys.daemon_liveness())))
+            raw = await redis_io.call(("GET", keys.state()), client.get(keys.state()))
+            if raw is not None:
+                try:
+                    snap = snapshot_from_json(raw, Policy())
+                except UnicornError as e:
+                    state_error = f"unreadable unicornd state: {e}"
         except UnicornError as e:
             redis_ok, redis_error = False, str(e)
     finally:
         await client.aclose()
-    return ClusterStatus(nodes, jobs, redis_ok, redis_error)
+    return ClusterStatus(nodes, jobs, redis_ok, redis_error, alive, snap, state_error)
+
+
+def _unicorn_json(st: ClusterStatus) -> dict[str, Any]:
+    snap = st.snapshot
+    if snap is None:
+        return {"daemon_alive": st.daemon_alive, "tasks": [], "incidents": [], "error": st.state_error}
+    return {
+        "daemon_alive": st.daemon_alive,
+        "plan_generation": snap.plan_generation,
+        "tasks": [
+            {
+                "task_id": t.task_id,
+                "job_id": t.job_id,
+                "state": t.state.value,
+                "weight": t.weight,
+                "layout": t.layout.describe() if t.layout else None,
+                "gpus": t.layout.world_size if t.layout else 0,
+                "nodes": list(t.nodes),
+                "last_iteration": t.last_iteration,
+            }
+            for t in sorted(snap.tasks.values(), key=lambda t: t.task_id)
+        ],
+        "node_health": {n.name: {"health": n.health.value, "reason": n.reason} for n in snap.nodes.values()},
+        "incidents": [
+            {
+                "incident_id": i.incident_id,
+                "task_id": i.task_id,
+                "node": i.node,
+                "status": i.status.value,
+                "severity": i.severity.value,
+                "stage": i.stage.value,
+                "opened_s": i.opened_s,
+            }
+            for i in sorted(snap.incidents.values(), key=lambda i: i.opened_s)
+            if i.is_open
+        ],
+        "error": st.state_error,
+    }
 
 
 def _node_json(n: NodeInfo) -> dict[str, Any]:
@@ -103,11 +156,13 @@ def _config(ctx: click.Context) -> Config:
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--check", is_flag=True, help="Exit 1 unless unicornd is alive (its liveness key exists).")
 @click.pass_context
-def status(ctx: click.Context, as_json: bool) -> None:
-    """Nodes (state, reason, GPUs), jobs, and whether Redis answers.
+def status(ctx: click.Context, as_json: bool, check: bool) -> None:
+    """Nodes (state, reason, GPUs), jobs, unicornd's tasks and open incidents, Redis.
 
-    Exits 1 when Slurm or Redis cannot be reached.
+    Exits 1 when Slurm or Redis cannot be reached, and with ``--check`` when unicornd is
+    not running.
     """
     cfg = _config(ctx)
     try:
@@ -119,6 +174,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
             "nodes": [_node_json(n) for n in st.nodes],
             "jobs": [_job_json(j) for j in st.jobs],
             "redis": {"ok": st.redis_ok, "error": st.redis_error},
+            "unicorn": _unicorn_json(st),
         }
         click.echo(json.dumps(doc, indent=2))
     else:
@@ -135,7 +191,24 @@ def status(ctx: click.Context, as_json: bool) -> None:
         for j in active:
             click.echo(f"  {j.job_id:<8} {j.state.value:<10} {j.name:<20} {compress(j.nodes) or j.reason}")
         click.echo(f"redis: {'ok' if st.redis_ok else 'UNREACHABLE: ' + st.redis_error}")
+        u = _unicorn_json(st)
+        click.echo(f"unicornd: {'alive' if st.daemon_alive else 'NOT RUNNING'}")
+        for t in u["tasks"]:
+            click.echo(
+                f"  task {t['task_id']:<12} {t['state']:<10} {t['layout'] or '-':<24} "
+                f"nodes {','.join(t['nodes']) or '-':<16} weight {t['weight']:g}  "
+                f"iteration {t['last_iteration']}"
+            )
+        for i in u["incidents"]:
+            click.echo(
+                f"  incident {i['incident_id']} {i['status']} {i['severity']} on {i['node']}: {i['stage']}"
+            )
+        if u["error"]:
+            click.echo(f"  {u['error']}")
     if not st.redis_ok:
+        sys.exit(1)
+    if check and not st.daemon_alive:
+        click.echo("unicornd is not running (no liveness key)", err=True)
         sys.exit(1)
 
 

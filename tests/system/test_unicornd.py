@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,6 +65,11 @@ def running(name: str, past: int = 0):  # type: ignore[no-untyped-def]
         return t is not None and t.state is TaskState.RUNNING and (t.last_iteration or 0) > past
 
     return pred
+
+
+def unicornctl(c: Coordinator, *args: str) -> subprocess.CompletedProcess[str]:
+    exe = str(Path(sys.executable).parent / "unicornctl")
+    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=60, env=c.env, check=False)
 
 
 def node_reason(cluster: DevCluster, node: str) -> str:
@@ -165,6 +173,14 @@ def test_sev3_is_retried_in_place(cluster: DevCluster, tmp_path: Path) -> None:
         inc = next(iter(snap.incidents.values()))
         stages = [e.stage for e in inc.timeline]
         assert LadderStage.RETRY_IN_PLACE in stages and LadderStage.RESTART_PROCESSES not in stages
+        # What the operator sees, while unicornd runs and after it stopped.
+        shown = unicornctl(c, "status", "--json", "--check")
+        assert shown.returncode == 0, shown.stderr
+        doc = json.loads(shown.stdout)["unicorn"]
+        assert doc["daemon_alive"] and [t["task_id"] for t in doc["tasks"]] == ["y"]
+        assert doc["tasks"][0]["state"] == "running" and doc["tasks"][0]["nodes"] == list(nodes)
+        c.stop()
+        assert unicornctl(c, "status", "--check").returncode == 1
         assert stages[-2:] == [LadderStage.RESUMED, LadderStage.CLOSED]
         assert snap.tasks["y"].nodes == nodes
 
