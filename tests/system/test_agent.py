@@ -17,7 +17,7 @@ import redis
 
 from tests.conftest import DevCluster, pid_alive
 from tests.system.agent_helpers import run_agent, torchrun, toy
-from unicorn_core.config import AgentConfig
+from unicorn_core.config import AgentConfig, DetectConfig
 from unicorn_core.protocol import (
     AgentAction,
     CommandResult,
@@ -255,7 +255,8 @@ def test_stopped_rank_is_named_as_a_hang(cluster: DevCluster, tmp_path: Path) ->
             assert isinstance(f, FaultReport) and f.rank == 1 and "state T" in f.evidence
             its = [m.duration_s for _, m in a.seen if isinstance(m, IterationTiming)]
             mean = sorted(its)[len(its) // 2]
-            # Detected within (hang_factor + 1) mean iterations of the stop, plus polling slack.
-            assert t_seen - t_stop < (3 + 1) * mean + 0.5
+            # Detected within (learned hang factor, at most max_hang_factor, + 1) mean
+            # iterations of the stop, plus polling slack.
+            assert t_seen - t_stop < (DetectConfig().max_hang_factor + 1) * mean + 0.5
         finally:
             os.kill(victim, signal.SIGCONT)
