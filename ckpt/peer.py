@@ -20,7 +20,7 @@ import contextlib
 import os
 import struct
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Final
 
 import msgspec
@@ -267,6 +267,25 @@ class PeerServer:
         await _send(writer, Reply(ok=False, reason="; ".join(reasons) or "nothing to serve"))
 
 
+@contextlib.asynccontextmanager
+async def _peer(
+    host: str, port: int, timeout_s: float
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A connection to a peer for one exchange, all of it within ``timeout_s``; a network
+    failure or timeout becomes ``ShardUnavailable("unreachable")``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                yield reader, writer
+            finally:
+                writer.close()
+                with contextlib.suppress(ConnectionError):
+                    await writer.wait_closed()
+    except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+        raise ShardUnavailable("unreachable", f"peer {host}:{port}: {exc!r}") from None
+
+
 async def push_shard(
     host: str,
     port: int,
@@ -277,19 +296,10 @@ async def push_shard(
     timeout_s: float = 300.0,
 ) -> None:
     """Send an open, sealed shard to a peer; ``ShardUnavailable`` if it was not stored."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(host, port)
-            try:
-                await _send(writer, Push(meta=encode(source.meta), data_bytes=source.meta.data_bytes))
-                await _send_bytes(writer, source.data(), bucket, chunk_bytes)
-                reply = await _recv(reader)
-            finally:
-                writer.close()
-                with contextlib.suppress(ConnectionError):
-                    await writer.wait_closed()
-    except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-        raise ShardUnavailable("unreachable", f"peer {host}:{port}: {exc!r}") from None
+    async with _peer(host, port, timeout_s) as (reader, writer):
+        await _send(writer, Push(meta=encode(source.meta), data_bytes=source.meta.data_bytes))
+        await _send_bytes(writer, source.data(), bucket, chunk_bytes)
+        reply = await _recv(reader)
     if not isinstance(reply, Reply) or not reply.ok:
         raise ShardUnavailable("refused", f"peer {host}:{port}: {getattr(reply, 'reason', reply)}")
 
@@ -306,20 +316,9 @@ async def fetch_shard(
     timeout_s: float = 300.0,
 ) -> ShardMeta:
     """Fetch a verified copy of a shard from a peer into ``target`` (usually this node's shm)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(host, port)
-            try:
-                await _send(writer, Fetch(job_id=job_id, iteration=iteration, rank=rank))
-                reply = await _recv(reader)
-                if not isinstance(reply, Reply) or not reply.ok:
-                    raise ShardUnavailable(
-                        "refused", f"peer {host}:{port}: {getattr(reply, 'reason', reply)}"
-                    )
-                return await _receive_shard(reader, reply.meta, reply.data_bytes, target, chunk_bytes)
-            finally:
-                writer.close()
-                with contextlib.suppress(ConnectionError):
-                    await writer.wait_closed()
-    except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-        raise ShardUnavailable("unreachable", f"peer {host}:{port}: {exc!r}") from None
+    async with _peer(host, port, timeout_s) as (reader, writer):
+        await _send(writer, Fetch(job_id=job_id, iteration=iteration, rank=rank))
+        reply = await _recv(reader)
+        if not isinstance(reply, Reply) or not reply.ok:
+            raise ShardUnavailable("refused", f"peer {host}:{port}: {getattr(reply, 'reason', reply)}")
+        return await _receive_shard(reader, reply.meta, reply.data_bytes, target, chunk_bytes)

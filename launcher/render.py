@@ -177,6 +177,14 @@ def torchrun_argvs(
     }
 
 
+def _check_save_interval(save_dir: str | None, save_interval: int | None) -> None:
+    """Both frameworks' rule: a positive interval, and only with somewhere to save."""
+    if save_interval is not None and (isinstance(save_interval, bool) or save_interval <= 0):
+        raise InvalidArgument(f"save_interval must be positive, got {save_interval!r}")
+    if save_interval is not None and save_dir is None:
+        raise InvalidArgument("save_interval needs save_dir")
+
+
 @dataclass(frozen=True)
 class MegatronCheckpointing:
     """Megatron-LM checkpoint flags that make a relaunch at another layout resume.
@@ -195,12 +203,7 @@ class MegatronCheckpointing:
     exit_signal_handler: bool = True
 
     def __post_init__(self) -> None:
-        if self.save_interval is not None and (
-            isinstance(self.save_interval, bool) or self.save_interval <= 0
-        ):
-            raise InvalidArgument(f"save_interval must be positive, got {self.save_interval!r}")
-        if self.save_interval is not None and self.save_dir is None:
-            raise InvalidArgument("save_interval needs save_dir")
+        _check_save_interval(self.save_dir, self.save_interval)
 
 
 def megatron_args(
@@ -293,12 +296,7 @@ class TrainerCheckpointing:
     load_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.save_interval is not None and (
-            isinstance(self.save_interval, bool) or self.save_interval <= 0
-        ):
-            raise InvalidArgument(f"save_interval must be positive, got {self.save_interval!r}")
-        if self.save_interval is not None and self.save_dir is None:
-            raise InvalidArgument("save_interval needs save_dir")
+        _check_save_interval(self.save_dir, self.save_interval)
 
 
 def trainer_args(

@@ -57,12 +57,8 @@ class Demo:
         subprocess.run([*DEV, "down"], capture_output=True, check=False)
         shutil.rmtree("/tmp/unicorn/demo", ignore_errors=True)  # agents' logs of an earlier demo
         subprocess.run([*DEV, "up", "--nodes", "4", "--gpus-per-node", "1"], check=True)
-        self.env = dict(os.environ)
-        for line in subprocess.run(
-            [*DEV, "env"], check=True, capture_output=True, text=True
-        ).stdout.splitlines():
-            key, _, value = line.removeprefix("export ").partition("=")
-            self.env[key] = value.strip("'\"")
+        dev_env = subprocess.run([*DEV, "env", "--json"], check=True, capture_output=True, text=True).stdout
+        self.env = {**os.environ, **json.loads(dev_env)}
         self.env["UNICORN_REDIS__KEY_PREFIX"] = "demo"
         self.env["UNICORN_DETECT__HANG_FACTOR"] = "3"  # 4 trainer ranks share 2 cores here
         self.keys = RedisKeys("demo")

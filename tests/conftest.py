@@ -7,8 +7,9 @@ developer's own cluster.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-import shlex
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,21 +74,29 @@ def start_cluster(state_dir: Path, *args: str) -> DevCluster:
     if up.returncode != 0:
         raise RuntimeError(f"dev-cluster up failed ({up.returncode}):\n{up.stdout}\n{up.stderr}")
     out = subprocess.run(
-        [str(DEV_CLUSTER), "--state-dir", str(state_dir), "env"], capture_output=True, text=True, check=True
+        [str(DEV_CLUSTER), "--state-dir", str(state_dir), "env", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
-    env: dict[str, str] = {}
-    for line in out.splitlines():
-        key, _, value = line.removeprefix("export ").partition("=")
-        env[key] = shlex.split(value)[0]
-    return DevCluster(state_dir, env)
+    return DevCluster(state_dir, json.loads(out))
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
-    state_dir = tmp_path_factory.mktemp("cluster")
+@contextlib.contextmanager
+def private_cluster(
+    tmp_path_factory: pytest.TempPathFactory, name: str, *up_args: str
+) -> Iterator[DevCluster]:
+    """A dev cluster of its own for the duration of the block (stopped by its own script)."""
+    state_dir = tmp_path_factory.mktemp(name)
     state_dir.parent.chmod(0o755)
-    c = start_cluster(state_dir, "--nodes", "4", "--gpus-per-node", "4")
+    c = start_cluster(state_dir, *up_args)
     try:
         yield c
     finally:
         c.script("down", check=False)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
+    with private_cluster(tmp_path_factory, "cluster", "--nodes", "4", "--gpus-per-node", "4") as c:
+        yield c

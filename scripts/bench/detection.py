@@ -335,9 +335,7 @@ class Bench:
 
     async def run(self) -> dict[str, Any]:
         self.dev("up", "--nodes", "2", "--gpus-per-node", "1", "--cpus-per-node", "2")
-        for line in self.dev("env").splitlines():
-            key, _, value = line.removeprefix("export ").partition("=")
-            self.env[key] = value.strip("'\"")
+        self.env.update(json.loads(self.dev("env", "--json")))
         prefix = f"bench{os.getpid()}"
         self.env["UNICORN_REDIS__KEY_PREFIX"] = prefix
         os.environ.update(self.env)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DevCluster, start_cluster
+from tests.conftest import DevCluster, private_cluster
 from tests.system.coordinator import (
     PLANNER_MODEL,
     Coordinator,
@@ -32,13 +32,8 @@ pytestmark = pytest.mark.system
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
     """4 nodes with 1 GPU each: every planned rank is a CPU process on this 2-core machine."""
-    state_dir = tmp_path_factory.mktemp("cluster1")
-    state_dir.parent.chmod(0o755)
-    c = start_cluster(state_dir, "--nodes", "4", "--gpus-per-node", "1")
-    try:
+    with private_cluster(tmp_path_factory, "cluster1", "--nodes", "4", "--gpus-per-node", "1") as c:
         yield c
-    finally:
-        c.script("down", check=False)
 
 
 # Hang detection at 3x (Unicron's factor): several trainer ranks share this 2-core machine.

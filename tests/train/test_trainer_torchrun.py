@@ -28,6 +28,16 @@ REL_TOL = 1e-5
 COMMON = ("--layers=4", "--hidden=32", "--heads=4", "--seq=16", "--vocab=64", "--iterations=6", "--lr=3e-3")
 
 
+def read_until(proc: subprocess.Popen[str], seen: list[str], marker: str) -> None:
+    """Read the launch's output into ``seen`` until a line contains ``marker``."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            return
+    raise AssertionError(f"{marker!r} never printed:\n" + "".join(seen)[-3000:])
+
+
 def assert_losses_match(resumed: dict[int, float], reference: dict[int, float]) -> None:
     assert resumed, "no loss lines"
     for it, loss in resumed.items():
@@ -122,15 +132,9 @@ def test_injected_exception_fails_the_launch_and_names_the_rank() -> None:
 def test_sigterm_saves_just_in_time_and_exits_0(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     proc = start(2, *COMMON[:-2], "--iterations=100000", "--pp=2", f"--save-dir={ckpt}", "--log-interval=1")
-    assert proc.stdout is not None
     seen: list[str] = []
     try:
-        for line in proc.stdout:
-            seen.append(line)
-            if " iteration        2/" in line:
-                break
-        else:
-            raise AssertionError("".join(seen)[-3000:])
+        read_until(proc, seen, " iteration        2/")
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)  # not reaped yet: the group id is still ours
         proc.communicate()
@@ -154,23 +158,14 @@ def test_sigusr1_to_one_rank_saves_on_every_rank_and_training_goes_on(tmp_path: 
 
     ckpt = tmp_path / "ckpt"
     proc = start(2, *COMMON[:-2], "--iterations=100000", "--pp=2", f"--save-dir={ckpt}", "--log-interval=1")
-    assert proc.stdout is not None
     seen: list[str] = []
     try:
-        for line in proc.stdout:
-            seen.append(line)
-            if " iteration        2/" in line:
-                rank1 = next(p for p in descendants(proc.pid) if read_environ(p, ["RANK"]).get("RANK") == "1")
-                os.kill(rank1, signal.SIGUSR1)  # what the agent does for checkpoint_now
-            if "on request (SIGUSR1)" in line:
-                break
-        else:
-            raise AssertionError("".join(seen)[-3000:])
+        read_until(proc, seen, " iteration        2/")
+        rank1 = next(p for p in descendants(proc.pid) if read_environ(p, ["RANK"]).get("RANK") == "1")
+        os.kill(rank1, signal.SIGUSR1)  # what the agent does for checkpoint_now
+        read_until(proc, seen, "on request (SIGUSR1)")
         saved = int((ckpt / "latest").read_text())
-        for line in proc.stdout:  # still training after the save
-            seen.append(line)
-            if f" iteration {saved + 2:8d}/" in line:
-                break
+        read_until(proc, seen, f" iteration {saved + 2:8d}/")  # still training after the save
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         finish(proc, timeout_s=60)
