@@ -11,13 +11,20 @@ shards of the iteration. DCP's planners then reshard (DP4 -> DP2, DP -> TP, ...)
 chunk overlap, reading zero-copy from the first tier that holds each shard verified.
 
 Checksums: the reader verifies each entry it reads (not the whole shard), so a layout
-reading a quarter of a shard hashes a quarter of it.
+reading a quarter of a shard hashes a quarter of it. A caller that chose (and verified)
+each shard's copy itself, e.g. with :class:`~ckpt.restore.Restorer`, passes them as
+``shards``.
+
+Consistency: every rank of one save passes the same ``save_id``; the reader refuses
+(``corrupt``) an iteration whose shards carry different ids, i.e. shards of two runs
+that reached the same iteration (another layout, or a run restarted from an older
+version), which must never be mixed.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -49,6 +56,7 @@ from ckpt.tier import TierDir
 from unicorn_core.logs import get_logger
 
 EXTRA_KEY: Final = "dcp"
+SAVE_ID_KEY: Final = "save_id"
 
 
 class DcpItem(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,13 +96,17 @@ class MemoryStorageWriter(StorageWriter):
     Every rank passes its own ``SnapshotWriter`` (same root and job, its rank).
     ``seal=True`` computes checksums before ``save`` returns (a restore can read it at
     once); ``False`` leaves that to the agent and keeps the stall to the copy.
+    ``save_id``: the same on every rank of one save (see the module doc).
     """
 
-    def __init__(self, writer: SnapshotWriter, iteration: int, *, seal: bool = True) -> None:
+    def __init__(
+        self, writer: SnapshotWriter, iteration: int, *, seal: bool = True, save_id: str = ""
+    ) -> None:
         super().__init__()
         self.writer = writer
         self.iteration = iteration
         self.seal = seal
+        self.save_id = save_id
         self.handle: SnapshotHandle | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -146,6 +158,7 @@ class MemoryStorageWriter(StorageWriter):
         extra = {
             EXTRA_KEY: msgspec.to_builtins(items),
             "planner_data": _encode_planner_data(plan.planner_data),
+            SAVE_ID_KEY: self.save_id,
         }
         self.handle = self.writer.snapshot(state, self.iteration, extra=extra)
         if self.seal:
@@ -166,21 +179,34 @@ class MemoryStorageReader(StorageReader):
     """DCP ``StorageReader`` over the tiers: ``dcp.load(sd, storage_reader=...)``.
 
     ``sources``: tier folders searched per shard in order (e.g. shm, local, remote); each
-    shard is read from the first that holds it sealed. The world size of the *saved*
-    layout comes from the shards; the loading layout may differ.
+    shard is read from the first that holds it sealed. ``shards``: copies already opened
+    (saved rank -> open shard), used before any source; the reader closes them too. The
+    world size of the *saved* layout comes from the shards; the loading layout may differ.
     """
 
-    def __init__(self, sources: Sequence[TierDir], iteration: int) -> None:
+    def __init__(
+        self,
+        sources: Sequence[TierDir],
+        iteration: int,
+        *,
+        shards: Mapping[int, OpenShard] | None = None,
+    ) -> None:
         super().__init__()
         if not sources:
             raise InvalidArgument("MemoryStorageReader needs at least one source tier")
         self.sources = tuple(sources)
         self.iteration = iteration
-        self._shards: dict[int, OpenShard] = {}
+        self._shards: dict[int, OpenShard] = dict(shards or {})
+        for rank, shard in self._shards.items():
+            if shard.meta.iteration != iteration or shard.meta.rank != rank:
+                raise InvalidArgument(
+                    f"shard {shard.paths.bin} is rank {shard.meta.rank} of iteration "
+                    f"{shard.meta.iteration}, not rank {rank} of {iteration}"
+                )
         self._log = get_logger("ckpt.dcp", job_id=sources[0].job_id, iteration=iteration)
 
     def reset(self, checkpoint_id: Any = None) -> None:
-        self.close()
+        """DCP calls this at the start of every load: keep the shards handed over."""
 
     def _open(self, rank: int) -> OpenShard:
         if rank in self._shards:
@@ -200,7 +226,8 @@ class MemoryStorageReader(StorageReader):
         raise ShardUnavailable("missing", f"rank {rank} of iteration {self.iteration}: {'; '.join(reasons)}")
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        world_size = self._open(0).meta.world_size
+        first = self._open(0).meta
+        world_size, save_id = first.world_size, first.extra.get(SAVE_ID_KEY, "")
         state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         storage: dict[MetadataIndex, tuple[int, str]] = {}
         planner_data: dict[str, tuple[str | int, ...]] = {}
@@ -209,6 +236,11 @@ class MemoryStorageReader(StorageReader):
             if meta.world_size != world_size:
                 raise ShardUnavailable(
                     "corrupt", f"rank {rank} says world size {meta.world_size}, rank 0 {world_size}"
+                )
+            if meta.extra.get(SAVE_ID_KEY, "") != save_id:
+                raise ShardUnavailable(
+                    "corrupt",
+                    f"rank {rank} belongs to save {meta.extra.get(SAVE_ID_KEY)!r}, rank 0 to {save_id!r}",
                 )
             for raw in meta.extra.get(EXTRA_KEY, []):
                 item = msgspec.convert(raw, DcpItem)

@@ -1,4 +1,4 @@
-"""Restore, nearest first: own shared memory, peers, local disk, remote.
+"""Restore, nearest first: own shared memory, this node's peer backups, peers, local disk, remote.
 
 Every copy is opened sealed and has *every* checksum verified before it is used, in
 every tier, own memory included: a silently corrupt copy is never loaded. A copy that
@@ -70,12 +70,16 @@ class Restorer:
         self,
         shm: TierDir,
         *,
+        backups: Sequence[TierDir] = (),
         peers: Sequence[PeerAddress] = (),
         local: TierDir | None = None,
         remote: TierDir | None = None,
         fetch_timeout_s: float = 300.0,
     ) -> None:
+        """``backups``: folders on this node holding other nodes' copies (the agent's ring
+        backups), read in place before any peer is asked over the network."""
         self.shm = shm
+        self.backups = tuple(backups)
         self.peers = tuple(peers)
         self.local = local
         self.remote = remote
@@ -109,6 +113,10 @@ class Restorer:
         candidates: list[tuple[Tier, str, Any]] = [
             (Tier.SHM, str(self.shm.root), lambda: _open_verified(self.shm, iteration, rank))
         ]
+        for backup in self.backups:
+            candidates.append(
+                (Tier.PEER, f"backup {backup.root}", lambda d=backup: _open_verified(d, iteration, rank))
+            )
         for peer in self.peers:
             candidates.append(
                 (

@@ -41,6 +41,7 @@ import click
 import redis.asyncio as aioredis
 
 from detect import SLOW_STEP_TIMEOUT_S, Classifier, IterationMonitor, load_classifier
+from launcher.ckptagent import CkptAgent, CkptPlan
 from launcher.gpu import FaultFile, GpuMonitor
 from launcher.hook import ENV_JOB_ID, ENV_NODE, ENV_SOCKET, MAX_DATAGRAM
 from launcher.outbox import Outbox
@@ -134,6 +135,7 @@ class Agent:
         self._done_commands: set[str] = set()
         self.monitor = self._new_monitor()
         self._hang_reported = False
+        self.ckpt = CkptPlan.from_config(cfg.ckpt, job_id=job_id, node=node, env=self.base_env)
 
     # --- envelope helpers -------------------------------------------------------------
 
@@ -173,6 +175,8 @@ class Agent:
             asyncio.create_task(self._commands(), name="commands"),
             asyncio.create_task(self._watch_hangs(), name="hangs"),
         ]
+        if self.ckpt is not None:  # seal, persist and replicate the ranks' memory snapshots
+            tasks.append(asyncio.create_task(CkptAgent(self.ckpt).run(), name="ckpt"))
         log.info("agent_started", job_id=self.job_id, node=self.node, run_dir=str(self.run_dir))
         try:
             if self.argv:
@@ -208,6 +212,7 @@ class Agent:
         self._generation += 1
         env = {
             **self.base_env,
+            **(self.ckpt.rank_env() if self.ckpt is not None else {}),
             **extra_env,
             ENV_SOCKET: str(self._sock_path),
             ENV_JOB_ID: str(self.job_id),

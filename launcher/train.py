@@ -3,6 +3,12 @@
     torchrun --standalone --nproc-per-node=4 -m launcher.train --tp=2 --pp=2 \\
         --iterations=100 --save-dir=/ckpt --save-interval=10 --load=/ckpt
 
+Memory tier (``ckpt/``): under a node agent the ``--snapshot-*`` options come from the
+agent's ``UNICORN_CKPT_*`` variables; each rank then saves DCP into shared memory every
+``--snapshot-every`` iterations and on SIGUSR1/SIGTERM (the agent persists and
+replicates), and on start restores the newest version nearest first (shm, this node's
+peer backups, other nodes' agents, local disk, remote, then ``--load``).
+
 Arguments are validated before torch is imported; an impossible layout (TP not
 dividing the heads or the node's ranks, PP not dividing the layers, DP x micro-batch
 not dividing the global batch, TP x PP x DP differing from torchrun's world) exits 2
@@ -19,12 +25,15 @@ import time
 
 import click
 
+from launcher import ckptagent
 from launcher.trainer.config import (
     DataParallel,
     FaultInjection,
     FaultMode,
     PipelineSchedule,
+    SnapshotOptions,
     TrainConfig,
+    parse_peers,
     resolve_layout,
 )
 from unicorn_core.errors import UnicornError
@@ -88,6 +97,35 @@ def _env_int(name: str, default: int) -> int:
 )
 @click.option("--dist-timeout-s", type=float, default=120.0, show_default=True, help="Collective timeout.")
 @click.option(
+    "--snapshot-dir",
+    envvar=ckptagent.ENV_SNAP_DIR,
+    default=None,
+    help="Memory tier root (a tmpfs); unset = no memory tier.",
+)
+@click.option(
+    "--snapshot-job",
+    envvar=ckptagent.ENV_JOB,
+    default="local",
+    show_default=True,
+    help="Job folder in every tier.",
+)
+@click.option(
+    "--snapshot-every",
+    envvar=ckptagent.ENV_EVERY,
+    type=int,
+    default=0,
+    show_default=True,
+    help="Snapshot every N iterations (0: only at --save-interval, signals and the end).",
+)
+@click.option(
+    "--snapshot-backup-dir", envvar=ckptagent.ENV_BACKUP_DIR, default=None, help="Peer backups here."
+)
+@click.option("--snapshot-local-dir", envvar=ckptagent.ENV_LOCAL_DIR, default=None, help="Local-disk tier.")
+@click.option("--snapshot-remote-dir", envvar=ckptagent.ENV_REMOTE_DIR, default=None, help="Remote tier.")
+@click.option(
+    "--snapshot-peers", envvar=ckptagent.ENV_PEERS, default="", help="Other agents: NODE=HOST:PORT,..."
+)
+@click.option(
     "--fail-at-iteration", type=int, default=None, help="TEST ONLY: inject a fault at this iteration."
 )
 @click.option("--fail-rank", type=int, default=0, show_default=True, help="TEST ONLY: rank that fails.")
@@ -102,7 +140,7 @@ def _env_int(name: str, default: int) -> int:
     type=click.Choice([m.value for m in FaultMode]),
     default=FaultMode.RAISE.value,
     show_default=True,
-    help="TEST ONLY: raise an exception, exit 3, or hang.",
+    help="TEST ONLY: raise an exception, exit 3, SIGKILL itself, or hang.",
 )
 def cli(**opts: object) -> None:
     """Train a tiny GPT with TP/PP/DP on PyTorch's own parallel building blocks."""
@@ -184,6 +222,28 @@ def _config(opts: dict[str, object]) -> TrainConfig:
         pp_schedule=PipelineSchedule(str(opts["pp_schedule"])),
         fault=fault,
         dist_timeout_s=f("dist_timeout_s"),
+        snapshots=_snapshots(opts),
+    )
+
+
+def _snapshots(opts: dict[str, object]) -> SnapshotOptions | None:
+    def text(name: str) -> str | None:
+        value = opts[name]
+        return str(value) if value else None
+
+    snap_dir = text("snapshot_dir")
+    if snap_dir is None:
+        return None
+    every = opts["snapshot_every"]
+    assert isinstance(every, int)
+    return SnapshotOptions(
+        snap_dir=snap_dir,
+        job=str(opts["snapshot_job"]),
+        every=every,
+        backup_dir=text("snapshot_backup_dir"),
+        local_dir=text("snapshot_local_dir"),
+        remote_dir=text("snapshot_remote_dir"),
+        peers=parse_peers(str(opts["snapshot_peers"] or "")),
     )
 
 

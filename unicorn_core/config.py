@@ -335,6 +335,269 @@ class PlanConfig(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SshConfig(Section):
+    """Out-of-band confirmation: when a node's agent falls silent, unicornd probes the node
+    over SSH to tell a dead node (drain) from a dead agent (relaunch it, no drain)."""
+
+    enabled: bool = field(
+        default=False,
+        metadata=_meta(
+            "Probe a node over SSH before acting on a lost heartbeat. Off = a silent agent is "
+            "treated as a dead node (SEV1; the drain limiter caps the damage). Default: false "
+            "(needs keys and host keys set up; the dev cluster turns it on)."
+        ),
+    )
+    hosts: tuple[str, ...] = field(
+        default=(),
+        metadata=_meta(
+            "Endpoints of nodes whose SSH address is not their Slurm name on port 22, as "
+            "NODE=HOST:PORT entries (in the environment: comma-separated). Default: empty."
+        ),
+    )
+    user: str = field(
+        default="root",
+        metadata=_meta("User to log in as on the nodes. Default: root."),
+    )
+    key_file: str = field(
+        default="",
+        metadata=_meta(
+            "Private key to log in with; empty = the SSH client defaults (~/.ssh/id_*). Default: empty."
+        ),
+    )
+    known_hosts: str = field(
+        default="",
+        metadata=_meta(
+            "known_hosts file with the nodes' host keys; empty = ~/.ssh/known_hosts. Host "
+            "keys are always checked: an unknown host key is a failed probe. Default: empty."
+        ),
+    )
+    connect_timeout_s: float = field(
+        default=5.0,
+        metadata=_meta(
+            "Seconds to wait for a node to accept the SSH connection before it counts as "
+            "dead. Default 5: a live node answers in milliseconds, even under load; this is "
+            "added to the detection time of a dead node that drops packets (a refused "
+            "connection fails at once).",
+            gt=0,
+        ),
+    )
+    command_timeout_s: float = field(
+        default=10.0,
+        metadata=_meta(
+            "Seconds the probe command on the node may run (agent lookup, kernel log scan). Default 10.",
+            gt=0,
+        ),
+    )
+    kernel_log: str = field(
+        default="",
+        metadata=_meta(
+            "Where the probe reads the node's kernel log for Xid/ECC/MCE evidence: empty = "
+            "dmesg; else a file path, where {node} stands for the node name (the dev "
+            "cluster gives each node a file). Default: empty."
+        ),
+    )
+
+    def endpoints(self) -> dict[str, tuple[str, int]]:
+        """``hosts`` as node -> (host, port); call only on a loaded (valid) config."""
+        out: dict[str, tuple[str, int]] = {}
+        for entry in self.hosts:
+            node, _, where = entry.partition("=")
+            host, _, port = where.rpartition(":")
+            out[node.strip()] = (host.strip(), int(port))
+        return out
+
+    def problems(self) -> list[str]:
+        bad: list[str] = []
+        for entry in self.hosts:
+            node, eq, where = entry.partition("=")
+            host, colon, port = where.rpartition(":")
+            if not (
+                eq and colon and node.strip() and host.strip() and port.isdigit() and 0 < int(port) < 65536
+            ):
+                bad.append(f"hosts entry {entry!r} is not NODE=HOST:PORT")
+        return bad
+
+
+_WEBHOOK_SCHEMES = ("http", "https")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlertsConfig(Section):
+    """Where unicornd sends alerts (incident opened, escalated, needs an operator, closed).
+
+    Both targets may be set; each alert goes to every configured one. Neither set = no
+    alerts (incidents still show in ``unicornctl incidents`` and the metrics).
+    """
+
+    command: tuple[str, ...] = field(
+        default=(),
+        metadata=_meta(
+            "Command run for each alert, as an argv list (no shell), with the alert as one "
+            "JSON object on its standard input; a non-zero exit is a failed delivery. In the "
+            "environment: comma-separated. Default: empty (no command)."
+        ),
+    )
+    webhook_url: str = field(
+        default="",
+        metadata=_meta(
+            "URL that receives each alert as an HTTP POST of one JSON object "
+            "(Content-Type: application/json); any 2xx answer is a delivery. http:// or "
+            "https://. Default: empty (no webhook)."
+        ),
+    )
+    timeout_s: float = field(
+        default=10.0,
+        metadata=_meta(
+            "Seconds one delivery (the command, or the webhook's POST) may take before it is "
+            "abandoned as failed. Default 10 s: a receiver answers in well under a second or "
+            "is down; a stuck one must not hold back later alerts for long.",
+            gt=0,
+        ),
+    )
+    queue_max: int = field(
+        default=100,
+        metadata=_meta(
+            "Alerts waiting for delivery at most; when full, the oldest is dropped (and "
+            "counted) so a dead receiver never grows unicornd's memory. Default 100: far more "
+            "than a burst of incidents produces while a receiver is briefly slow.",
+            ge=1,
+        ),
+    )
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.command and not self.command[0].strip():
+            found.append(f"command = {_show(self.command)}: the program (first item) must not be empty")
+        if self.webhook_url:
+            parts = urlsplit(self.webhook_url)
+            if parts.scheme not in _WEBHOOK_SCHEMES or not parts.hostname:
+                shown = f"{parts.scheme}://{parts.hostname or ''}/..." if parts.scheme else "(no scheme)"
+                found.append(f"webhook_url = {shown}: expected an http:// or https:// URL with a host")
+        return found
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig(Section):
+    """unicornd's Prometheus endpoint (``GET /metrics``)."""
+
+    listen: str = field(
+        default="",
+        metadata=_meta(
+            "Address the metrics endpoint listens on, as HOST:PORT ([::1]:PORT for IPv6; "
+            "port 0 = any free port, for tests); empty = no endpoint. Default: empty, because "
+            "several unicornd (dev clusters, tests) may share a machine and a fixed port would "
+            "collide; a production head node sets e.g. 0.0.0.0:9464."
+        ),
+    )
+
+    def address(self) -> tuple[str, int] | None:
+        """``listen`` as (host, port) without IPv6 brackets; None when off. Raises
+        ``ConfigError`` when it is not HOST:PORT (a loaded config never is)."""
+        if not self.listen:
+            return None
+        host, colon, port = self.listen.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]") if host.startswith("[") else host
+        if not (colon and host and port.isdigit() and int(port) <= 65535):
+            raise ConfigError(
+                f"metrics.listen = {_show(self.listen)}: expected HOST:PORT, e.g. 127.0.0.1:9464"
+            )
+        return host, int(port)
+
+    def problems(self) -> list[str]:
+        try:
+            self.address()
+        except ConfigError:
+            return [f"listen = {_show(self.listen)}: expected HOST:PORT (port 0-65535) or empty"]
+        return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptConfig(Section):
+    """The checkpoint engine as the node agent and the built-in trainer run it (``ckpt/``)."""
+
+    shm_dir: str = field(
+        default="/dev/shm/unicorn-ckpt",  # noqa: S108 - the memory tier is a tmpfs by design
+        metadata=_meta(
+            "Host-memory tier: ranks copy their snapshots under <shm_dir>/snap and the agent "
+            "keeps its ring predecessors' copies under <shm_dir>/peer. A tmpfs so a snapshot "
+            "costs a memory copy and survives the rank's crash. Empty = no memory tier "
+            "(the trainer saves only to --save-dir). Default: /dev/shm/unicorn-ckpt."
+        ),
+    )
+    local_dir: str = field(
+        default="/var/tmp/unicorn-ckpt",  # noqa: S108 - node-local disk, kept across reboots
+        metadata=_meta(
+            "Local-disk tier: the agent persists every sealed snapshot here (survives a "
+            "reboot, not a lost disk). Empty = no local tier. Default: /var/tmp/unicorn-ckpt "
+            "(kept across reboots, unlike /tmp)."
+        ),
+    )
+    remote_dir: str = field(
+        default="",
+        metadata=_meta(
+            "Remote tier: a shared file system path every node mounts; the agent persists "
+            "every sealed snapshot here too. Empty = off. Default: empty (the trainer's "
+            "--save-dir, written with torch.distributed.checkpoint, stays the persistent tier)."
+        ),
+    )
+    keep_versions: int = field(
+        default=3,
+        metadata=_meta(
+            "Iterations kept per tier (local, remote, peer backups), oldest evicted first; "
+            "the latest complete one is never evicted. Default 3: the newest, and two to fall "
+            "back to if it turns out incomplete.",
+            ge=1,
+        ),
+    )
+    peer_factor: int = field(
+        default=1,
+        metadata=_meta(
+            "Number of next nodes of the task (ring order) each agent copies its snapshots "
+            "to; 0 = no replication. Capped at the task's nodes minus one. Default 1 (TRANSOM's "
+            "ring backup): survives the loss of any one node.",
+            ge=0,
+        ),
+    )
+    peer_rate_mib_s: float = field(
+        default=256.0,
+        metadata=_meta(
+            "MiB/s at most that one agent sends to its peers, so replication does not compete "
+            "with training traffic. Default 256 (about 2 Gbit/s, a small share of a training "
+            "network).",
+            gt=0,
+        ),
+    )
+    peer_port_base: int = field(
+        default=31000,
+        metadata=_meta(
+            "First TCP port of the agents' replication servers: the agent of node i (its "
+            "index in the job's node list) of job J listens on base + (97*J + i) % 1000, so "
+            "every agent can compute its peers' ports. Default 31000.",
+            ge=1024,
+            le=64535,
+        ),
+    )
+    peer_host: str = field(
+        default="",
+        metadata=_meta(
+            "Address the replication servers listen on and are reached at. Empty = every "
+            "node's Slurm name (which must resolve), listening on all interfaces. The dev "
+            "cluster sets 127.0.0.1. Default: empty."
+        ),
+    )
+    snapshot_every: int = field(
+        default=10,
+        metadata=_meta(
+            "Iterations between the built-in trainer's memory snapshots (besides the save "
+            "interval and the SIGUSR1/SIGTERM just-in-time saves); 0 = only those. A "
+            "snapshot blocks a rank for about one memory copy, so this can be far shorter "
+            "than a disk save interval. Default 10.",
+            ge=0,
+        ),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class LogConfig(Section):
     """Logging of every unicorn process (see ``unicorn_core.logs.configure_logging``)."""
 
@@ -363,6 +626,14 @@ class Config(Section):
     agent: AgentConfig = field(default_factory=AgentConfig, metadata=_meta("Per-node agent."))
     detect: DetectConfig = field(default_factory=DetectConfig, metadata=_meta("Failure detection."))
     plan: PlanConfig = field(default_factory=PlanConfig, metadata=_meta("Cluster-wide planning."))
+    ckpt: CkptConfig = field(default_factory=CkptConfig, metadata=_meta("Checkpoint engine."))
+    ssh: SshConfig = field(default_factory=SshConfig, metadata=_meta("Out-of-band node probes over SSH."))
+    alerts: AlertsConfig = field(
+        default_factory=AlertsConfig, metadata=_meta("Alert delivery (command, webhook).")
+    )
+    metrics: MetricsConfig = field(
+        default_factory=MetricsConfig, metadata=_meta("Prometheus endpoint of unicornd.")
+    )
     log: LogConfig = field(default_factory=LogConfig, metadata=_meta("Logging."))
 
     def problems(self) -> list[str]:

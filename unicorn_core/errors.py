@@ -97,6 +97,18 @@ class CommandNotFound(ExternalCallError):
     """The executable does not exist on PATH (e.g. Slurm client tools not installed)."""
 
 
+class SshError(ExternalCallError):
+    """An SSH call failed: the connection, authentication or the remote command."""
+
+
+class SshUnreachable(SshError):
+    """No SSH session could be opened to the host (refused, timed out, host key rejected)."""
+
+    def __init__(self, command: Sequence[str], detail: str) -> None:
+        super().__init__(command, None, stderr=detail, message="unreachable")
+        self.detail = detail
+
+
 class RedisCallError(ExternalCallError):
     """A Redis call failed (connection refused, timeout, auth, server error)."""
 

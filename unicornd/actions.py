@@ -105,6 +105,18 @@ class LaunchAgents:
 
 
 @dataclass(frozen=True)
+class RestartAgent:
+    """Start a new agent for ``job_id`` on ``node``, whose agent is gone while the node is up
+    (the SSH probe said so), with the task's current training argv for that node."""
+
+    kind: ClassVar[str] = "restart_agent"
+    action_id: str
+    task_id: str
+    job_id: int
+    node: str
+
+
+@dataclass(frozen=True)
 class Shrink:
     """Shrink the running job to exactly ``nodes`` (``scontrol update jobid=J NodeList=...``)."""
 
@@ -171,6 +183,7 @@ Action: TypeAlias = (
     | CheckNode
     | SendCommand
     | LaunchAgents
+    | RestartAgent
     | Shrink
     | Grow
     | Requeue
@@ -187,6 +200,7 @@ ACTION_TYPES: Final[Mapping[str, type[Action]]] = {
         CheckNode,
         SendCommand,
         LaunchAgents,
+        RestartAgent,
         Shrink,
         Grow,
         Requeue,

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,10 @@ from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import configure_logging
 from unicorn_core.slurm import JobInfo, NodeInfo, make_backend
 from unicorn_core.slurm.hostlist import compress, expand
+from unicornd.alerts import incident_milestones, stage_spans
 from unicornd.paircheck import PairedCheckReport, paired_check
-from unicornd.state import Policy, Snapshot
-from unicornd.store import snapshot_from_json
+from unicornd.state import Incident, Policy, Snapshot, TaskRecord
+from unicornd.store import KEEP_CLOSED_S, snapshot_from_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +331,217 @@ def _paired_check(
         click.echo(f"bad: {', '.join(d.bad) or '-'}   unresolved: {', '.join(d.unresolved) or '-'}")
     if report.diagnosis.bad or report.diagnosis.unresolved:
         sys.exit(1)
+
+
+# --- incidents and tasks: unicornd's snapshot, read from Redis ---------------------------
+
+EXIT_STATE_UNREADABLE = 1
+"""``incidents``/``tasks``: Redis unreachable, unicornd's state unreadable, or a bad config."""
+EXIT_NO_STATE = 3
+"""``incidents``/``tasks``: Redis holds no unicornd state under the configured key prefix
+(unicornd never ran against this Redis, or ``redis.key_prefix`` differs)."""
+
+
+class _StateUnreadableError(click.ClickException):
+    exit_code = EXIT_STATE_UNREADABLE
+
+
+class _NoStateError(click.ClickException):
+    exit_code = EXIT_NO_STATE
+
+
+async def read_snapshot(cfg: Config) -> Snapshot | None:
+    """unicornd's persisted snapshot; None when there is none. Raises ``RedisCallError``
+    (unreachable, auth), ``ProtocolError`` (not a snapshot this version wrote)."""
+    client = redis_io.connect(cfg.redis, client_name="unicornctl")
+    keys = RedisKeys(cfg.redis.key_prefix)
+    try:
+        raw = await redis_io.call(("GET", keys.state()), client.get(keys.state()))
+    finally:
+        await client.aclose()
+    return None if raw is None else snapshot_from_json(raw, Policy())
+
+
+def _snapshot(ctx: click.Context) -> Snapshot:
+    cfg = _config(ctx)
+    try:
+        snap = asyncio.run(read_snapshot(cfg))
+    except (UnicornError, KeyError, TypeError, ValueError) as e:
+        raise _StateUnreadableError(f"cannot read unicornd's state: {e}") from None
+    if snap is None:
+        raise _NoStateError(
+            f"no unicornd state in Redis ({cfg.redis.url.rpartition('@')[2]}, key prefix "
+            f"{cfg.redis.key_prefix!r}): unicornd has not run against it"
+        )
+    return snap
+
+
+def _clock(t_s: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_s))
+
+
+def incident_json(inc: Incident, now_s: float) -> dict[str, Any]:
+    """One incident with its timeline (``since_detected_s``, ``duration_s`` per stage) and the
+    seconds from detection to each milestone reached (``milestones_s``)."""
+    m = incident_milestones(inc)
+    end_s = m.closed_s if m.closed_s is not None else now_s
+    return {
+        "incident_id": inc.incident_id,
+        "task_id": inc.task_id,
+        "node": inc.node,
+        "rank": inc.rank,
+        "status": inc.status.value,
+        "severity": inc.severity.value,
+        "rule": inc.rule,
+        "evidence": inc.evidence,
+        "stage": inc.stage.value,
+        "open": inc.is_open,
+        "detected_s": m.detected_s,
+        "duration_s": end_s - m.detected_s,
+        "note": inc.note,
+        "isolated_nodes": list(inc.isolated_nodes),
+        "pending_drain": inc.pending_drain,
+        "attempts": {stage.value: n for stage, n in inc.attempts.items()},
+        "milestones_s": m.since_detected(),
+        "timeline": [
+            {
+                "stage": s.stage.value,
+                "t_s": s.start_s,
+                "since_detected_s": s.since_detected_s,
+                "duration_s": s.duration_s,
+                "ongoing": s.ongoing,
+            }
+            for s in stage_spans(inc, now_s)
+        ],
+    }
+
+
+def incidents_json(snap: Snapshot, *, include_closed: bool, now_s: float) -> list[dict[str, Any]]:
+    """Open incidents (and with ``include_closed`` the closed ones still kept), oldest first."""
+    chosen = [i for i in snap.incidents.values() if include_closed or i.is_open]
+    return [incident_json(i, now_s) for i in sorted(chosen, key=lambda i: (i.opened_s, i.incident_id))]
+
+
+def render_incidents(snap: Snapshot, *, include_closed: bool, now_s: float) -> str:
+    """The human view of :func:`incidents_json`: a header, the milestones, the timeline."""
+    docs = incidents_json(snap, include_closed=include_closed, now_s=now_s)
+    if not docs:
+        closed = sum(1 for i in snap.incidents.values() if not i.is_open)
+        hint = f"; {closed} closed in the last {KEEP_CLOSED_S / 3600:g} h (--all)" if closed else ""
+        return f"no open incidents{hint}"
+    lines = []
+    for d in docs:
+        where = f"task {d['task_id']}" if d["task_id"] is not None else "no task"
+        rank = f" rank {d['rank']}" if d["rank"] is not None else ""
+        state = "open" if d["open"] else "closed"
+        lines.append(
+            f"{d['incident_id']}  {state}  {d['status']} {d['severity']}  {where}  node {d['node']}{rank}  "
+            f"stage {d['stage']}  {d['duration_s']:.1f} s{' so far' if d['open'] else ''}"
+        )
+        lines.append(f"  rule {d['rule'] or '-'}: {d['evidence'] or '-'}")
+        if d["note"]:
+            lines.append(f"  note: {d['note']}")
+        if d["pending_drain"]:
+            lines.append(f"  waiting for the operator to confirm the drain of {d['pending_drain']}")
+        milestones = ", ".join(f"{name} +{s:.1f} s" for name, s in d["milestones_s"].items())
+        lines.append(f"  detected {_clock(d['detected_s'])}" + (f"; {milestones}" if milestones else ""))
+        for e in d["timeline"]:
+            offset = f"+{e['since_detected_s']:.1f} s"
+            lasted = "" if e["stage"] == "closed" else f"{e['duration_s']:.1f} s"
+            ongoing = " (ongoing)" if e["ongoing"] else ""
+            row = f"    {_clock(e['t_s'])}  {offset:>10}  {e['stage']:<22}{lasted:>10}{ongoing}"
+            lines.append(row.rstrip())
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def task_json(task: TaskRecord, snap: Snapshot) -> dict[str, Any]:
+    """One task as ``unicornctl tasks --json`` shows it."""
+    inc = snap.open_incident(task.task_id)
+    return {
+        "task_id": task.task_id,
+        "name": task.name,
+        "job_id": task.job_id,
+        "state": task.state.value,
+        "framework": task.framework,
+        "weight": task.weight,
+        "min_gpus": task.min_gpus,
+        "max_gpus": task.max_gpus,
+        "layout": task.layout.describe() if task.layout else None,
+        "gpus": task.layout.world_size if task.layout else 0,
+        "nodes": list(task.nodes),
+        "last_iteration": task.last_iteration,
+        "recoveries_without_progress": task.recoveries_without_progress,
+        "incidents_opened": task.incidents_opened,
+        "open_incident": None
+        if inc is None
+        else {"incident_id": inc.incident_id, "stage": inc.stage.value, "status": inc.status.value},
+    }
+
+
+def render_tasks(snap: Snapshot) -> str:
+    """The human table of every task, by id."""
+    tasks = [task_json(t, snap) for t in sorted(snap.tasks.values(), key=lambda t: t.task_id)]
+    if not tasks:
+        return "no tasks"
+    rows = [("TASK", "JOB", "STATE", "GPUS", "LAYOUT", "NODES", "WEIGHT", "ITERATION", "INCIDENT")]
+    for t in tasks:
+        inc = t["open_incident"]
+        rows.append(
+            (
+                t["task_id"],
+                "-" if t["job_id"] is None else str(t["job_id"]),
+                t["state"],
+                str(t["gpus"]),
+                t["layout"] or "-",
+                compress(t["nodes"]) or "-",
+                f"{t['weight']:g}",
+                "-" if t["last_iteration"] is None else str(t["last_iteration"]),
+                "-" if inc is None else f"{inc['incident_id']} ({inc['stage']})",
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--all", "include_closed", is_flag=True, help="Closed incidents too (those kept: last 24 h).")
+@click.pass_context
+def incidents(ctx: click.Context, as_json: bool, include_closed: bool) -> None:
+    """Open incidents (``--all``: closed ones too) with their timeline: detected,
+    classified, drained, replanned, resumed, closed, and the time between stages.
+
+    Exit codes: 0 shown; 1 Redis unreachable, state unreadable or a bad config;
+    2 bad usage; 3 no unicornd state in Redis (unicornd never ran against it).
+    """
+    snap = _snapshot(ctx)
+    now_s = time.time()
+    if as_json:
+        doc = incidents_json(snap, include_closed=include_closed, now_s=now_s)
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        click.echo(render_incidents(snap, include_closed=include_closed, now_s=now_s))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_context
+def tasks(ctx: click.Context, as_json: bool) -> None:
+    """unicornd's tasks: state, job, GPUs and layout, nodes, weight, iteration, open incident.
+
+    Exit codes: 0 shown; 1 Redis unreachable, state unreadable or a bad config;
+    2 bad usage; 3 no unicornd state in Redis (unicornd never ran against it).
+    """
+    snap = _snapshot(ctx)
+    if as_json:
+        click.echo(
+            json.dumps(
+                [task_json(t, snap) for t in sorted(snap.tasks.values(), key=lambda t: t.task_id)], indent=2
+            )
+        )
+    else:
+        click.echo(render_tasks(snap))
 
 
 cli.add_command(plan_group)

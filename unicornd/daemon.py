@@ -54,7 +54,7 @@ from unicorn_core.protocol import (
 )
 from unicorn_core.slurm.backend import ResizeUnsupported, SlurmBackend, StepHandle
 from unicorn_core.slurm.types import JobState
-from unicornd import decide
+from unicornd import decide, oob
 from unicornd.actions import (
     Action,
     CheckNode,
@@ -63,13 +63,16 @@ from unicornd.actions import (
     DrainNode,
     Grow,
     LaunchAgents,
+    NodeArgv,
     NotifyOperator,
     Replan,
     Requeue,
+    RestartAgent,
     ResumeNode,
     SendCommand,
     Shrink,
 )
+from unicornd.decide import ClassificationLike
 from unicornd.detector import Detector, JobFinding
 from unicornd.ingest import StreamIngest
 from unicornd.launch import agent_argv, bin_dir, renderer
@@ -119,6 +122,7 @@ class Daemon:
         self._drain_only = False
         self._finished_nodes: dict[int, set[str]] = {}
         self._quiet_jobs: set[int] = set()
+        self._probes: dict[tuple[int, str], asyncio.Task[None]] = {}
         self.actions_run = 0
 
     # --- deciding -----------------------------------------------------------------------
@@ -270,8 +274,48 @@ class Daemon:
             node = task.nodes[0] if task.nodes else ""
         if not node:
             return
+        if f.source == "heartbeat" and self.cfg.ssh.enabled and jf.job_id is not None:
+            self._probe(jf, node, finding_id)
+            return
+        await self._decide_finding(jf, node, finding_id, jf.classification)
+
+    def _probe(self, jf: JobFinding, node: str, finding_id: str) -> None:
+        """Confirm a silent agent out of band (SSH) before deciding; one probe per agent at a time."""
+        key = (jf.job_id, node)
+        if key in self._probes:
+            return
+
+        async def confirm() -> None:
+            log.info("probing", job_id=jf.job_id, node=node, why=jf.classification.evidence)
+            try:
+                result = await oob.probe_node(self.cfg.ssh, self.cfg.agent, node, jf.job_id)
+                found = oob.verdict(result, jf.classification.evidence, self.detector.classifier)
+                log.warning(
+                    "probe",
+                    job_id=jf.job_id,
+                    node=node,
+                    reachable=result.reachable,
+                    agents=list(result.agent_states),
+                    kernel_lines=len(result.kernel_lines),
+                    rule=found.rule,
+                    s=round(result.elapsed_s, 3),
+                )
+            except Exception as e:  # a broken probe must not hide the silence
+                log.error("probe_failed", job_id=jf.job_id, node=node, error=repr(e))
+                found = jf.classification
+            try:
+                await self._decide_finding(jf, node, f"{finding_id}:probe", found)
+            finally:
+                self._probes.pop(key, None)
+
+        self._probes[key] = asyncio.create_task(confirm(), name=f"probe-{node}-{jf.job_id}")
+
+    async def _decide_finding(
+        self, jf: JobFinding, node: str, finding_id: str, classification: ClassificationLike
+    ) -> None:
+        f = jf.finding
         finding = decide.Finding.of(
-            jf.classification,
+            classification,
             finding_id=finding_id,
             job_id=jf.job_id,
             node=node,
@@ -429,6 +473,7 @@ class Daemon:
             LaunchAgents: self._launch,
             Shrink: lambda a: self.slurm.shrink(a.job_id, a.nodes),
             Grow: self._grow,
+            RestartAgent: self._restart_agent,
             Requeue: self._requeue,
             Replan: self._replan,
             CheckNode: self._check_node,
@@ -519,6 +564,16 @@ class Daemon:
             )
             self.steps[(action.job_id, cmd.node)] = step
             self.detector.expect_agent(action.job_id, cmd.node, time.monotonic())
+
+    async def _restart_agent(self, action: RestartAgent) -> None:
+        """A new agent on a node whose agent is gone, with the argv of the task's latest launch."""
+        task = self.snap.tasks.get(action.task_id)
+        if task is None or task.layout is None or action.node not in task.nodes:
+            raise InvalidArgument(f"restart_agent {action.action_id}: task no longer runs on {action.node}")
+        render = renderer(self.cfg.agent, self.snap.gpus_per_node, task.generation)
+        argv = tuple(render(task, task.layout, task.nodes)[action.node])
+        command = (NodeArgv(action.node, argv),)
+        await self._launch(LaunchAgents(action.action_id, task.task_id, action.job_id, command))
 
     async def _replan(self, action: Replan) -> None:
         async with self._lock:

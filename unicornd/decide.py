@@ -46,6 +46,7 @@ from unicornd.actions import (
     DrainNode,
     NotifyOperator,
     Replan,
+    RestartAgent,
     ResumeNode,
     SendCommand,
 )
@@ -61,6 +62,12 @@ from unicornd.state import (
 )
 
 _L = LadderStage
+
+AGENT_LOST: Final = "agent_lost"
+AGENT_SILENT: Final = "agent_silent"
+AGENT_RULES: Final = frozenset({AGENT_LOST, AGENT_SILENT})
+"""Rules of a silent agent on a node that is up (:mod:`unicornd.oob`): its restart rung
+starts a new agent there instead of commanding the gone one."""
 
 LIVE_TASK_STATES: Final = frozenset({TaskState.LAUNCHING, TaskState.RUNNING, TaskState.RECOVERING})
 """States in which a task has processes that can fail."""
@@ -216,12 +223,13 @@ class _Fault:
     status: str
     detail: str
     rank_died: bool = False
+    rule: str = ""
 
     @classmethod
     def of(cls, finding: Finding) -> _Fault:
         rank = "" if finding.rank is None else f" rank {finding.rank}"
         detail = f"{finding.rule}{rank}: {finding.evidence}".strip()
-        return cls(finding.node, finding.status.value, detail, finding.rank_died)
+        return cls(finding.node, finding.status.value, detail, finding.rank_died, finding.rule)
 
 
 def _recent(times: tuple[float, ...], now_s: float, window_s: float) -> tuple[float, ...]:
@@ -427,6 +435,13 @@ def _climb(draft: _Draft, task: TaskRecord, inc: Incident, target: LadderStage, 
     draft.put(draft.task(task.task_id).with_state(TaskState.RECOVERING))
     if acts:
         for n in nodes:
+            if n == fault.node and fault.rule in AGENT_RULES:  # no agent to take the command
+                draft.act(
+                    RestartAgent(
+                        _step_id(inc, target, attempt, "restart_agent", n), task.task_id, task.job_id, n
+                    )
+                )
+                continue
             draft.act(
                 SendCommand(
                     action_id=_step_id(inc, target, attempt, "restart_ranks", n),

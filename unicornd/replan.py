@@ -195,7 +195,7 @@ def _move_task(
             for n in alive
             if n not in new_nodes
         )
-    new = replace(task, nodes=new_nodes, layout=layout, launched_s=now_s)
+    new = replace(task, nodes=new_nodes, layout=layout, launched_s=now_s, generation=phases.gen)
     if not new_nodes or layout is None or job is None:
         if job is not None and task.state is not TaskState.PENDING:
             phases.resizes.append(Requeue(f"{base}/requeue", task.task_id, job, ()))

@@ -260,7 +260,8 @@ class TaskRecord(_Record):
     numbers this task's incidents, so incident ids are deterministic. ``launched_s`` is
     when the latest launch or relaunch was ordered (iterations reported after it prove
     the launch worked). ``framework`` says how a layout is passed to ``command``
-    (:data:`FRAMEWORKS`).
+    (:data:`FRAMEWORKS`). ``generation`` is the plan generation of the latest launch (its
+    rendezvous port and run id derive from it, so a restarted agent rejoins its peers).
     """
 
     task_id: str
@@ -281,6 +282,7 @@ class TaskRecord(_Record):
     incidents_opened: int = 0
     launched_s: float | None = None
     framework: str = "unicorn-train"
+    generation: int = 0
 
     def __post_init__(self) -> None:
         _name(self.task_id, "task_id")
@@ -298,7 +300,7 @@ class TaskRecord(_Record):
         _distinct(self.nodes, f"task {self.task_id}: nodes")
         if self.last_iteration is not None:
             _non_negative(self.last_iteration, f"task {self.task_id}: last_iteration")
-        for what in ("recoveries_without_progress", "resizes_this_run", "incidents_opened"):
+        for what in ("recoveries_without_progress", "resizes_this_run", "incidents_opened", "generation"):
             _non_negative(getattr(self, what), f"task {self.task_id}: {what}")
         for t in (*self.recovery_times_s, *(() if self.launched_s is None else (self.launched_s,))):
             _finite(t, f"task {self.task_id}: timestamp")

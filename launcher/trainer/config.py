@@ -6,8 +6,10 @@ clear message instead of failing inside a collective on some rank.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Final
 
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.layout import Layout
@@ -38,6 +40,7 @@ class FaultMode(StrEnum):
 
     RAISE = "raise"  # uncaught exception (reaches the agent through the hook)
     EXIT = "exit"  # os._exit(FAULT_EXIT_CODE) without cleanup, like a crash
+    KILL = "kill"  # SIGKILL to itself (kill -9), e.g. right after a memory snapshot
     HANG = "hang"  # stop making progress (sleeps until killed)
 
 
@@ -54,6 +57,58 @@ class FaultInjection:
     rank: int
     mode: FaultMode = FaultMode.RAISE
     once_marker: str | None = None
+
+
+_JOB_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_PEER_RE: Final = re.compile(r"^([^=,\s]+)=([^=,\s]+):(\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """Another node's agent, which may hold shards of this job (``node=host:port``)."""
+
+    node: str
+    host: str
+    port: int
+
+
+def parse_peers(text: str) -> tuple[PeerSpec, ...]:
+    """``n2=host:port,n3=host:port`` (as the agent exports it) -> peers, in that order."""
+    peers = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        match = _PEER_RE.match(item)
+        if match is None or not 0 < int(match[3]) < 65536:
+            raise InvalidArgument(f"--snapshot-peers item {item!r}: expected NODE=HOST:PORT")
+        peers.append(PeerSpec(match[1], match[2], int(match[3])))
+    return tuple(peers)
+
+
+@dataclass(frozen=True)
+class SnapshotOptions:
+    """The checkpoint engine's tiers for this run (``ckpt/``), nearest first.
+
+    ``snap_dir``: the host-memory tier (ranks write DCP saves there as snapshots, the
+    agent seals, persists and replicates them); ``backup_dir``: this node's copies of
+    other nodes' snapshots; ``peers``: other nodes' agents; ``local_dir``/``remote_dir``:
+    where the agent persists. Shards live under ``<dir>/<job>/``. ``every``: iterations
+    between snapshots (0 = only at save-interval iterations, SIGUSR1/SIGTERM and the end).
+    """
+
+    snap_dir: str
+    job: str
+    every: int = 0
+    backup_dir: str | None = None
+    local_dir: str | None = None
+    remote_dir: str | None = None
+    peers: tuple[PeerSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not _JOB_RE.match(self.job):
+            raise InvalidArgument(
+                f"--snapshot-job {self.job!r}: expected 1-128 of [A-Za-z0-9._-], not starting with . or -"
+            )
+        if isinstance(self.every, bool) or self.every < 0:
+            raise InvalidArgument(f"--snapshot-every must be an integer >= 0, got {self.every!r}")
 
 
 @dataclass(frozen=True)
@@ -84,6 +139,7 @@ class TrainConfig:
     pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     fault: FaultInjection | None = None
     dist_timeout_s: float = 120.0
+    snapshots: SnapshotOptions | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -110,8 +166,10 @@ class TrainConfig:
     def _check_options(self) -> None:
         if self.save_interval is not None and self.save_dir is None:
             raise InvalidArgument("--save-interval needs --save-dir")
-        if self.load_iteration is not None and (self.load_dir is None or self.load_iteration < 0):
-            raise InvalidArgument("--ckpt-step needs --load and an iteration >= 0")
+        if self.load_iteration is not None and (
+            (self.load_dir is None and self.snapshots is None) or self.load_iteration < 0
+        ):
+            raise InvalidArgument("--ckpt-step needs --load or --snapshot-dir, and an iteration >= 0")
         if self.exit_at_iteration is not None and self.exit_at_iteration > self.iterations:
             raise InvalidArgument(
                 f"--exit-at-iteration {self.exit_at_iteration} is beyond --iterations {self.iterations}"

@@ -9,6 +9,12 @@ just-in-time save), so no rank waits in a collective the others skip. A SIGUSR1 
 agent's ``checkpoint_now``) seen by any rank makes every rank save after the same
 iteration and go on training.
 
+With a memory tier (``--snapshot-dir``, :mod:`launcher.trainer.snapshots`) the ranks
+also snapshot into shared memory every ``--snapshot-every`` iterations, at save-interval
+iterations, on SIGUSR1 (memory only: the agent persists it), on SIGTERM (memory, then
+``--save-dir``) and at the end; on start they restore the newest version from the
+nearest tier holding it, and use ``--load`` only when it holds a newer one.
+
 Exit codes (``main`` in :mod:`launcher.train`): 0 finished or stopped by SIGTERM after
 saving; 1 uncaught error; 2 invalid arguments or layout; 3 injected ``exit`` fault.
 """
@@ -40,6 +46,7 @@ from launcher.trainer.data import batch, replica_samples
 from launcher.trainer.logline import iteration_line
 from launcher.trainer.model import build_stage, placement
 from launcher.trainer.parallel import StepRunner, apply_data_parallel, apply_tensor_parallel, build_mesh
+from launcher.trainer.snapshots import MemoryCheckpoints
 from unicorn_core.errors import InvalidArgument, UnicornError
 from unicorn_core.protocol import IterationPhase
 
@@ -152,6 +159,8 @@ def _inject_fault(cfg: TrainConfig, iteration: int, rank: int) -> None:
         raise InjectedFault(f"injected fault at iteration {iteration} on rank {rank}")
     if fault.mode is FaultMode.EXIT:
         os._exit(FAULT_EXIT_CODE)
+    if fault.mode is FaultMode.KILL:
+        os.kill(os.getpid(), signal.SIGKILL)
     while True:  # HANG: no progress until killed
         time.sleep(3600)
 
@@ -198,11 +207,21 @@ def _train(cfg: TrainConfig, clock: StartupClock, rank: int, device: torch.devic
         exiting = stop_now or iteration == cfg.exit_at_iteration
         periodic = cfg.save_interval is not None and iteration % cfg.save_interval == 0
         asked = trainer.save_now
-        if cfg.save_dir is not None and (periodic or exiting or asked or iteration == cfg.iterations):
+        due = periodic or exiting or iteration == cfg.iterations
+        where = []
+        if trainer.memory is not None and (due or asked or trainer.snapshot_due(iteration)):
+            trainer.snapshot(iteration)
+            where.append("memory")
+        if cfg.save_dir is not None and (due or (asked and trainer.memory is None)):
             trainer.save(iteration, cfg.save_dir)
+            where.append(cfg.save_dir)
+        if where:
             last_saved = iteration
             if asked and rank == 0:
-                print(f"[unicorn-train] saved iteration {iteration} on request (SIGUSR1)", flush=True)
+                print(
+                    f"[unicorn-train] saved iteration {iteration} ({', '.join(where)}) on request (SIGUSR1)",
+                    flush=True,
+                )
         if exiting:
             if rank == 0:
                 reason = "SIGTERM" if stop_now else "--exit-at-iteration"
@@ -210,6 +229,8 @@ def _train(cfg: TrainConfig, clock: StartupClock, rank: int, device: torch.devic
             break
     if rank == 0:
         print(f"[unicorn-train] done at iteration {iteration} (last saved {last_saved})", flush=True)
+    if trainer.memory is not None:
+        trainer.memory.close()
     return 0
 
 
@@ -234,14 +255,42 @@ class _Trainer:
         )
         self.runner = StepRunner(module, mesh, layout, device, cfg.pp_schedule)
         self.state: dict[str, Any] = {"train": TrainState(stage, self.optimizer), "meta": _meta(cfg)}
+        self.memory = (
+            MemoryCheckpoints(cfg.snapshots, rank, dist.get_world_size())
+            if cfg.snapshots is not None
+            else None
+        )
         self.is_logger = rank == dist.get_world_size() - 1  # Megatron logs from the last rank (last stage)
         self._window_s, self._window_n = 0.0, 0
         clock.built_s = time.time()
 
     def load(self) -> int:
-        """Restore from ``--load`` (latest or ``--ckpt-step``); returns the iterations already done."""
+        """Restore the newest version (or ``--ckpt-step``'s), nearest tier first: the memory
+        tiers, then ``--load`` (used when it holds a newer version than they do).
+        Returns the iterations already done."""
         cfg = self.cfg
+        on_disk = None
+        if cfg.load_dir is not None and cfg.load_iteration is None:
+            box = [checkpoint.latest_iteration(cfg.load_dir) if self.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            on_disk = box[0]
+        if self.memory is not None:
+            restored = self.memory.restore(self.state, exactly=cfg.load_iteration, at_least=on_disk)
+            if restored is not None:
+                self._check_meta(f"the memory tier {self.memory.snap.job_dir}")
+                if self.rank == 0:
+                    print(
+                        f"[unicorn-train] restored iteration {restored.iteration} from the memory tiers: "
+                        f"{restored.describe()}",
+                        flush=True,
+                    )
+                return restored.iteration
+            if self.rank == 0:
+                newer = f" newer than --load's {on_disk}" if on_disk is not None else ""
+                print(f"[unicorn-train] no complete version{newer} in the memory tiers", flush=True)
         if cfg.load_dir is None:
+            if cfg.load_iteration is not None:
+                raise InvalidArgument(f"no tier holds a complete version of iteration {cfg.load_iteration}")
             return 0
         if cfg.load_iteration is None:
             loaded = checkpoint.load_latest(self.state, cfg.load_dir)
@@ -249,11 +298,31 @@ class _Trainer:
             loaded = checkpoint.load_version(self.state, cfg.load_dir, cfg.load_iteration)
         if loaded is None:
             return 0
-        if self.state["meta"] != _meta(cfg):
-            raise InvalidArgument(
-                f"checkpoint in {cfg.load_dir} was saved for {self.state['meta']}, this run is {_meta(cfg)}"
-            )
+        self._check_meta(cfg.load_dir)
+        if self.rank == 0:
+            print(f"[unicorn-train] restored iteration {loaded} from --load {cfg.load_dir}", flush=True)
         return loaded
+
+    def _check_meta(self, where: str) -> None:
+        if self.state["meta"] != _meta(self.cfg):
+            raise InvalidArgument(
+                f"checkpoint in {where} was saved for {self.state['meta']}, this run is {_meta(self.cfg)}"
+            )
+
+    def snapshot_due(self, iteration: int) -> bool:
+        every = self.cfg.snapshots.every if self.cfg.snapshots is not None else 0
+        return every > 0 and iteration % every == 0
+
+    def snapshot(self, iteration: int) -> None:
+        """Save into the memory tier; the rank blocks for DCP's planning and the copy only."""
+        assert self.memory is not None
+        self.hook.slow_step(IterationPhase.CHECKPOINT)
+        stall_s = self.memory.save(self.state, iteration)
+        self.hook.iteration(iteration, stall_s, phase=IterationPhase.CHECKPOINT)
+        if self.rank == 0:
+            print(
+                f"[unicorn-train] snapshot of iteration {iteration} in memory ({stall_s:.3f} s)", flush=True
+            )
 
     def train_iteration(self, iteration: int, *, first: bool) -> bool:
         """One optimizer step over the global batch; returns whether any rank asked to stop."""

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from launcher.probe import find_agents
 from tests.conftest import DevCluster, private_cluster
 from tests.system.coordinator import (
     PLANNER_MODEL,
@@ -99,6 +102,8 @@ def test_node_loss_drains_replans_and_resumes_smaller(cluster: DevCluster, tmp_p
         finally:
             cluster.script("revive-node", "n2")
         assert node_reason(cluster, "n2").startswith("unicorn: lost_connection")
+        # Confirmed out of band: n2's sshd died with it, so the probe could not log in.
+        assert "ssh_unreachable" in node_reason(cluster, "n2")
         a_now = snap.tasks["a"]
         assert a_now.layout is not None and a_now.layout.world_size == 1
         # b was left alone: same nodes, same layout, never relaunched.
@@ -211,5 +216,71 @@ def test_kill9_during_recovery_loses_nothing(cluster: DevCluster, tmp_path: Path
         stale = [p for p in pending if int(p["message_id"].split(b"-")[0]) < checked_ms - 5000]
         assert not stale, stale
         assert snap.nodes["n4"].health in (NodeHealth.DRAINING, NodeHealth.DRAINED)
+        c.resume("n4")
+        c.wait(lambda s: s.nodes["n4"].health is NodeHealth.HEALTHY, "n4 back", 120)
+
+
+def kill_agent(job_id: int, node: str) -> int:
+    """SIGKILL the agent of ``job_id`` on ``node`` (found by its exact command line)."""
+    agents = find_agents(job_id, node)
+    assert len(agents) == 1, agents
+    os.kill(agents[0].pid, signal.SIGKILL)
+    return agents[0].pid
+
+
+def test_dead_agent_is_restarted_without_drain(cluster: DevCluster, tmp_path: Path) -> None:
+    """A silent agent on a live node: the SSH probe finds the node up and the agent gone, so
+    the agent is started again and the task's processes restarted; nothing is drained."""
+    with coordinator(cluster, tmp_path, **ENV) as c:
+        a = replace(task(c, "g", "n1,n2", 1.0, tmp_path), max_gpus=2)  # stays on its 2 nodes
+        c.register(a)
+        snap = c.wait(running("g", 6), "g training", 180)
+        nodes = snap.tasks["g"].nodes
+        kill_agent(a.job_id or 0, "n2")
+        print(f"killed the agent of job {a.job_id} on n2 at {time.time():.3f}")
+
+        # The ranks' peers fail first (connection reset); the silent agent is then probed.
+        snap = c.wait(lambda s: bool(s.incidents), "the fault noticed", 60)
+        mark = snap.tasks["g"].last_iteration or 0
+        snap = c.wait(
+            lambda s: running("g", mark)(s) and not any(i.is_open for i in s.incidents.values()),
+            "g resumed",
+            180,
+        )
+        inc = next(iter(snap.incidents.values()))
+        with c.client() as r:
+            done = sorted(m.decode() for m in r.smembers(c.keys.actions_done()))
+        restarted = [d for d in done if "/restart_agent/" in d]
+        assert restarted == [f"{inc.incident_id}/restart_processes/1/restart_agent/n2"], done
+        assert any(f.endswith(":probe") for f in inc.finding_ids), inc.finding_ids
+        stages = [e.stage for e in inc.timeline]
+        assert LadderStage.RESTART_PROCESSES in stages and LadderStage.ISOLATE not in stages, stages
+        assert snap.tasks["g"].nodes == nodes
+        assert all(n.health is NodeHealth.HEALTHY for n in snap.nodes.values())
+        assert not node_reason(cluster, "n2")
+        assert len(find_agents(a.job_id or 0, "n2")) == 1  # a new one
+
+
+def test_kernel_evidence_from_the_probe_drains(cluster: DevCluster, tmp_path: Path) -> None:
+    """The probe reads the node's kernel log: an Xid 79 there makes the silence a SEV1 GPU
+    fault, so the node is drained with the kernel's words in the reason."""
+    kern = cluster.state_dir / "nodes" / "n4" / "kern.log"
+    with coordinator(cluster, tmp_path, **ENV) as c:
+        a = replace(task(c, "k", "n3,n4", 1.0, tmp_path), max_gpus=2)
+        c.register(a)
+        c.wait(running("k", 6), "k training", 180)
+        kern.write_text("[ 4711.0] NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, GPU has fallen off the bus.\n")
+        try:
+            kill_agent(a.job_id or 0, "n4")
+            snap = c.wait(
+                lambda s: s.nodes["n4"].health in (NodeHealth.DRAINING, NodeHealth.DRAINED), "n4 drained", 60
+            )
+        finally:
+            kern.write_text("")
+        inc = next(iter(snap.incidents.values()))  # opened by the peers' connection resets
+        assert inc.isolated_nodes == ("n4",) and any(f.endswith(":probe") for f in inc.finding_ids), inc
+        reason = node_reason(cluster, "n4")
+        assert reason.startswith("unicorn: gpu_driver_error k.1 xid_79: kernel log of n4: "), reason
+        assert "GPU has fallen off the bus" in reason
         c.resume("n4")
         c.wait(lambda s: s.nodes["n4"].health is NodeHealth.HEALTHY, "n4 back", 120)

@@ -27,7 +27,7 @@ from unicorn_core.errors import ConfigError
 from unicorn_core.paths import etc_dir
 
 REDIS_KEYS = "connect_timeout_s, key_prefix, password_file, socket_timeout_s, url"
-SECTIONS = "agent, detect, log, plan, redis, slurm"
+SECTIONS = ", ".join(sorted(f.name for f in dataclasses.fields(Config)))
 
 
 def write(tmp_path: Path, text: str) -> Path:

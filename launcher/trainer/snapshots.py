@@ -1,0 +1,237 @@
+"""The built-in trainer on the checkpoint engine's tiers (``ckpt/``), memory first.
+
+Save: every rank writes its part of a ``torch.distributed.checkpoint`` save into the
+shared-memory tier through :class:`ckpt.dcp.MemoryStorageWriter` and goes on; the rank
+blocks only for DCP's planning and the copy. Sealing, persistence to disk and
+replication to peers are the node agent's (:mod:`launcher.ckptagent`), so a snapshot
+survives its rank being killed right after ``save`` returns.
+
+Restore, nearest first: the candidate iterations are every iteration any rank sees in
+its tiers (gathered over the world), newest first. For one candidate, each rank opens
+every shard of the saved world with :class:`ckpt.restore.Restorer` (own shm, this
+node's peer backups, other nodes' agents over TCP, local disk, remote), each copy
+verified by checksum and a corrupt or missing one skipped with its reason. Only when
+every rank holds a verified copy of every shard does DCP load, resharding to this run's
+layout (a DP4 save restores at DP2 or TP2·DP1); otherwise the next older candidate is
+tried. All ranks call :meth:`MemoryCheckpoints.save` and :meth:`restore` together
+(collectives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
+
+from ckpt.dcp import SAVE_ID_KEY, MemoryStorageReader, MemoryStorageWriter
+from ckpt.errors import InvalidTransition, RestoreFailed, ShardUnavailable
+from ckpt.format import ShardState, read_meta
+from ckpt.restore import PeerAddress, Restorer, RestoreReport
+from ckpt.shard import OpenShard, seal_shard
+from ckpt.snapshot import SnapshotWriter
+from ckpt.tier import Tier, TierDir
+from launcher.trainer.config import SnapshotOptions
+
+RESTORE_LOCK: Final = ".restore.lock"
+_FETCH_TIMEOUT_S: Final = 60.0
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A memory-tier restore: the iteration, where each saved shard came from, what was skipped."""
+
+    iteration: int
+    sources: Mapping[int, str]
+    skipped: tuple[str, ...]
+
+    def describe(self) -> str:
+        by_source: dict[str, list[int]] = {}
+        for rank, source in sorted(self.sources.items()):
+            by_source.setdefault(source, []).append(rank)
+        text = "; ".join(f"shards {ranks} from {source}" for source, ranks in by_source.items())
+        return text + (f"; skipped: {' | '.join(self.skipped)}" if self.skipped else "")
+
+
+class MemoryCheckpoints:
+    """One rank's view of the tiers in ``opts``. Construct on every rank together (collective)."""
+
+    def __init__(self, opts: SnapshotOptions, rank: int, world_size: int) -> None:
+        self.opts = opts
+        self.rank = rank
+        self.world_size = world_size
+        job = opts.job
+        self.snap = TierDir(Path(opts.snap_dir), job, Tier.SHM)
+        self.backups = tuple(TierDir(Path(d), job, Tier.PEER) for d in (opts.backup_dir,) if d is not None)
+        self.local = TierDir(Path(opts.local_dir), job, Tier.LOCAL) if opts.local_dir else None
+        self.remote = TierDir(Path(opts.remote_dir), job, Tier.REMOTE) if opts.remote_dir else None
+        self.peers = tuple(PeerAddress(p.node, p.host, p.port) for p in opts.peers)
+        # Created at the first save, i.e. after any restore: a restore may fetch a peer's
+        # copy of shard R into shm, and a writer that had already adopted shard R's file
+        # as a slot would go on writing into the replaced (unlinked) file.
+        self._writer: SnapshotWriter | None = None
+        box = [uuid.uuid4().hex[:12] if rank == 0 else ""]
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        self.run_id = box[0]
+
+    # --- save -------------------------------------------------------------------------
+
+    def save(self, state: dict[str, Any], iteration: int) -> float:
+        """Snapshot ``state`` as ``iteration`` into shared memory; returns the seconds blocked."""
+        start = time.perf_counter()
+        if self._writer is None:
+            self._writer = SnapshotWriter(self.snap.root, self.snap.job_id, self.rank, self.world_size)
+        writer = MemoryStorageWriter(
+            self._writer, iteration, seal=False, save_id=f"{self.run_id}-{iteration}"
+        )
+        state_dict_saver.save(state, storage_writer=writer)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # --- restore ----------------------------------------------------------------------
+
+    def restore(
+        self, state: dict[str, Any], *, exactly: int | None = None, at_least: int | None = None
+    ) -> Restored | None:
+        """Load the newest version every rank can read verified (``exactly`` that one, or
+        one ``>= at_least``) into ``state`` in place; None when no candidate qualifies."""
+        skipped: list[str] = []
+        for iteration in self._candidates():
+            if (exactly is not None and iteration != exactly) or (
+                at_least is not None and iteration < at_least
+            ):
+                continue
+            shards, sources, reason = self._open_all(iteration)
+            if not _all_ranks(shards is not None):
+                _close(shards)
+                skipped.append(f"iteration {iteration}: {reason or 'another rank lacks a verified shard'}")
+                continue
+            assert shards is not None
+            reader = MemoryStorageReader([self.snap], iteration, shards=shards)
+            try:
+                state_dict_loader.load(state, storage_reader=reader)
+            finally:
+                reader.close()
+            return Restored(iteration, _merge_sources(sources), tuple(skipped))
+        return None
+
+    def _tiers(self) -> Iterator[TierDir]:
+        yield self.snap
+        yield from self.backups
+        yield from (t for t in (self.local, self.remote) if t is not None)
+
+    def _candidates(self) -> list[int]:
+        """Every iteration some rank sees in its tiers, newest first (the same list on every rank)."""
+        mine = sorted({i for tier in self._tiers() for i in tier.iterations()})
+        if not dist.is_initialized():
+            return mine[::-1]
+        gathered: list[list[int] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return sorted({i for part in gathered for i in part or ()}, reverse=True)
+
+    def _open_all(self, iteration: int) -> tuple[dict[int, OpenShard] | None, dict[int, str], str]:
+        """A verified copy of every shard of ``iteration`` and where each came from, or the reason not."""
+        restorer = Restorer(
+            self.snap,
+            backups=self.backups,
+            peers=self.peers,
+            local=self.local,
+            remote=self.remote,
+            fetch_timeout_s=_FETCH_TIMEOUT_S,
+        )
+        shards: dict[int, OpenShard] = {}
+        sources: dict[int, str] = {}
+        # One rank of this node at a time: the first fetches a peer's copy into shm, the
+        # next finds it there (two concurrent fetches of one shard would replace each other).
+        with self._node_lock():
+            self._seal_copied(iteration)
+            try:
+                shard, report = restorer.open(iteration, 0)
+                shards[0], sources[0] = shard, _source(report)
+                for rank in range(1, shard.meta.world_size):
+                    shards[rank], report = restorer.open(iteration, rank)
+                    sources[rank] = _source(report)
+            except RestoreFailed as exc:
+                _close(shards)
+                return None, {}, str(exc)
+        save_ids = {s.meta.extra.get(SAVE_ID_KEY, "") for s in shards.values()}
+        worlds = {s.meta.world_size for s in shards.values()}
+        if len(save_ids) > 1 or len(worlds) > 1:
+            _close(shards)
+            return (
+                None,
+                {},
+                f"shards of different saves mixed (ids {sorted(save_ids)}, worlds {sorted(worlds)})",
+            )
+        return shards, sources, ""
+
+    @contextlib.contextmanager
+    def _node_lock(self) -> Iterator[None]:
+        self.snap.job_dir.mkdir(parents=True, exist_ok=True)
+        with (self.snap.job_dir / RESTORE_LOCK).open("a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def _seal_copied(self, iteration: int) -> None:
+        """Seal this node's shm copies of ``iteration`` the agent has not sealed yet (no agent,
+        or a rank restarting before its agent got to them). Sealing is idempotent."""
+        directory = self.snap.shard(iteration, 0).directory
+        for meta_path in sorted(directory.glob("shard-*.json")):
+            stem = meta_path.stem.removeprefix("shard-")
+            try:
+                if stem.isdigit() and read_meta(meta_path).state is ShardState.COPIED:
+                    seal_shard(self.snap.shard(iteration, int(stem)))
+            except (OSError, msgspec.MsgspecError, ShardUnavailable, InvalidTransition):
+                continue  # reused or half-written: the restore attempt reports it
+
+
+def _source(report: RestoreReport) -> str:
+    return str(report.tier) if report.tier is not Tier.PEER else f"peer {report.source}"
+
+
+def _merge_sources(mine: dict[int, str]) -> dict[int, str]:
+    """Where each shard came from, over all ranks: the farther tier wins, because a rank
+    that fetched a peer's (or read a disk) copy left it in shm, where the others found it."""
+    if not dist.is_initialized():
+        return mine
+    gathered: list[dict[int, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    merged: dict[int, str] = {}
+    for sources in gathered:
+        for rank, source in (sources or {}).items():
+            if merged.get(rank, str(Tier.SHM)) == str(Tier.SHM):
+                merged[rank] = source
+    return merged
+
+
+def _close(shards: Mapping[int, OpenShard] | None) -> None:
+    for shard in (shards or {}).values():
+        shard.close()
+
+
+def _all_ranks(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (a MIN all-reduce)."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
