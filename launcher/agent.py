@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Final, cast
 
 import click
+import msgspec
 import redis.asyncio as aioredis
 
 from detect import SLOW_STEP_TIMEOUT_S, Classifier, IterationMonitor, load_classifier
@@ -103,8 +104,10 @@ class Agent:
         inject_gpu_faults: Path | None = None,
         exit_with_training: bool = False,
         grace_s: float = 5.0,
+        launch_id: str = "",
     ) -> None:
         self.cfg = cfg
+        self.launch_id = launch_id
         self.job_id = job_id
         self.node = node
         self.run_dir = run_dir
@@ -135,7 +138,9 @@ class Agent:
         self._done_commands: set[str] = set()
         self.monitor = self._new_monitor()
         self._hang_reported = False
-        self.ckpt = CkptPlan.from_config(cfg.ckpt, job_id=job_id, node=node, env=self.base_env)
+        self.ckpt = CkptPlan.from_config(
+            cfg.ckpt, job_id=job_id, node=node, env=self.base_env, scope=cfg.redis.key_prefix
+        )
 
     # --- envelope helpers -------------------------------------------------------------
 
@@ -350,6 +355,7 @@ class Agent:
             self.counters.hook_wrong_envelope += 1
             return
         if isinstance(msg, IterationTiming):
+            msg = msgspec.structs.replace(msg, launch_id=self.launch_id)
             if self.iteration is None or msg.iteration > self.iteration:
                 self.iteration = msg.iteration
             self.monitor.observe(msg.rank, msg.iteration, msg.duration_s, msg.phase, now_s=time.monotonic())
@@ -435,11 +441,13 @@ class Agent:
                 return False, "no training command to restart"
             if sup is not None:
                 await sup.stop(self.grace_s)
+            self.launch_id = cmd.command_id  # only once the ranks it replaces are gone
             await self._start_training(self.argv, {})
             return True, "restarted"
         # RELAUNCH
         if sup is not None:
             await sup.stop(self.grace_s)
+        self.launch_id = cmd.command_id
         await self._start_training(cmd.argv, dict(cmd.env))
         return True, f"relaunched: {' '.join(cmd.argv[:6])}"
 
@@ -528,6 +536,11 @@ def _describe_exit(info: ExitInfo) -> str:
     show_default=True,
     help="Seconds between SIGTERM and SIGKILL when stopping training.",
 )
+@click.option(
+    "--launch-id",
+    default="",
+    help="Id of the coordinator action that started this agent (tags its ranks' iterations).",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def cli(  # noqa: PLR0917 - click passes options positionally
     config_path: Path | None,
@@ -537,6 +550,7 @@ def cli(  # noqa: PLR0917 - click passes options positionally
     inject_gpu_faults: Path | None,
     exit_with_training: bool,
     grace_s: float,
+    launch_id: str,
     command: tuple[str, ...],
 ) -> None:
     """Supervise COMMAND (e.g. torchrun ...) on this node and report to unicornd through Redis."""
@@ -572,6 +586,7 @@ def cli(  # noqa: PLR0917 - click passes options positionally
         inject_gpu_faults=inject_gpu_faults,
         exit_with_training=exit_with_training,
         grace_s=grace_s,
+        launch_id=launch_id,
     )
     sys.exit(asyncio.run(agent.run()))
 

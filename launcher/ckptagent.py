@@ -125,9 +125,13 @@ class CkptPlan:
 
     @classmethod
     def from_config(
-        cls, cfg: CkptConfig, *, job_id: int, node: str, env: Mapping[str, str]
+        cls, cfg: CkptConfig, *, job_id: int, node: str, env: Mapping[str, str], scope: str = ""
     ) -> CkptPlan | None:
         """The plan for ``job_id`` on ``node``; None when the memory tier is off (``shm_dir`` empty).
+
+        ``scope`` (the installation's Redis key prefix) goes into the tiers' job folder name
+        (``<scope>.<job>``): Slurm job ids repeat across clusters and after a controller
+        reset, and a rank must never restore another installation's job 2.
 
         The ring is ``$SLURM_JOB_NODELIST`` in Slurm's order (just this node without it,
         or when it does not name this node: then nothing is replicated).
@@ -144,7 +148,7 @@ class CkptPlan:
         )
         shm = Path(cfg.shm_dir)
         return cls(
-            job=str(job_id),
+            job=f"{scope}.{job_id}" if scope else str(job_id),
             node=node,
             snap_root=shm / SNAP_SUBDIR,
             backup_root=shm / PEER_SUBDIR,

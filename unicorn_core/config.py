@@ -201,6 +201,15 @@ class SlurmConfig(Section):
             "empty; the dev cluster points it at its own slurm.conf."
         ),
     )
+    operators_group: str = field(
+        default="",
+        metadata=_meta(
+            "Unix group whose members may change the cluster through unicornctl (drain, "
+            "resume), besides root and Slurm's SlurmUser; empty = only those two. Default: "
+            "empty. unicornctl checks it before it sends a request; Redis ACLs are what stop "
+            "a client that bypasses unicornctl."
+        ),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -173,7 +173,10 @@ class IterationTiming(Envelope, frozen=True, kw_only=True, tag="iter"):
     """Agent -> coordinator: one rank finished ``iteration`` in ``duration_s`` seconds.
 
     ``phase`` says whether the time includes a checkpoint save or an evaluation;
-    ``loss`` is the training loss the rank saw, when it knows it.
+    ``loss`` is the training loss the rank saw, when it knows it. ``launch_id`` is set by
+    the agent: the id of the coordinator action that started the reporting ranks (empty
+    when unknown), so an iteration of ranks about to be replaced never counts as the
+    replacement's progress.
     """
 
     rank: int
@@ -182,6 +185,7 @@ class IterationTiming(Envelope, frozen=True, kw_only=True, tag="iter"):
     samples: int | None
     phase: IterationPhase = IterationPhase.TRAIN
     loss: float | None = None
+    launch_id: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()

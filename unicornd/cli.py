@@ -1,36 +1,55 @@
 """``unicornctl``: the operator's view of the cluster unicorn manages.
 
-Read-only commands talk to Slurm and Redis directly; mutating commands (drain, resume)
-will go through unicornd so plans follow (see README: not built yet).
+Read-only commands talk to Slurm and Redis directly. Mutating commands (``drain``,
+``resume``) are requests to unicornd on its control stream, never scontrol calls, so
+plans follow; only operators may send them (root, Slurm's SlurmUser, or members of
+``slurm.operators_group``). ``plan --what-if-fail NODE`` runs unicornd's own decision and
+planner on its live snapshot and applies nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import grp
 import json
+import os
+import pwd
+import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
 from detect.cli import classify as classify_command
+from detect.statuses import ErrorStatus, Severity
 from launcher.nodecheck import Outcome, run_local_checks
 from plan.cli import plan as plan_group
+from plan.hardware import gpu_spec
+from plan.objective import FailureModel
+from plan.planner import Plan
 from plan.sim.cli import simulate as simulate_command
-from unicorn_core import redis_io
+from unicorn_core import proc, redis_io
 from unicorn_core.config import Config, describe, load_config
-from unicorn_core.errors import ConfigError, UnicornError
+from unicorn_core.errors import ConfigError, InvalidArgument, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import configure_logging
 from unicorn_core.slurm import JobInfo, NodeInfo, make_backend
+from unicorn_core.slurm.cli import client_env
 from unicorn_core.slurm.hostlist import compress, expand
+from unicornd.actions import Decision, Replan, action_to_dict
 from unicornd.alerts import incident_milestones, stage_spans
+from unicornd.decide import LIVE_TASK_STATES, Finding, on_finding, on_node_join, on_operator_drain
+from unicornd.launch import renderer
 from unicornd.paircheck import PairedCheckReport, paired_check
-from unicornd.state import Incident, Policy, Snapshot, TaskRecord
+from unicornd.registry import NoDaemon, RequestRefused, request
+from unicornd.replan import plan_for, plan_transition
+from unicornd.state import Incident, NodeHealth, Policy, Snapshot, TaskRecord
 from unicornd.store import KEEP_CLOSED_S, snapshot_from_json
+from unicornd.taskcli import task_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,9 +563,413 @@ def tasks(ctx: click.Context, as_json: bool) -> None:
         click.echo(render_tasks(snap))
 
 
-cli.add_command(plan_group)
+# --- operator mutations through unicornd, and what-if plans -------------------------------
+
+EXIT_NOT_CONFIRMED = 1
+"""``drain``/``resume`` without ``--yes``: what would happen was printed, nothing was sent."""
+EXIT_UNKNOWN_NODE = 2
+"""``drain``/``resume``/``plan --what-if-fail``: unicornd does not know the node (or bad usage)."""
+EXIT_NO_DAEMON = 3
+"""``drain``/``resume``: unicornd is not running (no liveness key) or did not answer."""
+EXIT_NOT_OPERATOR = 4
+"""``drain``/``resume``: the caller is not an operator (root, SlurmUser, ``slurm.operators_group``)."""
+
+REQUEST_TIMEOUT_S = 30.0
+"""How long ``drain``/``resume`` wait for unicornd's reply (it answers once the decision is persisted)."""
+
+
+class _NotConfirmedError(click.ClickException):
+    exit_code = EXIT_NOT_CONFIRMED
+
+
+class _UnknownNodeError(click.ClickException):
+    exit_code = EXIT_UNKNOWN_NODE
+
+
+class _NoDaemonError(click.ClickException):
+    exit_code = EXIT_NO_DAEMON
+
+
+class _NotOperatorError(click.ClickException):
+    exit_code = EXIT_NOT_OPERATOR
+
+
+@dataclasses.dataclass(frozen=True)
+class Caller:
+    """Who runs ``unicornctl``: effective uid, its user name, and every group id it holds."""
+
+    uid: int
+    user: str
+    gids: frozenset[int]
+
+    @classmethod
+    def current(cls) -> Caller:
+        uid = os.geteuid()
+        try:
+            user = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            user = str(uid)
+        return cls(uid, user, frozenset({os.getegid(), *os.getgroups()}))
+
+
+_SLURM_USER = re.compile(r"^SlurmUser\s*=\s*([^\s(]+)", re.MULTILINE)
+
+
+def slurm_user_from_config(text: str) -> str:
+    """The SlurmUser name in ``scontrol show config`` output (``SlurmUser = slurm(64030)``)."""
+    found = _SLURM_USER.search(text)
+    if found is None:
+        raise InvalidArgument("`scontrol show config` printed no SlurmUser line")
+    return found.group(1)
+
+
+async def slurm_user(cfg: Config) -> str:
+    """Slurm's SlurmUser, from ``scontrol show config`` (with the configured SLURM_CONF)."""
+    scontrol = str(Path(cfg.slurm.bin_dir) / "scontrol") if cfg.slurm.bin_dir else "scontrol"
+    out = await proc.run(
+        [scontrol, "show", "config"],
+        timeout_s=cfg.slurm.command_timeout_s,
+        env=client_env(os.environ, cfg.slurm.conf or None),
+    )
+    return slurm_user_from_config(out.stdout)
+
+
+def operator_refusal(caller: Caller, operators_group: str, slurm_user: Callable[[], str]) -> str | None:
+    """None when ``caller`` may change the cluster, else why not (a message for the caller).
+
+    Operators are root, Slurm's SlurmUser and members of ``operators_group`` (by group id,
+    or listed in the group). ``slurm_user`` is called only when the cheaper checks fail
+    (it runs scontrol); a failure to learn it refuses. This is a courtesy check before a
+    request is sent: the control stream's Redis ACL is what enforces it.
+    """
+    if caller.uid == 0:
+        return None
+    group_note = ""
+    if operators_group:
+        try:
+            group = grp.getgrnam(operators_group)
+        except KeyError:
+            group_note = f"; group {operators_group!r} (slurm.operators_group) does not exist"
+        else:
+            if group.gr_gid in caller.gids or caller.user in group.gr_mem:
+                return None
+            group_note = f", or members of group {operators_group!r}"
+    try:
+        owner = slurm_user()
+    except UnicornError as e:
+        return f"{caller.user} is not root or in the operators' group, and the SlurmUser is unknown: {e}"
+    if caller.user == owner:
+        return None
+    return f"{caller.user} is not an operator: operators are root, the SlurmUser ({owner}){group_note}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Outlook:
+    """What unicornd would do with one input, computed and not applied.
+
+    ``decision``: its pure decision on the snapshot. ``plan``/``transition``: the plan and
+    the actions of the replan that decision asks for (None: it asks for none, or there is
+    no task to plan). ``after``: the snapshot the replan would see.
+    """
+
+    decision: Decision
+    after: Snapshot
+    plan: Plan | None = None
+    transition: Decision | None = None
+
+
+def outlook(snap: Snapshot, decision: Decision, cfg: Config, now_s: float) -> Outlook:
+    """Follow ``decision`` through the replan it asks for, with unicornd's own planner call."""
+    after = decision.applied_to(snap)
+    if not any(isinstance(a, Replan) for a in decision.actions):
+        return Outlook(decision, after)
+    plan = plan_for(after, gpu_spec(cfg.plan.gpu), FailureModel(cfg.plan.node_mtbf_h))
+    if plan is None:
+        return Outlook(decision, after)
+    render = renderer(cfg.agent, after.gpus_per_node, after.plan_generation + 1)
+    return Outlook(decision, after, plan, plan_transition(after, plan, render, now_s))
+
+
+def what_if_fail(snap: Snapshot, node: str, cfg: Config, now_s: float) -> Outlook:
+    """What unicornd would do if ``node`` failed now: a SEV1 lost connection on it (what a dead
+    node gives), decided by :func:`unicornd.decide.on_finding`, then its replan. Raises
+    InvalidArgument for a node unicornd does not know."""
+    if node not in snap.nodes:
+        raise InvalidArgument(
+            f"unknown node {node!r}; unicornd knows: {compress(sorted(snap.nodes)) or 'none'}"
+        )
+    users = sorted(
+        (t for t in snap.tasks.values() if node in t.nodes and t.state in LIVE_TASK_STATES),
+        key=lambda t: t.task_id,
+    )
+    finding = Finding(
+        finding_id=f"what-if/{node}",
+        job_id=users[0].job_id if users else None,
+        node=node,
+        rank=None,
+        status=ErrorStatus.LOST_CONNECTION,
+        severity=Severity.SEV1,
+        rule="what_if",
+        evidence=f"unicornctl plan --what-if-fail {node}",
+    )
+    return outlook(snap, on_finding(snap, finding, now_s), cfg, now_s)
+
+
+def outlook_json(o: Outlook) -> dict[str, Any]:
+    """``--json`` of an outlook: the decision, then (when a replan follows) the plan per task
+    (GPUs, layout, nodes before and after) and the transition's actions in order."""
+    doc: dict[str, Any] = {
+        "decision": {
+            "actions": [action_to_dict(a) for a in o.decision.actions],
+            "notes": list(o.decision.notes),
+        },
+        "replan": o.plan is not None,
+    }
+    if o.plan is None or o.transition is None:
+        return doc
+    moved = {t.task_id: t for t in o.transition.tasks}
+    by_name = {a.task: a for a in o.plan.assignments}
+    tasks = []
+    for t in sorted(o.after.tasks.values(), key=lambda t: t.task_id):
+        a = by_name.get(t.name)
+        if a is None:
+            continue
+        new = moved.get(t.task_id, t)
+        tasks.append(
+            {
+                "task_id": t.task_id,
+                "gpus": a.gpus,
+                "previous_gpus": t.layout.world_size if t.layout else 0,
+                "layout": new.layout.describe() if new.layout else None,
+                "nodes": list(new.nodes),
+                "previous_nodes": list(t.nodes),
+                "changed": t.task_id in moved,
+                "waf_tflops": round(a.waf_tflops, 2),
+            }
+        )
+    healthy = sum(1 for n in o.after.nodes.values() if n.health is NodeHealth.HEALTHY and not n.held)
+    doc["plan"] = {
+        "generation": o.transition.plan_generation,
+        "healthy_nodes": healthy,
+        "total_waf_tflops": round(o.plan.total_waf_tflops, 2),
+        "tasks": tasks,
+    }
+    doc["actions"] = [action_to_dict(a) for a in o.transition.actions]
+    doc["notes"] = list(o.transition.notes)
+    return doc
+
+
+_ACTION_FIELDS = ("action", "node", "job_id", "nodes", "add", "reason", "why")
+
+
+def _action_text(doc: dict[str, Any]) -> str:
+    parts = [doc["kind"]]
+    for key in _ACTION_FIELDS:
+        value = doc.get(key)
+        if value in (None, "", [], ()):
+            continue
+        shown = compress(value) if key in ("nodes", "add") else value
+        parts.append(f"{key}={shown!r}" if key in ("reason", "why") else f"{key}={shown}")
+    return " ".join(parts)
+
+
+def render_outlook(o: Outlook, title: str) -> str:
+    """The human view of :func:`outlook_json`."""
+    doc = outlook_json(o)
+    lines = [title]
+    lines += [f"  decides: {_action_text(a)}" for a in doc["decision"]["actions"]]
+    lines += [f"  note: {n}" for n in doc["decision"]["notes"]]
+    plan = doc.get("plan")
+    if plan is None:
+        lines.append("  no replan follows")
+        return "\n".join(lines)
+    lines.append(
+        f"  then plans generation {plan['generation']} on {plan['healthy_nodes']} healthy nodes "
+        f"(total WAF {plan['total_waf_tflops']:.1f} TFLOP/s):"
+    )
+    for t in plan["tasks"]:
+        was = (
+            f"  (was {t['previous_gpus']} GPUs on {compress(t['previous_nodes']) or '-'})"
+            if t["changed"]
+            else ""
+        )
+        lines.append(
+            f"    {t['task_id']:<12} {t['gpus']:>4} GPUs  {t['layout'] or '-':<28} "
+            f"nodes {compress(t['nodes']) or '-'}{was}"
+        )
+    lines += [f"  acts: {_action_text(a)}" for a in doc["actions"]] or ["  acts: nothing (no task changes)"]
+    return "\n".join(lines)
+
+
+async def daemon_alive(cfg: Config) -> bool:
+    """unicornd's liveness key exists (it refreshes it every few seconds while running)."""
+    client = redis_io.connect(cfg.redis, client_name="unicornctl")
+    keys = RedisKeys(cfg.redis.key_prefix)
+    try:
+        return bool(await redis_io.call(("EXISTS",), client.exists(keys.daemon_liveness())))
+    finally:
+        await client.aclose()
+
+
+async def _send(cfg: Config, doc: dict[str, Any]) -> None:
+    client = redis_io.connect(cfg.redis, client_name="unicornctl")
+    try:
+        await request(client, RedisKeys(cfg.redis.key_prefix), doc, timeout_s=REQUEST_TIMEOUT_S)
+    finally:
+        await client.aclose()
+
+
+def _operator_request(
+    ctx: click.Context,
+    node: str,
+    doc: dict[str, Any],
+    *,
+    yes: bool,
+    preview: Callable[[Snapshot, Config, float], Outlook],
+    verb: str,
+) -> None:
+    """Shared by ``drain`` and ``resume``: operator check, unicornd alive, node known, then
+    the preview (without ``--yes``) or the request. Every refusal changes nothing."""
+    cfg = _config(ctx)
+    caller: Caller = ctx.obj.get("caller") or Caller.current()  # tests pass another one in obj
+    refusal = operator_refusal(caller, cfg.slurm.operators_group, lambda: asyncio.run(slurm_user(cfg)))
+    if refusal is not None:
+        raise _NotOperatorError(f"{refusal}; nothing changed")
+    try:
+        alive = asyncio.run(daemon_alive(cfg))
+        snap = asyncio.run(read_snapshot(cfg)) if alive else None
+    except (UnicornError, KeyError, TypeError, ValueError) as e:
+        raise _StateUnreadableError(f"cannot read unicornd's state: {e}; nothing changed") from None
+    if not alive:
+        raise _NoDaemonError(
+            f"unicornd is not running (no liveness key under {cfg.redis.key_prefix!r}); "
+            f"start it (systemctl start unicornd) and retry; nothing changed"
+        )
+    if snap is None or node not in snap.nodes:
+        known = compress(sorted(snap.nodes)) if snap is not None else ""
+        raise _UnknownNodeError(f"unknown node {node!r}; unicornd knows: {known or 'none'}; nothing changed")
+    try:
+        seen = preview(snap, cfg, time.time())
+    except InvalidArgument as e:
+        raise click.UsageError(str(e)) from None
+    if not yes:
+        click.echo(render_outlook(seen, f"unicornctl {verb} {node} would:"))
+        raise _NotConfirmedError(f"nothing changed; run again with --yes to {verb} {node}")
+    try:
+        asyncio.run(_send(cfg, doc))
+    except NoDaemon as e:
+        raise _NoDaemonError(f"{e}; the request stays queued for unicornd") from None
+    except RequestRefused as e:
+        if "unknown node" in str(e):
+            raise _UnknownNodeError(f"unicornd refused: {e}") from None
+        raise click.ClickException(f"unicornd refused: {e}") from None
+    except UnicornError as e:
+        raise click.ClickException(f"cannot reach unicornd: {e}") from None
+    click.echo(f"unicornd accepted: {verb} {node}" + "".join(f"\n  {n}" for n in seen.decision.notes))
+
+
+_MUTATION_CODES = """
+    Exit codes: 0 done (unicornd accepted and persisted it); 1 not confirmed (no --yes:
+    what would happen is printed), Redis unreachable, or unicornd refused; 2 unknown node or
+    bad usage; 3 unicornd not running (no liveness key) or no answer; 4 not an operator
+    (root, the SlurmUser, or a member of slurm.operators_group).
+"""
+
+
+@cli.command()
+@click.argument("node")
+@click.option("--reason", required=True, help="Why; Slurm shows 'unicorn: operator: <reason>'.")
+@click.option("--yes", is_flag=True, help="Do it (without: print what would happen, exit 1).")
+@click.pass_context
+def drain(ctx: click.Context, node: str, reason: str, yes: bool) -> None:
+    """Take NODE out of service through unicornd: it is drained in Slurm, held until an
+    operator resumes it, and every task is replanned without it (its task moves off it)."""
+
+    def preview(snap: Snapshot, cfg: Config, now_s: float) -> Outlook:
+        return outlook(snap, on_operator_drain(snap, node, reason, now_s), cfg, now_s)
+
+    doc = {"op": "drain", "node": node, "reason": reason}
+    _operator_request(ctx, node, doc, yes=yes, preview=preview, verb="drain")
+
+
+@cli.command()
+@click.argument("node")
+@click.option("--yes", is_flag=True, help="Do it (without: print what would happen, exit 1).")
+@click.pass_context
+def resume(ctx: click.Context, node: str, yes: bool) -> None:
+    """Bring NODE back through unicornd: resumed in Slurm, released from hold, node check,
+    then it rejoins the plans (a healthy node is left alone)."""
+
+    def preview(snap: Snapshot, cfg: Config, now_s: float) -> Outlook:
+        return outlook(snap, on_node_join(snap, node, now_s, by_operator=True), cfg, now_s)
+
+    _operator_request(ctx, node, {"op": "resume", "node": node}, yes=yes, preview=preview, verb="resume")
+
+
+drain.help = (drain.help or "") + _MUTATION_CODES
+resume.help = (resume.help or "") + _MUTATION_CODES
+
+
+def _what_if(ctx: click.Context, node: str, *, as_json: bool) -> None:
+    snap = _snapshot(ctx)
+    cfg = _config(ctx)
+    try:
+        seen = what_if_fail(snap, node, cfg, time.time())
+    except InvalidArgument as e:
+        raise _UnknownNodeError(str(e)) from None
+    except UnicornError as e:
+        raise click.ClickException(f"cannot plan: {e}") from None
+    if as_json:
+        click.echo(json.dumps({"node": node, **outlook_json(seen)}, indent=2))
+    else:
+        click.echo(render_outlook(seen, f"if {node} failed now (SEV1 lost connection), unicornd:"))
+
+
+def _plan_command() -> click.Group:
+    """:mod:`plan.cli`'s offline ``plan`` plus ``--what-if-fail NODE`` on unicornd's live snapshot
+    (the planner library cannot read unicornd's state, so the option is added here)."""
+    offline = plan_group.callback
+    assert offline is not None
+    what_if = click.Option(
+        ["--what-if-fail", "what_if_fail"],
+        metavar="NODE",
+        default=None,
+        help="Instead: the plan unicornd would apply if NODE failed now (live state; applies nothing). "
+        "Exit 2 for an unknown node, 3 without unicornd state.",
+    )
+
+    @click.pass_context
+    def callback(ctx: click.Context, /, what_if_fail: str | None, **options: Any) -> None:
+        if what_if_fail is None:
+            ctx.invoke(offline, **options)
+            return
+        given = [
+            name
+            for name in options
+            if name != "as_json" and ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+        ]
+        if given or ctx.invoked_subcommand is not None:
+            extra = ", ".join(given) or ctx.invoked_subcommand
+            raise click.UsageError(
+                f"--what-if-fail plans the live cluster; it takes only --json (got {extra})"
+            )
+        _what_if(ctx, what_if_fail, as_json=bool(options["as_json"]))
+
+    return click.Group(
+        name="plan",
+        commands=plan_group.commands,
+        callback=callback,
+        params=[*plan_group.params, what_if],
+        invoke_without_command=True,
+        help=plan_group.help,
+        short_help=plan_group.short_help,
+    )
+
+
+cli.add_command(_plan_command())
 cli.add_command(classify_command)
 cli.add_command(simulate_command)
+cli.add_command(task_group)
 
 
 def main() -> None:

@@ -39,7 +39,6 @@ import redis.asyncio as aioredis
 from detect import Classifier, load_classifier
 from plan.hardware import gpu_spec
 from plan.objective import FailureModel
-from plan.planner import Cluster, Granularity, PlanRequest, plan_cluster, task_curves
 from unicorn_core import protocol, redis_io
 from unicorn_core.config import Config
 from unicorn_core.errors import CommandFailed, InvalidArgument, ProtocolError, UnicornError
@@ -72,11 +71,13 @@ from unicornd.actions import (
     SendCommand,
     Shrink,
 )
+from unicornd.alerts import AlertSink, alerts_for
 from unicornd.decide import ClassificationLike
 from unicornd.detector import Detector, JobFinding
 from unicornd.ingest import StreamIngest
 from unicornd.launch import agent_argv, bin_dir, renderer
-from unicornd.replan import PLANNED_STATES, plan_transition
+from unicornd.metrics import SnapshotMetrics, start_metrics_server
+from unicornd.replan import PLANNED_STATES, plan_for, plan_transition
 from unicornd.state import NodeHealth, NodeRecord, Policy, Snapshot, TaskRecord, TaskState
 from unicornd.store import Store, prune
 
@@ -123,6 +124,8 @@ class Daemon:
         self._finished_nodes: dict[int, set[str]] = {}
         self._quiet_jobs: set[int] = set()
         self._probes: dict[tuple[int, str], asyncio.Task[None]] = {}
+        self.alerts = AlertSink(cfg.alerts)
+        self.metrics = SnapshotMetrics(gpu=gpu_spec(cfg.plan.gpu))
         self.actions_run = 0
 
     # --- deciding -----------------------------------------------------------------------
@@ -137,12 +140,18 @@ class Daemon:
         async with self._lock:
             decision = fn(self.snap, *args, **kw)
             if not decision.empty or decision.plan_generation is not None:
-                self.snapshot = await self.store.apply(self.snap, decision)
+                self._committed(self.snap, await self.store.apply(self.snap, decision))
                 if decision.actions:
                     self._wake.set()
             for note in decision.notes:
                 log.info("decision", note=note)
             return decision
+
+    def _committed(self, before: Snapshot, after: Snapshot) -> None:
+        """``after`` is persisted: it becomes current, alerts go out, metrics follow it."""
+        self.snapshot = after
+        self.alerts.submit(alerts_for(before, after, time.time()))
+        self.metrics.update(after)
 
     # --- startup ------------------------------------------------------------------------
 
@@ -160,6 +169,7 @@ class Daemon:
                 added.append(NodeRecord(info.name, health=health, reason="" if info.usable else info.reason))
         snap = prune(snap.apply(nodes=added), time.time())
         self.snapshot = snap
+        self.metrics.update(snap)
         await self.store.commit(snap)
         log.info(
             "state_loaded",
@@ -193,7 +203,11 @@ class Daemon:
             "slurm": self._slurm_watch(),
             "executor": self._executor(),
             "liveness": self._liveness(),
+            "alerts": self.alerts.run(),
         }
+        server = start_metrics_server(self.cfg.metrics, self.metrics)
+        if server is not None:
+            log.info("metrics_listening", url=server.url)
         tasks = [asyncio.create_task(coro, name=name) for name, coro in roots.items()]
         stopper = asyncio.create_task(self._stop.wait(), name="stop")
         status = 0
@@ -206,8 +220,10 @@ class Daemon:
                 log.error("root_task_ended", task=t.get_name(), error=repr(exc) if exc else "returned")
                 status = 1
         finally:
-            for t in [*tasks, stopper]:
+            for t in [*tasks, stopper, *self._probes.values()]:
                 t.cancel()
+            if server is not None:
+                server.close()
             await asyncio.gather(*tasks, stopper, return_exceptions=True)
             with contextlib.suppress(UnicornError):
                 await redis_io.call(("DEL",), self.client.delete(self.keys.daemon_liveness()))
@@ -237,7 +253,7 @@ class Daemon:
         found = self.detector.on_message(msg, now_mono)
         task = self.snap.task_of_job(msg.job_id) if msg.job_id else None
         if isinstance(msg, IterationTiming) and task is not None:
-            await self._progress(task, msg.iteration, msg.wall_time_s)
+            await self._progress(task, msg.iteration, msg.wall_time_s, msg.launch_id)
         elif isinstance(msg, ProcessExit) and task is not None and msg.rank is None and msg.exit_code == 0:
             await self._node_finished(task, msg.node)
         elif isinstance(msg, CommandResult) and not msg.ok:
@@ -245,13 +261,20 @@ class Daemon:
         for jf in found:
             await self._finding(jf, finding_id=f"{entry_id}:{jf.finding.source}")
 
-    async def _progress(self, task: TaskRecord, iteration: int, reported_s: float) -> None:
+    async def _progress(self, task: TaskRecord, iteration: int, reported_s: float, launch_id: str) -> None:
         mark = task.last_iteration
         urgent = task.state is not TaskState.RUNNING or self.snap.open_incident(task.task_id) is not None
         if mark is None or urgent or iteration >= mark + _PROGRESS_EVERY:
             # reported_s: when the rank finished the iteration (its wall clock), so an
             # iteration finished before a recovery action does not count as its success.
-            await self.decide(decide.on_progress, task.task_id, iteration, time.time(), reported_s=reported_s)
+            await self.decide(
+                decide.on_progress,
+                task.task_id,
+                iteration,
+                time.time(),
+                reported_s=reported_s,
+                launch_id=launch_id,
+            )
 
     async def _node_finished(self, task: TaskRecord, node: str) -> None:
         done = self._finished_nodes.setdefault(task.job_id or 0, set())
@@ -367,14 +390,22 @@ class Daemon:
             if node not in self.snap.nodes:
                 raise InvalidArgument(f"unknown node {node!r}")
             await self.decide(decide.on_node_join, node, now, by_operator=True)
+        elif op == "drain":
+            node, reason = str(req.get("node", "")), str(req.get("reason", ""))
+            await self.decide(decide.on_operator_drain, node, reason, now)
         elif op == "confirm_drain":
             await self.decide(decide.on_operator_confirm_drain, str(req.get("incident", "")), now)
         elif op == "finish":
             await self.decide(
                 decide.on_task_finished, str(req.get("task", "")), now, ok=bool(req.get("ok", True))
             )
+        elif op == "stop":
+            why = str(req.get("why", "")) or "stop requested"
+            await self.decide(decide.on_task_stop, str(req.get("task", "")), now, why=why)
         else:
-            raise InvalidArgument(f"unknown op {op!r}; known: register, resume, confirm_drain, finish")
+            raise InvalidArgument(
+                f"unknown op {op!r}; known: register, resume, drain, confirm_drain, finish, stop"
+            )
 
     async def _ticker(self) -> None:
         last_tick = 0.0
@@ -418,7 +449,10 @@ class Daemon:
                     log.info("task_job_ended", task=task.task_id, job_id=task.job_id, ok=ok)
                     for n in task.nodes:
                         self.detector.forget_agent(task.job_id, n)
-                    await self.decide(decide.on_task_finished, task.task_id, now, ok=ok)
+                    if job is not None and job.state is JobState.CANCELLED:  # scancel: the user's stop
+                        await self.decide(decide.on_task_stop, task.task_id, now, why="job cancelled")
+                    else:
+                        await self.decide(decide.on_task_finished, task.task_id, now, ok=ok)
             await asyncio.sleep(SLURM_POLL_S)
 
     # --- acting -------------------------------------------------------------------------
@@ -553,7 +587,14 @@ class Daemon:
             if old is not None:
                 with contextlib.suppress(UnicornError, ProcessLookupError):
                     await old.stop(grace_s=5.0)
-            argv = agent_argv(self.cfg.agent, action.job_id, cmd.node, cmd.argv, config_path=self.config_path)
+            argv = agent_argv(
+                self.cfg.agent,
+                action.job_id,
+                cmd.node,
+                cmd.argv,
+                config_path=self.config_path,
+                launch_id=action.action_id,
+            )
             step = await self.slurm.launch_step(
                 action.job_id,
                 [cmd.node],
@@ -578,25 +619,10 @@ class Daemon:
     async def _replan(self, action: Replan) -> None:
         async with self._lock:
             snap = self.snap
-            tasks = sorted(
-                (t for t in snap.tasks.values() if t.state in PLANNED_STATES), key=lambda t: t.task_id
-            )
-            healthy = [n for n in snap.nodes.values() if n.health is NodeHealth.HEALTHY and not n.held]
-            if not tasks:
+            plan = plan_for(snap, gpu_spec(self.cfg.plan.gpu), FailureModel(self.cfg.plan.node_mtbf_h))
+            if plan is None:
                 log.info("replan", reason=action.reason, tasks=0)
                 return
-            cluster = Cluster(len(healthy), snap.gpus_per_node, gpu_spec(self.cfg.plan.gpu), Granularity.NODE)
-            specs = [t.spec() for t in tasks]
-            curves = task_curves(specs, cluster, cluster.workers + 1)
-            current = tuple(len(t.nodes) for t in tasks)
-            faulted = frozenset(t.name for t in tasks if snap.open_incident(t.task_id) is not None)
-            plan = plan_cluster(
-                curves,
-                cluster,
-                PlanRequest(
-                    current=current, faulted=faulted, failure=FailureModel(self.cfg.plan.node_mtbf_h)
-                ),
-            )
             gen = snap.plan_generation + 1
             render = renderer(self.cfg.agent, snap.gpus_per_node, gen)
             decision = plan_transition(snap, plan, render, time.time())
@@ -607,7 +633,7 @@ class Daemon:
                 plan={a.task: a.workers for a in plan.assignments},
                 actions=len(decision.actions),
             )
-            self.snapshot = await self.store.apply(snap, decision)
+            self._committed(snap, await self.store.apply(snap, decision))
             for note in decision.notes:
                 log.info("decision", note=note)
 

@@ -32,6 +32,7 @@ operator's confirmation (:func:`on_operator_confirm_drain`).
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass, replace
 from typing import Final, Protocol
 
@@ -569,13 +570,22 @@ def _on_node_finding(draft: _Draft, finding: Finding) -> Decision:
 
 
 def on_progress(
-    snapshot: Snapshot, task_id: str, iteration: int, now_s: float, *, reported_s: float | None = None
+    snapshot: Snapshot,
+    task_id: str,
+    iteration: int,
+    now_s: float,
+    *,
+    reported_s: float | None = None,
+    launch_id: str = "",
 ) -> Decision:
     """An iteration was reported (``reported_s``: when the rank finished it; default ``now_s``).
 
     Passing the task's highest iteration resets the no-progress breaker. An iteration
-    reported after the latest recovery action closes the open incident (``resumed``
-    then ``closed``) and the task is running again; so does one after a launch.
+    reported after the latest recovery action, by ranks that action started, closes the
+    open incident (``resumed`` then ``closed``) and the task is running again; so does one
+    after a launch. ``launch_id`` is the action that started the reporting ranks (the
+    agent's tag; "" = unknown, then the time alone decides): an iteration finished by ranks
+    about to be replaced arrives after the action but must not count as its success.
     Empty decision when nothing changes (most calls).
     """
     if iteration < 0:
@@ -590,17 +600,38 @@ def on_progress(
         new = replace(new, last_iteration=iteration, recoveries_without_progress=0)
     inc = snapshot.open_incident(task_id)
     if inc is not None:
-        if inc.stage in _AWAITING_PROGRESS and at > inc.last_action_s:
+        if inc.stage in _AWAITING_PROGRESS and at > inc.last_action_s and _started_by(inc, task, launch_id):
             closed = inc.moved(_L.RESUMED, now_s).moved(_L.CLOSED, now_s)
             draft.put(replace(closed, note=f"resumed at iteration {iteration}"))
             draft.act(CloseIncident(f"{inc.incident_id}/close", inc.incident_id))
             new = new.with_state(TaskState.RUNNING)
             draft.notes.append(f"{inc.incident_id}: resumed at iteration {iteration}, closed")
-    elif task.state is TaskState.LAUNCHING and (task.launched_s is None or at > task.launched_s):
+    elif (
+        task.state is TaskState.LAUNCHING
+        and (task.launched_s is None or at > task.launched_s)
+        and _launched_by_plan(task, launch_id)
+    ):
         new = new.with_state(TaskState.RUNNING)
     if new != task:
         draft.put(new)
     return draft.decision()
+
+
+def _launched_by_plan(task: TaskRecord, launch_id: str) -> bool:
+    """Ranks started by the task's latest plan (launch or relaunch); True when unknown."""
+    return not launch_id or launch_id.startswith(f"plan-{task.generation}/{task.task_id}/")
+
+
+def _started_by(inc: Incident, task: TaskRecord, launch_id: str) -> bool:
+    """The reporting ranks were started by the incident's current rung (True when unknown).
+
+    A retry in place may not restart anything (it waits), so any later iteration counts.
+    """
+    if not launch_id or inc.stage is _L.RETRY_IN_PLACE:
+        return True
+    if inc.stage is _L.TRANSITION:
+        return _launched_by_plan(task, launch_id)
+    return launch_id.startswith(f"{inc.incident_id}/{inc.stage.value}/{inc.attempts_at(inc.stage)}/")
 
 
 _STAGE_TIMEOUT: Final = {
@@ -658,6 +689,39 @@ def on_operator_confirm_drain(snapshot: Snapshot, incident_id: str, now_s: float
     fault = _Fault(inc.pending_drain, inc.status.value, "confirmed by operator")
     _isolate(draft, task, inc, fault, confirmed=True)
     return draft.decision()
+
+
+_IN_SERVICE: Final = frozenset({NodeHealth.HEALTHY, NodeHealth.SUSPECT, NodeHealth.RETURNING})
+
+
+def on_operator_drain(snapshot: Snapshot, node: str, reason: str, now_s: float) -> Decision:
+    """An operator's drain (``unicornctl drain NODE --reason TEXT``): the node leaves every plan.
+
+    The node is drained with ``unicorn: operator: <reason>`` and held, so only an
+    operator's resume brings it back (a resume straight in Slurm is drained again, see
+    :func:`on_node_join`); a replan moves its task off it. The drain limiter does not
+    apply (a person decided) and the drain is not counted against it. A node already
+    draining or drained is only held and given the new reason; the same request again
+    changes nothing. Unknown node or empty reason: InvalidArgument, nothing changed.
+    """
+    if node not in snapshot.nodes:
+        raise InvalidArgument(f"unknown node {node!r}; known: {', '.join(sorted(snapshot.nodes)) or 'none'}")
+    if not reason.strip():
+        raise InvalidArgument("an operator's drain needs a reason")
+    draft = _Draft(snapshot, now_s)
+    rec = snapshot.nodes[node]
+    text = _drain_reason(draft, "operator:", reason)
+    if rec.health not in _IN_SERVICE:
+        if rec.held and rec.reason == text:
+            return draft.note(f"node {node} is already {rec.health} for {text!r}")
+        draft.put(replace(rec, held=True, reason=text))
+        draft.act(DrainNode(f"operator-drain/{node}/{rec.joins}/{zlib.crc32(text.encode()):08x}", node, text))
+        return draft.note(f"node {node} is already {rec.health}: held, reason now {text!r}")
+    draft.put(replace(rec.with_health(NodeHealth.DRAINING, text), held=True))
+    base = f"operator-drain/{node}/{rec.joins}"
+    draft.act(DrainNode(f"{base}/drain", node, text))
+    draft.act(Replan(f"{base}/replan", f"operator drained {node}"))
+    return draft.note(f"node {node} drained by an operator ({text}), replan")
 
 
 # --- membership: nodes and tasks ----------------------------------------------------
@@ -783,4 +847,42 @@ def on_task_finished(snapshot: Snapshot, task_id: str, now_s: float, *, ok: bool
         draft.put(replace(inc.moved(_L.CLOSED, now_s), note=f"task {end}"))
         draft.act(CloseIncident(f"{inc.incident_id}/close", inc.incident_id))
     draft.act(Replan(f"task/{task_id}/{end.value}", f"task {task_id} {end}"))
+    return draft.decision()
+
+
+def on_task_stop(snapshot: Snapshot, task_id: str, now_s: float, *, why: str) -> Decision:
+    """The task's owner asked it to stop (scancel, or the job's time limit is near).
+
+    Its agents are told to stop (the ranks save at the end of the iteration and exit),
+    the task becomes ``stopped``, its nodes are released, its incident is closed, and the
+    rest of the cluster is replanned. Unknown task: InvalidArgument; already ended or
+    stopped: no change (a repeated request is a no-op).
+    """
+    task = snapshot.tasks.get(task_id)
+    if task is None:
+        raise InvalidArgument(f"unknown task {task_id!r}")
+    if task.state in (TaskState.FINISHED, TaskState.FAILED, TaskState.STOPPED):
+        return Decision()
+    draft = _Draft(snapshot, now_s)
+    draft.put(replace(task.with_state(TaskState.STOPPED), nodes=()))
+    for name in task.nodes:
+        rec = draft.node(name)
+        if rec.task_id == task_id:
+            draft.put(replace(rec, task_id=None))
+        if task.job_id is not None:
+            draft.act(
+                SendCommand(
+                    action_id=f"task/{task_id}/stop/{name}",
+                    job_id=task.job_id,
+                    node=name,
+                    action=AgentAction.STOP,
+                    deadline_s=draft.policy.command_deadline_s,
+                )
+            )
+    inc = snapshot.open_incident(task_id)
+    if inc is not None:
+        draft.put(replace(inc.moved(_L.CLOSED, now_s), note=f"task stopped: {why}"))
+        draft.act(CloseIncident(f"{inc.incident_id}/close", inc.incident_id))
+    draft.act(Replan(f"task/{task_id}/stopped", f"task {task_id} stopped: {why}"))
+    draft.notes.append(f"task {task_id} stopped: {why}")
     return draft.decision()

@@ -84,10 +84,19 @@ def renderer(cfg: AgentConfig, gpus_per_node: int, generation: int) -> Render:
 
 
 def agent_argv(
-    cfg: AgentConfig, job_id: int, node: str, command: Sequence[str], *, config_path: str | None = None
+    cfg: AgentConfig,
+    job_id: int,
+    node: str,
+    command: Sequence[str],
+    *,
+    config_path: str | None = None,
+    launch_id: str = "",
 ) -> list[str]:
-    """``unicorn-agent`` for (job, node) supervising ``command`` (run by srun on that node)."""
+    """``unicorn-agent`` for (job, node) supervising ``command`` (run by srun on that node);
+    ``launch_id``: the action starting it (the agent tags its ranks' iterations with it)."""
     argv = [str(bin_dir(cfg) / "unicorn-agent"), "--job-id", str(job_id), "--node", node]
+    if launch_id:
+        argv += ["--launch-id", launch_id]
     if config_path:
         argv += ["--config", config_path]
     return [*argv, "--", *command]

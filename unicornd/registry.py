@@ -65,3 +65,13 @@ async def register_task(
 async def resume_node(client: aioredis.Redis, keys: RedisKeys, node: str, *, timeout_s: float = 30.0) -> None:
     """An operator's resume: unicornd resumes the node in Slurm and lets it rejoin (after its check)."""
     await request(client, keys, {"op": "resume", "node": node}, timeout_s=timeout_s)
+
+
+async def stop_task(
+    client: aioredis.Redis, keys: RedisKeys, task_id: str, why: str, *, timeout_s: float = 30.0
+) -> None:
+    """The task's owner stops it: its agents stop (ranks save and exit), it becomes ``stopped``.
+
+    Stopping a task that already ended or stopped is accepted and changes nothing.
+    """
+    await request(client, keys, {"op": "stop", "task": task_id, "why": why}, timeout_s=timeout_s)

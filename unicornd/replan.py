@@ -21,7 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeAlias
 
-from plan.planner import Assignment, Plan
+from plan.hardware import GpuSpec
+from plan.objective import FailureModel
+from plan.planner import Assignment, Cluster, Granularity, Plan, PlanRequest, plan_cluster, task_curves
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.layout import Layout
 from unicorn_core.protocol import AgentAction
@@ -33,6 +35,24 @@ Render: TypeAlias = Callable[[TaskRecord, Layout, tuple[str, ...]], Mapping[str,
 
 PLANNED_STATES = frozenset({TaskState.PENDING, TaskState.LAUNCHING, TaskState.RUNNING, TaskState.RECOVERING})
 """Tasks the planner must cover: every task that has not ended or been stopped."""
+
+
+def plan_for(snapshot: Snapshot, gpu: GpuSpec, failure: FailureModel) -> Plan | None:
+    """The planner's allocation for ``snapshot``: the call every replan of unicornd makes.
+
+    Healthy nodes that are not held form the cluster; tasks with an open incident are the
+    faulted ones. None when no task is planned. ``unicornctl plan --what-if-fail`` calls
+    it on a hypothetical snapshot, so both always agree.
+    """
+    tasks = sorted((t for t in snapshot.tasks.values() if t.state in PLANNED_STATES), key=lambda t: t.task_id)
+    if not tasks:
+        return None
+    healthy = [n for n in snapshot.nodes.values() if n.health is NodeHealth.HEALTHY and not n.held]
+    cluster = Cluster(len(healthy), snapshot.gpus_per_node, gpu, Granularity.NODE)
+    curves = task_curves([t.spec() for t in tasks], cluster, cluster.workers + 1)
+    current = tuple(len(t.nodes) for t in tasks)
+    faulted = frozenset(t.name for t in tasks if snapshot.open_incident(t.task_id) is not None)
+    return plan_cluster(curves, cluster, PlanRequest(current=current, faulted=faulted, failure=failure))
 
 
 def _nodes_needed(assignment: Assignment, gpus_per_node: int) -> tuple[int, Layout | None]:

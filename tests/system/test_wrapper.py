@@ -1,0 +1,207 @@
+"""The sbatch wrapper end to end: sbatch etc/unicorn-job.sbatch on a real cluster, a real
+unicornd, real agents and torchrun training; scancel, a short run, bad options."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from launcher.probe import find_agents
+from tests.conftest import REPO, DevCluster, private_cluster
+from tests.system.coordinator import (
+    PLANNER_MODEL,
+    Coordinator,
+    coordinator,
+    iterations,
+    train_log,
+    trainer_command,
+)
+from unicornd.state import TaskState
+
+pytestmark = pytest.mark.system
+
+WRAPPER = REPO / "etc" / "unicorn-job.sbatch"
+UNICORNCTL = Path(sys.executable).parent / "unicornctl"
+ENV = {"UNICORN_DETECT__HANG_FACTOR": "3"}  # several ranks share this 2-core machine
+_LOG_LINE = re.compile(r"training output \(every rank of a node\): (\S+) on node\(s\) (\S+)")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
+    """2 nodes with 1 GPU each."""
+    with private_cluster(tmp_path_factory, "wrapper", "--nodes", "2", "--gpus-per-node", "1") as c:
+        yield c
+
+
+def isolated(tmp: Path) -> dict[str, str]:
+    """unicornd's env (the agents inherit it): checkpoint tiers of this test only (job ids
+    repeat across clusters, and a memory-tier snapshot of another job 2 would be restored)."""
+    return {**ENV, "UNICORN_CKPT__SHM_DIR": str(tmp / "shm"), "UNICORN_CKPT__LOCAL_DIR": str(tmp / "local")}
+
+
+def model_file(tmp: Path) -> Path:
+    """The planner's model (ModelSpec fields at the top level of a TOML file)."""
+    path = tmp / "model.toml"
+    fields = ("layers", "hidden", "heads", "sequence", "vocabulary", "global_batch")
+    path.write_text("".join(f"{f} = {getattr(PLANNER_MODEL, f)}\n" for f in fields))
+    return path
+
+
+def sbatch(
+    c: Coordinator, tmp: Path, slurm: tuple[str, ...], unicorn: tuple[str, ...], **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``sbatch [slurm] etc/unicorn-job.sbatch [unicorn]`` from ``tmp``, output in job-<id>.out there."""
+    return subprocess.run(
+        ["sbatch", "--parsable", "-o", str(tmp / "job-%j.out"), *slurm, str(WRAPPER), *unicorn],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=tmp,
+        check=False,
+        env={
+            **c.env,
+            "UNICORNCTL": str(UNICORNCTL),
+            "UNICORN_WAIT_OPTIONS": "--progress-interval-s 2 --poll-s 0.25",
+            **env,
+        },
+    )
+
+
+def submit(c: Coordinator, tmp: Path, slurm: tuple[str, ...], unicorn: tuple[str, ...]) -> int:
+    out = sbatch(c, tmp, slurm, unicorn)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.strip().split(";")[0])
+
+
+def until(pred: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.25)
+
+
+def job_fields(cluster: DevCluster, job: int) -> dict[str, str]:
+    """``scontrol show job`` as key=value (the record stays MinJobAge after the end)."""
+    out = cluster.slurm("scontrol", "-o", "show", "job", str(job)).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def job_active(cluster: DevCluster, job: int) -> bool:
+    return bool(cluster.slurm("squeue", "-h", "-j", str(job), "-o", "%T", check=False).stdout.strip())
+
+
+def output(tmp: Path, job: int) -> str:
+    path = tmp / f"job-{job}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def test_bad_weight_is_rejected_before_registration(cluster: DevCluster, tmp_path: Path) -> None:
+    cmd = trainer_command(tmp_path / "ckpt")
+    with coordinator(cluster, tmp_path, **isolated(tmp_path)) as c:
+        # A wrapper option: the job starts, the wrapper refuses it before registering (exit 2).
+        job = submit(
+            c, tmp_path, ("-N", "1"), ("--model", str(model_file(tmp_path)), "--weight", "3", "--", *cmd)
+        )
+        until(lambda: not job_active(cluster, job), "the job with a bad weight to end", 30)
+        fields = job_fields(cluster, job)
+        assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "2:0"), fields
+        assert "--weight = '3': the weight must be a number between 0.5 and 2.0" in output(tmp_path, job)
+        # The SPANK variable (sbatch --unicorn-weight / UNICORN_WEIGHT): refused at submission.
+        refused = sbatch(
+            c, tmp_path, ("-N", "1"), ("--model", str(model_file(tmp_path)), "--", *cmd), UNICORN_WEIGHT="3"
+        )
+        assert refused.returncode != 0 and "the weight must be a decimal number between" in refused.stderr
+        with c.client() as r:
+            assert r.xlen(c.keys.control()) == 0  # nothing was ever sent to unicornd
+        snap = c.snapshot()
+        assert snap is not None and not snap.tasks
+
+
+def test_short_run_finishes_with_exit_0(cluster: DevCluster, tmp_path: Path) -> None:
+    cmd = trainer_command(tmp_path / "ckpt", "--iterations=6")
+    with coordinator(cluster, tmp_path, **isolated(tmp_path)) as c:
+        job = submit(
+            c,
+            tmp_path,
+            ("-N", "1", "-J", "short"),
+            ("--model", str(model_file(tmp_path)), "--max-gpus", "1", "--", *cmd),
+        )  # --max-gpus 1: the job keeps its one node (the planner would grow it onto the idle one)
+        until(lambda: not job_active(cluster, job), "the short job to end by itself", 120)
+        fields = job_fields(cluster, job)
+        assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), (
+            fields,
+            output(tmp_path, job),
+        )
+        snap = c.snapshot()
+        assert snap is not None
+        task = snap.tasks[f"short.{job}"]
+        assert task.state is TaskState.FINISHED and (task.last_iteration or 0) >= 1, task
+        assert "task finished at iteration" in output(tmp_path, job)
+        log = train_log(c.keys.prefix, job, fields["NodeList"])
+        assert [it for it, _ in iterations(log)][-1] == 6, log
+
+
+def test_submit_trains_and_scancel_stops_cleanly(cluster: DevCluster, tmp_path: Path) -> None:
+    cmd = trainer_command(tmp_path / "ckpt")
+    with coordinator(cluster, tmp_path, **isolated(tmp_path)) as c:
+        job = submit(
+            c, tmp_path, ("-N", "2", "-J", "wrapped"),
+            ("--model", str(model_file(tmp_path)), "--weight", "1.5", "--name", "w", "--", *cmd),
+        )  # fmt: skip
+        task_id = f"w.{job}"
+        in_squeue = ["wrapped", "RUNNING"]
+        until(
+            lambda: cluster.slurm("squeue", "-h", "-j", str(job), "-o", "%j %T").stdout.split() == in_squeue,
+            "the job RUNNING in squeue",
+        )
+        snap = c.wait(
+            lambda s: (
+                task_id in s.tasks
+                and s.tasks[task_id].state is TaskState.RUNNING
+                and (s.tasks[task_id].last_iteration or 0) >= 3
+            ),
+            "running, iterations advancing",
+            150,
+        )
+        shown = subprocess.run(
+            [str(UNICORNCTL), "status", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=c.env,
+            check=False,
+        )
+        assert shown.returncode == 0, shown.stderr
+        (doc,) = [t for t in json.loads(shown.stdout)["unicorn"]["tasks"] if t["task_id"] == task_id]
+        assert (doc["job_id"], doc["weight"], doc["nodes"]) == (job, 1.5, ["n1", "n2"]), doc
+
+        # The job's output: progress lines and where each node's training log is.
+        until(
+            lambda: _LOG_LINE.search(output(tmp_path, job)) is not None, "the log location in the output", 10
+        )
+        found = _LOG_LINE.search(output(tmp_path, job))
+        assert found is not None and found.group(2) == "n[1-2]"
+        logs = [Path(found.group(1).replace("<node>", n)) for n in ("n1", "n2")]
+        assert iterations("".join(p.read_text() for p in logs))  # the last pipeline stage logs them
+        until(
+            lambda: "iteration" in output(tmp_path, job).split("training output")[-1], "a progress line", 30
+        )
+
+        cluster.slurm("scancel", str(job))
+        until(lambda: not job_active(cluster, job), "the cancelled job to end", 30)
+        snap = c.wait(lambda s: s.tasks[task_id].state is TaskState.STOPPED, "the task stopped", 15)
+        assert snap.tasks[task_id].nodes == ()
+        until(
+            lambda: not find_agents(job, "n1") and not find_agents(job, "n2"), "no agents of the job left", 15
+        )
+        out = output(tmp_path, job)
+        assert "SIGTERM: asking unicornd to stop the task" in out, out
+        assert "stopping after iteration" in "".join(p.read_text() for p in logs)  # saved on SIGTERM

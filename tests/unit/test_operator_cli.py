@@ -1,0 +1,335 @@
+"""Operator mutations (``unicornctl drain/resume``) and ``plan --what-if-fail``.
+
+Three layers: the pure decision and the what-if outlook on coord_world snapshots; the
+operator check; the commands against a real redis-server, with unicornd down and with a
+real :class:`unicornd.daemon.Daemon` running against a scripted Slurm (so a request
+really goes through the control stream, the decision is persisted and the executor
+calls Slurm).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import cast
+
+import pytest
+import redis
+from click.testing import CliRunner
+from coord_world import apply, of_kind, task, world
+from test_cli_incidents import redis_url  # noqa: F401 - the real redis-server fixture (shared)
+
+from unicorn_core import redis_io
+from unicorn_core.config import Config, load_config
+from unicorn_core.errors import InvalidArgument
+from unicorn_core.keys import RedisKeys
+from unicorn_core.logs import reset_logging
+from unicorn_core.proc import CommandOutput
+from unicorn_core.slurm.backend import SlurmBackend
+from unicorn_core.slurm.types import JobInfo, NodeInfo, NodeState
+from unicornd.actions import DrainNode, Replan, ResumeNode
+from unicornd.cli import (
+    EXIT_NO_DAEMON,
+    EXIT_NOT_CONFIRMED,
+    EXIT_NOT_OPERATOR,
+    EXIT_UNKNOWN_NODE,
+    Caller,
+    cli,
+    operator_refusal,
+    outlook_json,
+    slurm_user_from_config,
+    what_if_fail,
+)
+from unicornd.daemon import Daemon
+from unicornd.decide import on_node_join, on_operator_drain
+from unicornd.state import NodeHealth, Snapshot
+from unicornd.store import snapshot_from_json, snapshot_to_json
+
+T0 = 1_700_000_000.0
+UNICORNCTL = Path(sys.executable).parent / "unicornctl"
+PREFIX = "optest"
+
+
+def two_tasks() -> Snapshot:
+    """n1..n4: task a on n1,n2 (weight 2), task b on n3, n4 spare."""
+    return world(4, [task("a", 1, ["n1", "n2"], weight=2.0), task("b", 2, ["n3"])])
+
+
+# --- the pure decision --------------------------------------------------------------------
+
+
+def test_operator_drain_takes_the_node_out_holds_it_and_replans() -> None:
+    snap = two_tasks()
+    d = on_operator_drain(snap, "n2", "fan  failing\n", T0)
+    (drain,) = of_kind(d.actions, DrainNode)
+    assert isinstance(drain, DrainNode) and drain.node == "n2"
+    assert drain.reason == "unicorn: operator: fan failing"
+    assert of_kind(d.actions, Replan)
+    after = apply(snap, d)
+    rec = after.nodes["n2"]
+    assert rec.health is NodeHealth.DRAINING and rec.held and rec.reason == drain.reason
+    assert rec.drains_s == ()  # not counted against the drain limiter
+    # Slurm resumed outside unicorn: a held node is drained again; only the operator's resume frees it.
+    drained = rec.with_health(NodeHealth.DRAINED)
+    after = after.apply(nodes=[drained])
+    assert of_kind(on_node_join(after, "n2", T0 + 60).actions, DrainNode)
+    freed = on_node_join(after, "n2", T0 + 60, by_operator=True)
+    assert of_kind(freed.actions, ResumeNode) and not apply(after, freed).nodes["n2"].held
+
+
+def test_operator_drain_of_a_node_already_out_only_holds_and_relabels() -> None:
+    snap = two_tasks()
+    out = replace(snap.nodes["n4"].with_health(NodeHealth.DRAINING).with_health(NodeHealth.DRAINED))
+    snap = snap.apply(nodes=[out])
+    d = on_operator_drain(snap, "n4", "bad DIMM", T0)
+    assert [a.kind for a in d.actions] == ["drain_node"]  # new reason in Slurm, no replan
+    after = apply(snap, d)
+    assert after.nodes["n4"].held and after.nodes["n4"].reason == "unicorn: operator: bad DIMM"
+    again = on_operator_drain(after, "n4", "bad DIMM", T0 + 1)
+    assert again.empty and again.notes
+
+
+@pytest.mark.parametrize(("node", "reason", "message"), [("n9", "x", "unknown node"), ("n1", "  ", "reason")])
+def test_operator_drain_refuses_bad_input(node: str, reason: str, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        on_operator_drain(two_tasks(), node, reason, T0)
+
+
+# --- what-if: the decision and the daemon's planner call, applied to nothing -----------------
+
+
+def test_what_if_fail_moves_the_task_off_the_node_and_applies_nothing() -> None:
+    snap = two_tasks()
+    before = snapshot_to_json(snap)
+    seen = what_if_fail(snap, "n2", Config(), T0)
+    assert snapshot_to_json(snap) == before
+    assert [a.node for a in seen.decision.actions if isinstance(a, DrainNode)] == ["n2"]
+    assert seen.plan is not None and seen.transition is not None
+    doc = outlook_json(seen)
+    assert doc["replan"] and doc["plan"]["healthy_nodes"] == 3
+    nodes = {t["task_id"]: t["nodes"] for t in doc["plan"]["tasks"]}
+    assert "n2" not in {n for ns in nodes.values() for n in ns}
+    assert doc["plan"]["generation"] == snap.plan_generation + 1
+    assert doc["actions"] and json.loads(json.dumps(doc)) == doc
+
+
+def test_what_if_fail_of_a_spare_node_drains_it_without_moving_tasks() -> None:
+    seen = what_if_fail(two_tasks(), "n4", Config(), T0)
+    doc = outlook_json(seen)
+    assert [a["node"] for a in doc["decision"]["actions"] if a["kind"] == "drain_node"] == ["n4"]
+    assert doc["plan"]["healthy_nodes"] == 3
+    assert all("n4" not in t["nodes"] for t in doc["plan"]["tasks"])
+
+
+def test_plan_keeps_its_offline_mode_and_what_if_takes_only_json() -> None:
+    tasks = str(Path(__file__).parents[2] / "etc" / "tasks" / "gpt3-1.3b.toml")
+    offline = CliRunner().invoke(
+        cli, ["plan", "--tasks", tasks, "--nodes", "2", "--json"], env={"UNICORN_CONFIG": ""}
+    )
+    assert offline.exit_code == 0, offline.output
+    assert json.loads(offline.stdout)["nodes"] == 2
+    mixed = CliRunner().invoke(
+        cli, ["plan", "--what-if-fail", "n1", "--nodes", "2"], env={"UNICORN_CONFIG": ""}
+    )
+    assert mixed.exit_code == 2 and "takes only --json" in mixed.stderr
+
+
+def test_what_if_fail_of_an_unknown_node_is_invalid() -> None:
+    with pytest.raises(InvalidArgument, match="unknown node 'n9'"):
+        what_if_fail(two_tasks(), "n9", Config(), T0)
+
+
+# --- who is an operator ---------------------------------------------------------------------
+
+
+def test_slurm_user_is_read_from_scontrol_show_config() -> None:
+    text = "Configuration data as of ...\nSlurmctldPort = 6817\nSlurmUser               = slurm(64030)\n"
+    assert slurm_user_from_config(text) == "slurm"
+    with pytest.raises(InvalidArgument, match="SlurmUser"):
+        slurm_user_from_config("SlurmdUser = root(0)\n")
+
+
+def _never() -> str:
+    raise AssertionError("the SlurmUser must not be looked up")
+
+
+def _fails() -> str:
+    raise InvalidArgument("scontrol: cannot reach slurmctld")
+
+
+def test_operator_check() -> None:
+    group = grp.getgrgid(os.getegid())
+    member = Caller(uid=4242, user="alice", gids=frozenset({group.gr_gid}))
+    stranger = Caller(uid=4243, user="bob", gids=frozenset({987_654}))
+    assert operator_refusal(Caller(0, "root", frozenset({0})), "", _never) is None
+    assert operator_refusal(member, group.gr_name, _never) is None
+    assert operator_refusal(Caller(64030, "slurm", frozenset()), "", lambda: "slurm") is None
+    why = operator_refusal(stranger, group.gr_name, lambda: "slurm")
+    assert why is not None and "bob is not an operator" in why and group.gr_name in why
+    why = operator_refusal(stranger, "", _fails)
+    assert why is not None and "SlurmUser is unknown" in why
+    why = operator_refusal(stranger, "no-such-group-xyz", lambda: "slurm")
+    assert why is not None and "does not exist" in why
+
+
+# --- the commands against a real Redis ------------------------------------------------------
+
+
+def _env(url: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("UNICORN_", "SLURM_"))}
+    return {
+        **env,
+        "UNICORN_REDIS__URL": url,
+        "UNICORN_REDIS__KEY_PREFIX": PREFIX,
+        "UNICORN_CONFIG": "",
+        "UNICORN_SLURM__CONF": "/nonexistent/slurm.conf",
+        **extra,
+    }
+
+
+def ctl(url: str, *args: str, prefix: Sequence[str] = (), **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*prefix, str(UNICORNCTL), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(url, **extra),
+        check=False,
+    )
+
+
+def test_with_unicornd_down_mutations_fail_clearly_and_change_nothing(redis_url: str) -> None:  # noqa: F811
+    r = redis.Redis.from_url(redis_url)
+    r.set(RedisKeys(PREFIX).state(), snapshot_to_json(two_tasks()))
+    if os.geteuid() == 0:
+        for args in (("drain", "n1", "--reason", "x", "--yes"), ("resume", "n1", "--yes")):
+            res = ctl(redis_url, *args)
+            assert res.returncode == EXIT_NO_DAEMON, res.stderr
+            assert "unicornd is not running" in res.stderr and "nothing changed" in res.stderr
+    assert r.xlen(RedisKeys(PREFIX).control()) == 0
+
+
+def invoke(url: str, caller: Caller, *args: str, **extra: str) -> tuple[int, str]:
+    """unicornctl in this process, as ``caller`` (the group passes it down in ``obj``)."""
+    try:
+        result = CliRunner().invoke(cli, list(args), env=_env(url, **extra), obj={"caller": caller})
+    finally:
+        reset_logging()
+    return result.exit_code, result.stderr
+
+
+def test_non_operators_are_refused(redis_url: str, tmp_path: Path) -> None:  # noqa: F811
+    bob = Caller(uid=4243, user="bob", gids=frozenset({987_654}))
+    no_slurm = str(tmp_path)  # no scontrol here: the SlurmUser cannot be learnt, so bob is refused
+    code, err = invoke(
+        redis_url, bob, "drain", "n1", "--reason", "x", "--yes", UNICORN_SLURM__BIN_DIR=no_slurm
+    )
+    assert code == EXIT_NOT_OPERATOR, err
+    assert "bob is not root" in err and "SlurmUser is unknown" in err and "nothing changed" in err
+    # A member of slurm.operators_group passes the check (and then finds unicornd down).
+    staff = grp.getgrgid(os.getegid())
+    alice = Caller(uid=4242, user="alice", gids=frozenset({staff.gr_gid}))
+    code, err = invoke(
+        redis_url, alice, "resume", "n1", "--yes", UNICORN_SLURM__OPERATORS_GROUP=staff.gr_name
+    )
+    assert code == EXIT_NO_DAEMON, err
+    assert redis.Redis.from_url(redis_url).xlen(RedisKeys(PREFIX).control()) == 0
+
+
+class ScriptedSlurm:
+    """The Slurm calls unicornd makes for drain/resume and a node check, on two idle nodes."""
+
+    name = "scripted"
+
+    def __init__(self, nodes: Sequence[str]) -> None:
+        self.flags: dict[str, frozenset[str]] = {n: frozenset() for n in nodes}
+        self.reasons: dict[str, str] = dict.fromkeys(nodes, "")
+        self.calls: list[tuple[str, ...]] = []
+
+    async def list_nodes(self) -> list[NodeInfo]:
+        return [
+            NodeInfo(n, NodeState.IDLE, f, self.reasons[n], 4, 2, 0, 1024, ("debug",))
+            for n, f in sorted(self.flags.items())
+        ]
+
+    async def list_jobs(self) -> list[JobInfo]:
+        return []
+
+    async def drain(self, node: str, reason: str) -> None:
+        self.calls.append(("drain", node, reason))
+        self.flags[node], self.reasons[node] = frozenset({"DRAIN"}), reason
+
+    async def resume(self, node: str) -> None:
+        self.calls.append(("resume", node))
+        self.flags[node], self.reasons[node] = frozenset(), ""
+
+    async def run_on_nodes(self, nodes: Sequence[str], argv: Sequence[str], **_: object) -> CommandOutput:
+        self.calls.append(("check", *nodes))
+        return CommandOutput(tuple(argv), 0, "healthy", "", 0.01)
+
+
+async def _until(what: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+async def _ctl(url: str, *args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        str(UNICORNCTL),
+        *args,
+        env=_env(url),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    return cast(int, proc.returncode), out.decode(), err.decode()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the caller must be an operator (root) here")
+async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> None:  # noqa: F811
+    cfg = load_config(None, env={"UNICORN_REDIS__URL": redis_url, "UNICORN_REDIS__KEY_PREFIX": PREFIX})
+    slurm = ScriptedSlurm(["n1", "n2"])
+    client = redis_io.connect(cfg.redis, client_name="test-unicornd")
+    daemon = Daemon(cfg, cast(SlurmBackend, slurm), client)
+    running = asyncio.create_task(daemon.run())
+    keys = RedisKeys(PREFIX)
+    try:
+        await _until(lambda: daemon.snapshot is not None)
+        code, out, err = await _ctl(redis_url, "drain", "n2", "--reason", "fan failing")
+        assert code == EXIT_NOT_CONFIRMED, err
+        assert "drain_node node=n2 reason='unicorn: operator: fan failing'" in out and "--yes" in err
+        assert not slurm.calls
+        code, out, err = await _ctl(redis_url, "drain", "n7", "--reason", "x", "--yes")
+        assert code == EXIT_UNKNOWN_NODE and "unknown node 'n7'" in err
+
+        code, out, err = await _ctl(redis_url, "drain", "n2", "--reason", "fan failing", "--yes")
+        assert code == 0, err
+        await _until(lambda: daemon.snap.nodes["n2"].health is NodeHealth.DRAINED)
+        assert slurm.calls == [("drain", "n2", "unicorn: operator: fan failing")]
+        raw = await client.get(keys.state())
+        persisted = snapshot_from_json(cast(bytes, raw), daemon.store.policy)
+        assert persisted.nodes["n2"].held
+
+        code, out, err = await _ctl(redis_url, "plan", "--what-if-fail", "n1", "--json")
+        assert code == 0, err
+        assert json.loads(out)["node"] == "n1"
+
+        code, out, err = await _ctl(redis_url, "resume", "n2", "--yes")
+        assert code == 0, err
+        await _until(lambda: daemon.snap.nodes["n2"].health is NodeHealth.HEALTHY)
+        assert slurm.calls[1:] == [("resume", "n2"), ("check", "n2")]
+        assert not daemon.snap.nodes["n2"].held
+    finally:
+        daemon._stop.set()
+        assert await asyncio.wait_for(running, 30) == 0
+        await client.aclose()
