@@ -24,9 +24,15 @@ imported in a worker thread when :meth:`CkptAgent.run` starts.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import enum
 import importlib
+import json
+import os
+import signal
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +40,7 @@ from typing import TYPE_CHECKING, Final
 
 from unicorn_core.config import CkptConfig
 from unicorn_core.errors import InvalidArgument
-from unicorn_core.logs import get_logger
+from unicorn_core.logs import configure_logging, get_logger
 from unicorn_core.slurm.hostlist import expand
 
 if TYPE_CHECKING:
@@ -401,6 +407,28 @@ class CkptAgent:
         return failures
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m launcher.ckptagent``: the node agent's checkpoint child process."""
+    parser = argparse.ArgumentParser(prog="launcher.ckptagent", description=main.__doc__)
+    parser.add_argument("--ckpt-config", required=True, help="the [ckpt] section as a JSON object")
+    parser.add_argument("--job-id", type=int, required=True)
+    parser.add_argument("--node", required=True)
+    parser.add_argument("--scope", default="", help="the installation's Redis key prefix")
+    args = parser.parse_args(argv)
+    configure_logging("info", "json", stream=sys.stderr)
+    try:
+        cfg = CkptConfig(**json.loads(args.ckpt_config))
+    except (ValueError, TypeError) as e:
+        parser.error(f"--ckpt-config: {e}")
+    plan = CkptPlan.from_config(cfg, job_id=args.job_id, node=args.node, env=os.environ, scope=args.scope)
+    if plan is None:
+        return 0
+    with contextlib.suppress(KeyboardInterrupt):
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        asyncio.run(CkptAgent(plan).run())
+    return 0
+
+
 def _import_engine() -> None:
     """Import the torch-based engine (seconds): run in a thread, off the agent's loop."""
     for name in ("ckpt.peer", "ckpt.persist", "ckpt.shard", "ckpt.tier"):
@@ -433,3 +461,7 @@ def _meta_key(meta_path: Path) -> ShardKey | None:
 
 
 __all__: Sequence[str] = ("CkptAgent", "CkptPlan", "PeerEndpoint", "ShardStage", "peer_port")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -613,6 +613,10 @@ class Daemon:
             raise InvalidArgument(f"restart_agent {action.action_id}: task no longer runs on {action.node}")
         render = renderer(self.cfg.agent, self.snap.gpus_per_node, task.generation)
         argv = tuple(render(task, task.layout, task.nodes)[action.node])
+        # Commands written for the gone agent (e.g. this rung's restart_ranks) are void:
+        # the new agent would otherwise restart the ranks it just started.
+        stream = self.keys.agent_commands(action.job_id, action.node)
+        await redis_io.call(("DEL", stream), self.client.delete(stream))
         command = (NodeArgv(action.node, argv),)
         await self._launch(LaunchAgents(action.action_id, task.task_id, action.job_id, command))
 

@@ -530,6 +530,20 @@ def _update_incident(draft: _Draft, task: TaskRecord, inc: Incident, finding: Fi
             draft.notes.append(f"{inc.incident_id}: {where} absorbed while {inc.stage}")
         return
     settling = draft.now_s - inc.last_action_s < draft.policy.settle_s
+    if (
+        finding.rule in AGENT_RULES
+        and inc.stage is _L.RESTART_PROCESSES
+        and settling
+        and task.job_id is not None
+    ):
+        # The restart just ordered sent this node a command its dead agent cannot take.
+        # (Found dead again later, after the settle time: the restart failed; climb.)
+        attempt = inc.attempts_at(_L.RESTART_PROCESSES)
+        aid = _step_id(inc, _L.RESTART_PROCESSES, attempt, "restart_agent", finding.node)
+        draft.act(RestartAgent(aid, task.task_id, task.job_id, finding.node))
+        draft.put(replace(inc, last_action_s=draft.now_s))
+        draft.notes.append(f"{inc.incident_id}: agent on {finding.node} gone during the restart; new agent")
+        return
     if finding.secondary or (settling and _RUNG_LEVEL[wanted] <= _RUNG_LEVEL[inc.stage]):
         draft.put(inc)
         why = "secondary" if finding.secondary else f"within {draft.policy.settle_s:g} s of the last action"

@@ -45,7 +45,9 @@ T0 = 1_700_000_000.0
         (ProbeResult("n2", 1, True, "", True, (), (XID79,)),
          "gpu_driver_error", "SEV1", "xid_79", "kernel log of n2: NVRM: Xid"),
         (ProbeResult("n2", 1, True, "", True, ("sleeping",), ("usb 1-1: new device",)), "lost_connection",
-         "SEV2", "agent_silent", "agent sleeping"),
+         "SEV3", "agent_slow", "agent sleeping"),
+        (ProbeResult("n2", 1, True, "", True, ("zombie",)), "lost_connection", "SEV2", "agent_silent",
+         "agent zombie"),
     ],
 )  # fmt: skip
 def test_verdict_table(result: ProbeResult, status: str, severity: str, rule: str, evidence: str) -> None:
@@ -149,3 +151,15 @@ def test_ssh_to_a_closed_port_is_unreachable_fast() -> None:
     assert (
         info.value.command[:2] == ("ssh", f"root@127.0.0.1:{port}") and "refused" in str(info.value).lower()
     )
+
+
+def test_dead_agent_found_during_a_restart_gets_a_new_agent() -> None:
+    """A rank's exception started the restart; the agent found dead after it still gets restarted."""
+    snap = world(4, [task("a", 1, ["n1", "n2"])])
+    snap = apply(snap, on_finding(snap, finding("exc", 1, "n1", ErrorStatus.OTHER_SOFTWARE_ERROR), T0))
+    assert snap.incidents["a.1"].stage is LadderStage.RESTART_PROCESSES
+    d = on_finding(snap, _agent_lost(), T0 + 2)  # type: ignore[arg-type]
+    assert of_kind(d.actions, RestartAgent) == [
+        RestartAgent("a.1/restart_processes/1/restart_agent/n2", "a", 1, "n2")
+    ]
+    assert apply(snap, d).incidents["a.1"].stage is LadderStage.RESTART_PROCESSES
