@@ -232,6 +232,8 @@ class Agent:
             self.node,
             "--scope",
             self.cfg.redis.key_prefix,
+            "--parent-pid",
+            str(os.getpid()),
         ]
         with (self.run_dir / "ckpt-agent.log").open("ab") as out:
             proc = await asyncio.create_subprocess_exec(

@@ -414,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-id", type=int, required=True)
     parser.add_argument("--node", required=True)
     parser.add_argument("--scope", default="", help="the installation's Redis key prefix")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this parent is gone")
     args = parser.parse_args(argv)
     configure_logging("info", "json", stream=sys.stderr)
     try:
@@ -425,8 +426,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with contextlib.suppress(KeyboardInterrupt):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        asyncio.run(CkptAgent(plan).run())
+        parent = os.getppid() if args.parent_pid is None else args.parent_pid
+        asyncio.run(_run_while_parent_lives(CkptAgent(plan), parent))
     return 0
+
+
+async def _run_while_parent_lives(agent: CkptAgent, parent: int) -> None:
+    """Run ``agent`` until the node agent that started us is gone (a kill -9 of the node
+    agent orphans this process; it must not outlive it)."""
+    task = asyncio.create_task(agent.run())
+    while not task.done():
+        if os.getppid() != parent:
+            task.cancel()
+            break
+        await asyncio.wait({task}, timeout=1.0)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _import_engine() -> None:

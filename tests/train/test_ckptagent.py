@@ -7,7 +7,13 @@ Two agents ("a" and "b", a ring on 127.0.0.1) in the test's event loop; a rank i
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -164,3 +170,41 @@ def test_node_agent_gives_its_ranks_the_tiers(tmp_path: Path) -> None:
     assert env[ENV_PEERS] == f"n1=127.0.0.1:{peer_port(cfg.ckpt.peer_port_base, 9, 0)}"
     off = Agent(Config(ckpt=CkptConfig(shm_dir="")), job_id=9, node="n2", run_dir=tmp_path, argv=[], env={})
     assert off.ckpt is None
+
+
+def test_checkpoint_child_does_not_outlive_a_killed_node_agent(tmp_path: Path) -> None:
+    """kill -9 of the node agent orphans its checkpoint child; the child must exit by itself."""
+    ckpt = CkptConfig(shm_dir=str(tmp_path), local_dir="", peer_host="127.0.0.1")
+    cfg = json.dumps(dataclasses.asdict(ckpt))
+    child = [
+        sys.executable,
+        "-m",
+        "launcher.ckptagent",
+        "--ckpt-config",
+        cfg,
+        "--job-id",
+        "1",
+        "--node",
+        "n1",
+    ]
+    code = (
+        "import os, subprocess, time\n"
+        f"p = subprocess.Popen({child!r} + ['--parent-pid', str(os.getpid())])\n"
+        "print(p.pid, flush=True)\ntime.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    alive = True
+    while alive and time.monotonic() < deadline:
+        try:
+            alive = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            alive = False
+        time.sleep(0.1)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "the checkpoint child outlived its node agent"
