@@ -54,6 +54,7 @@ from unicorn_core.config import Config, load_config
 from unicorn_core.errors import ConfigError, RedisCallError, UnicornError
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import configure_logging, get_logger
+from unicorn_core.paths import agent_run_dir
 from unicorn_core.protocol import (
     AgentAction,
     AgentCommand,
@@ -617,7 +618,7 @@ def cli(  # noqa: PLR0917 - click passes options positionally
     if exit_with_training and not command:
         raise click.UsageError("--exit-with-training needs a COMMAND")
     # Per installation (key prefix), job and node: job ids repeat across clusters.
-    run_dir = run_dir or Path("/tmp/unicorn") / cfg.redis.key_prefix / str(job_id) / node  # noqa: S108
+    run_dir = run_dir or agent_run_dir(cfg.redis.key_prefix, job_id, node)
     agent = Agent(
         cfg,
         job_id=job_id,

@@ -33,6 +33,7 @@ from unicorn_core import redis_io  # noqa: E402
 from unicorn_core.config import RedisConfig  # noqa: E402
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys  # noqa: E402
 from unicorn_core.model import ModelSpec  # noqa: E402
+from unicorn_core.paths import AGENT_RUN_ROOT, agent_run_dir  # noqa: E402
 from unicornd.registry import register_task, request  # noqa: E402
 from unicornd.state import NodeHealth, Policy, Snapshot, TaskRecord, TaskState  # noqa: E402
 from unicornd.store import snapshot_from_json  # noqa: E402
@@ -55,7 +56,7 @@ def sh(*argv: str, env: dict[str, str]) -> str:
 class Demo:
     def __init__(self) -> None:
         subprocess.run([*DEV, "down"], capture_output=True, check=False)
-        shutil.rmtree("/tmp/unicorn/demo", ignore_errors=True)  # agents' logs of an earlier demo
+        shutil.rmtree(AGENT_RUN_ROOT / "demo", ignore_errors=True)  # agents' logs of an earlier demo
         subprocess.run([*DEV, "up", "--nodes", "4", "--gpus-per-node", "1"], check=True)
         dev_env = subprocess.run([*DEV, "env", "--json"], check=True, capture_output=True, text=True).stdout
         self.env = {**os.environ, **json.loads(dev_env)}
@@ -155,7 +156,7 @@ class Demo:
     def losses(self, name: str) -> None:
         job = self.jobs[name]
         for node in ("n1", "n2"):
-            log = Path(f"/tmp/unicorn/demo/{job}/{node}/train.log")
+            log = agent_run_dir("demo", job, node) / "train.log"
             if not log.exists():
                 continue
             text = log.read_text(errors="replace")

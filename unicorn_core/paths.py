@@ -1,4 +1,4 @@
-"""Where unicorn's shipped data files (``etc/``) are found."""
+"""Where unicorn's shipped data files (``etc/``) and a node agent's run folder are found."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 ETC_ENV = "UNICORN_ETC_DIR"
+AGENT_RUN_ROOT = Path("/tmp/unicorn")  # noqa: S108 - node-local scratch, per installation below
 
 
 def etc_dir() -> Path:
@@ -22,3 +23,9 @@ def etc_dir() -> Path:
     if checkout.is_dir():
         return checkout
     return Path(sys.prefix) / "share" / "unicorn" / "etc"
+
+
+def agent_run_dir(key_prefix: str, job_id: int, node: str) -> Path:
+    """The node agent's default run folder (``train.log``, the hook socket's neighbours):
+    per installation (Redis key prefix), job and node, because job ids repeat across clusters."""
+    return AGENT_RUN_ROOT / key_prefix / str(job_id) / node

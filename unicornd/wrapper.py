@@ -41,6 +41,7 @@ from unicorn_core.config import Config, read_toml
 from unicorn_core.errors import ConfigError, InvalidArgument, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.model import ModelSpec
+from unicorn_core.paths import agent_run_dir
 from unicorn_core.slurm import JobInfo, make_backend
 from unicorn_core.slurm.hostlist import compress
 from unicorn_core.slurm.types import JobState
@@ -58,8 +59,6 @@ EXIT_USAGE: Final = 2
 EXIT_STOPPED: Final = 3
 """``wait``: the task was stopped (scancel, time limit, or unicorn's breaker)."""
 
-RUN_ROOT: Final = Path("/tmp/unicorn")  # noqa: S108 - the agent's default run dir root
-"""Mirror of ``unicorn-agent``'s default ``--run-dir``: ``RUN_ROOT/<prefix>/<job>/<node>``."""
 
 _MODEL_REQUIRED: Final = ("layers", "hidden", "heads", "sequence", "vocabulary", "global_batch")
 _MODEL_OPTIONAL: Final = ("ffn_hidden", "num_query_groups")
@@ -147,14 +146,9 @@ def resolve_command(argv: Sequence[str], *, cwd: Path, path: str) -> tuple[str, 
     return (str(resolved.absolute()), *argv[1:])
 
 
-def run_dir(prefix: str, job_id: int, node: str) -> Path:
-    """Where the agent of ``job_id`` on ``node`` writes ``train.log`` (its ranks' output)."""
-    return RUN_ROOT / prefix / str(job_id) / node
-
-
 def log_location(prefix: str, job_id: int, nodes: Sequence[str]) -> str:
     """One line naming every node's training log, e.g. ``/tmp/unicorn/p/7/<node>/train.log on n[1-2]``."""
-    pattern = run_dir(prefix, job_id, "<node>") / "train.log"
+    pattern = agent_run_dir(prefix, job_id, "<node>") / "train.log"
     return f"training output (every rank of a node): {pattern} on node(s) {compress(list(nodes))}"
 
 

@@ -22,6 +22,7 @@ from unicorn_core import redis_io
 from unicorn_core.config import RedisConfig
 from unicorn_core.keys import RedisKeys
 from unicorn_core.model import ModelSpec
+from unicorn_core.paths import agent_run_dir
 from unicornd.registry import register_task, request
 from unicornd.state import Policy, Snapshot, TaskRecord
 from unicornd.store import snapshot_from_json
@@ -59,7 +60,7 @@ def trainer_command(save_dir: Path, *extra: str) -> tuple[str, ...]:
 
 
 def train_log(prefix: str, job_id: int, node: str) -> str:
-    path = Path(f"/tmp/unicorn/{prefix}/{job_id}/{node}/train.log")  # the agent's default run dir
+    path = agent_run_dir(prefix, job_id, node) / "train.log"
     return path.read_text(errors="replace") if path.exists() else ""
 
 
