@@ -34,12 +34,13 @@ from plan.planner import Plan
 from plan.sim.cli import simulate as simulate_command
 from unicorn_core import proc, redis_io
 from unicorn_core.config import Config, describe, load_config
-from unicorn_core.errors import ConfigError, InvalidArgument, UnicornError
+from unicorn_core.errors import ConfigError, InvalidArgument, ProtocolError, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import configure_logging
 from unicorn_core.slurm import JobInfo, NodeInfo, make_backend
 from unicorn_core.slurm.cli import client_env
 from unicorn_core.slurm.hostlist import compress, expand
+from unicornd import store
 from unicornd.actions import Decision, Replan, action_to_dict
 from unicornd.alerts import incident_milestones, stage_spans
 from unicornd.decide import LIVE_TASK_STATES, Finding, on_finding, on_node_join, on_operator_drain
@@ -47,8 +48,8 @@ from unicornd.launch import renderer
 from unicornd.paircheck import PairedCheckReport, paired_check
 from unicornd.registry import NoDaemon, RequestRefused, request
 from unicornd.replan import plan_for, plan_transition
-from unicornd.state import Incident, NodeHealth, Policy, Snapshot, TaskRecord
-from unicornd.store import KEEP_CLOSED_S, snapshot_from_json
+from unicornd.state import Incident, NodeHealth, Snapshot, TaskRecord
+from unicornd.store import KEEP_CLOSED_S
 from unicornd.taskcli import task_group
 
 
@@ -74,12 +75,10 @@ async def gather_status(cfg: Config) -> ClusterStatus:
             await redis_io.call(("PING",), client.ping())
             redis_ok, redis_error = True, ""
             alive = bool(await redis_io.call(("EXISTS",), client.exists(keys.daemon_liveness())))
-            raw = await redis_io.call(("GET", keys.state()), client.get(keys.state()))
-            if raw is not None:
-                try:
-                    snap = snapshot_from_json(raw, Policy())
-                except UnicornError as e:
-                    state_error = f"unreadable unicornd state: {e}"
+            try:
+                snap = await store.read_snapshot(client, keys)
+            except (ProtocolError, InvalidArgument) as e:  # a document, but not a valid snapshot
+                state_error = f"unreadable unicornd state: {e}"
         except UnicornError as e:
             redis_ok, redis_error = False, str(e)
     finally:
@@ -373,12 +372,10 @@ async def read_snapshot(cfg: Config) -> Snapshot | None:
     """unicornd's persisted snapshot; None when there is none. Raises ``RedisCallError``
     (unreachable, auth), ``ProtocolError`` (not a snapshot this version wrote)."""
     client = redis_io.connect(cfg.redis, client_name="unicornctl")
-    keys = RedisKeys(cfg.redis.key_prefix)
     try:
-        raw = await redis_io.call(("GET", keys.state()), client.get(keys.state()))
+        return await store.read_snapshot(client, RedisKeys(cfg.redis.key_prefix))
     finally:
         await client.aclose()
-    return None if raw is None else snapshot_from_json(raw, Policy())
 
 
 def _snapshot(ctx: click.Context) -> Snapshot:

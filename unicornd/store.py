@@ -65,6 +65,16 @@ def snapshot_from_json(text: str | bytes, policy: Policy) -> Snapshot:
     )
 
 
+async def read_snapshot(
+    client: aioredis.Redis, keys: RedisKeys, policy: Policy | None = None
+) -> Snapshot | None:
+    """The snapshot unicornd last committed under ``keys``; None when there is none (a reader's
+    view: ``unicornctl``, the sbatch wrapper). Raises RedisCallError, or ProtocolError when
+    the document is not a snapshot this version wrote."""
+    raw = await redis_io.call(("GET", keys.state()), client.get(keys.state()))
+    return None if raw is None else snapshot_from_json(raw, Policy())
+
+
 def prune(snap: Snapshot, now_s: float) -> Snapshot:
     """Drop incidents closed more than :data:`KEEP_CLOSED_S` ago."""
     keep = {

@@ -47,8 +47,8 @@ from unicorn_core.slurm.hostlist import compress
 from unicorn_core.slurm.types import JobState
 from unicornd.registry import NoDaemon, RequestRefused, register_task, stop_task
 from unicornd.replan import PLANNED_STATES
-from unicornd.state import Policy, Snapshot, TaskRecord, TaskState
-from unicornd.store import snapshot_from_json
+from unicornd.state import Snapshot, TaskRecord, TaskState
+from unicornd.store import read_snapshot
 
 EXIT_FINISHED: Final = 0
 """``wait``: the training finished (every node's training command exited 0)."""
@@ -285,11 +285,6 @@ class WaitOptions:
     run_restarts: int = 0
 
 
-async def _snapshot(client: aioredis.Redis, keys: RedisKeys) -> Snapshot | None:
-    raw = await redis_io.call(("GET", keys.state()), client.get(keys.state()))
-    return None if raw is None else snapshot_from_json(raw, Policy())
-
-
 async def _agents_alive(client: aioredis.Redis, keys: RedisKeys, job_id: int, nodes: Sequence[str]) -> int:
     if not nodes:
         return 0
@@ -323,7 +318,7 @@ class _Waiter:
 
     async def _read(self) -> Snapshot | None:
         try:
-            snap = await _snapshot(self.client, self.keys)
+            snap = await read_snapshot(self.client, self.keys)
         except UnicornError as e:
             if self.unreadable_since is None or time.monotonic() - self.unreadable_since > 60:
                 self.say(f"cannot read unicornd's state ({e}); the agents keep training; still waiting")
@@ -458,7 +453,7 @@ async def register_or_attach(cfg: Config, task: TaskRecord, *, timeout_s: float)
     keys = RedisKeys(cfg.redis.key_prefix)
     client = redis_io.connect(cfg.redis, client_name=f"unicornctl-register-{task.task_id}")
     try:
-        snap = await _snapshot(client, keys)
+        snap = await read_snapshot(client, keys)
         known = snap.tasks.get(task.task_id) if snap is not None else None
         if known is not None and known.job_id == task.job_id:
             if known.state not in PLANNED_STATES:
