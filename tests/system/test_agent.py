@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.conftest import DevCluster, pid_alive
+from tests.conftest import DevCluster, free_port, pid_alive
 from tests.system.agent_helpers import run_agent, torchrun, toy
 from unicorn_core.config import AgentConfig, DetectConfig
 from unicorn_core.protocol import (
@@ -176,12 +175,6 @@ def test_flooding_rank_does_not_starve_heartbeats(cluster: DevCluster, tmp_path:
         assert (a.run_dir / "train.log").stat().st_size > 1_000_000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _start_redis(port: int, tmp: Path) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [
@@ -212,7 +205,7 @@ def _start_redis(port: int, tmp: Path) -> subprocess.Popen[bytes]:
 
 
 def test_agent_survives_redis_outage_and_loses_nothing(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     server = _start_redis(port, tmp_path)
     url = f"redis://127.0.0.1:{port}/0"
     try:

@@ -6,7 +6,6 @@ import http.server
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ from typing import ClassVar
 import pytest
 
 from launcher.probe import find_agents
-from tests.conftest import DevCluster, private_cluster
+from tests.conftest import DevCluster, free_port, private_cluster
 from tests.system.coordinator import (
     PLANNER_MODEL,
     Coordinator,
@@ -170,12 +169,6 @@ class _Hook(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_sev3_is_retried_in_place(cluster: DevCluster, tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,14 +32,9 @@ from launcher.ckptagent import (
     peer_port,
 )
 from tests.ckpt.conftest import assert_same, training_state
+from tests.conftest import free_port
 from unicorn_core.config import CkptConfig
 from unicorn_core.errors import InvalidArgument
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def two_node_plans(root: Path) -> tuple[CkptPlan, CkptPlan]:

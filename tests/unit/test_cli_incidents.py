@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from click.testing import CliRunner
 from coord_world import apply, finding, plan, render, task, world
 
 from detect.statuses import ErrorStatus
+from tests.conftest import free_port
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import reset_logging
 from unicornd.cli import (
@@ -105,18 +105,12 @@ def test_tasks_render() -> None:
 # --- the commands against a real Redis ---------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server is not installed (scripts/test installs it)")
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         cwd=tmp_path,
@@ -179,7 +173,7 @@ def test_unreadable_state_is_a_clear_error(redis_url: str) -> None:
 
 def test_redis_unreachable_is_a_clear_error() -> None:
     try:
-        code, _, err = run(f"redis://127.0.0.1:{_free_port()}/0", "incidents", "--json")
+        code, _, err = run(f"redis://127.0.0.1:{free_port()}/0", "incidents", "--json")
     finally:
         reset_logging()
     assert code == EXIT_STATE_UNREADABLE

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,6 +16,7 @@ from coord_world import apply, finding, of_kind, task, world
 from detect import load_classifier
 from detect.statuses import ErrorStatus, Severity
 from launcher.probe import find_agents, kernel_lines
+from tests.conftest import free_port
 from unicorn_core.config import SshConfig
 from unicorn_core.errors import InvalidArgument, SshUnreachable
 from unicorn_core.protocol import AgentAction
@@ -143,9 +143,7 @@ def test_kernel_lines_keep_hardware_messages_only(tmp_path: Path) -> None:
 
 
 def test_ssh_to_a_closed_port_is_unreachable_fast() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed once the block ends: nobody listens there
+    port = free_port()  # nobody listens there
     with pytest.raises(SshUnreachable) as info:
         asyncio.run(run(Endpoint("127.0.0.1", port), ["true"], connect_timeout_s=2, command_timeout_s=2))
     assert (
