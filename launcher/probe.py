@@ -20,6 +20,8 @@ from pathlib import Path
 
 import click
 
+from launcher.supervisor import process_state
+
 KERNEL_PATTERN = re.compile(
     r"NVRM: Xid|Xid \(PCI|GPU has fallen off the bus|NVRM:.*(?:ECC|row remap|fatal)|"
     r"Machine check|mce: \[Hardware Error\]|EDAC .*(?:UE|CE)|Hardware Error|"
@@ -65,22 +67,22 @@ def _is_agent_of(argv: list[str], job_id: int, node: str) -> bool:
     return opts.get("--job-id") == str(job_id) and opts.get("--node") == node
 
 
-def find_agents(job_id: int, node: str, proc: Path = Path("/proc")) -> list[AgentProcess]:
+def find_agents(job_id: int, node: str) -> list[AgentProcess]:
     """Processes running the agent of ``job_id`` on ``node``, with their scheduler state."""
     found: list[AgentProcess] = []
-    for entry in proc.iterdir():
+    for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             raw = (entry / "cmdline").read_bytes()
-            stat = (entry / "stat").read_text()
         except OSError:
             continue  # exited while we looked
         argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
         if not _is_agent_of(argv, job_id, node):
             continue
-        code = stat[stat.rfind(")") + 2 :].split(" ", 1)[0]
-        found.append(AgentProcess(int(entry.name), _STATES.get(code, code)))
+        code = process_state(int(entry.name))
+        if code is not None:
+            found.append(AgentProcess(int(entry.name), _STATES.get(code, code)))
     return sorted(found, key=lambda a: a.pid)
 
 
