@@ -8,18 +8,66 @@ developer's own cluster.
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
 import socket
 import subprocess
+import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DEV_CLUSTER = REPO / "scripts" / "dev-cluster"
+
+
+@dataclass
+class Receiver:
+    """A real HTTP server on 127.0.0.1 answering POSTs with ``status`` after ``delay_s``."""
+
+    status: int = 200
+    delay_s: float = 0.0
+    bodies: list[dict[str, object]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    port: int = 0
+    release: threading.Event = field(default_factory=threading.Event)
+
+
+@contextlib.contextmanager
+def http_receiver() -> Iterator[Receiver]:
+    """A webhook receiver for the block: every POSTed JSON body lands in ``bodies``."""
+    rec = Receiver()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            assert self.headers["Content-Type"] == "application/json"
+            rec.bodies.append(json.loads(body))
+            rec.paths.append(self.path)
+            if rec.delay_s:
+                rec.release.wait(rec.delay_s)
+            self.send_response(rec.status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    rec.port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield rec
+    finally:
+        rec.release.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
 
 
 def free_port() -> int:

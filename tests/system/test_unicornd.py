@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 
 from launcher.probe import find_agents
-from tests.conftest import DevCluster, free_port, private_cluster
+from tests.conftest import DevCluster, free_port, http_receiver, private_cluster
 from tests.system.coordinator import (
     PLANNER_MODEL,
     Coordinator,
@@ -158,72 +155,59 @@ def test_exception_restarts_in_place_without_drain(cluster: DevCluster, tmp_path
         assert not any(node_reason(cluster, n) for n in nodes)
 
 
-class _Hook(http.server.BaseHTTPRequestHandler):
-    received: ClassVar[list[dict[str, object]]] = []
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        self.received.append(json.loads(body))
-        self.send_response(204)
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 def test_sev3_is_retried_in_place(cluster: DevCluster, tmp_path: Path) -> None:
     """Also: the operator hears of it (webhook alerts) and sees it (metrics endpoint)."""
-    hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
-    threading.Thread(target=hook.serve_forever, daemon=True).start()
-    metrics_port = free_port()
-    alerts_env = {
-        "UNICORN_ALERTS__WEBHOOK_URL": f"http://127.0.0.1:{hook.server_address[1]}/unicorn",
-        "UNICORN_METRICS__LISTEN": f"127.0.0.1:{metrics_port}",
-    }
-    with coordinator(cluster, tmp_path, **ENV, **alerts_env) as c:
-        a = task(c, "y", "n3,n4", 1.0, tmp_path)
-        c.register(a)
-        nodes = c.wait(running("y", 6), "y training", 180).tasks["y"].nodes
-        report = FaultReport(
-            job_id=a.job_id or 0,
-            node="n4",
-            wall_time_s=time.time(),
-            status="connection_refused_reset",
-            severity="SEV3",
-            rule="injected",
-            rank=1,
-            evidence="RuntimeError: Connection reset by peer (injected by the test)",
-        )
-        with c.client() as r:
-            r.xadd(c.keys.events(), {PAYLOAD_FIELD: encode(report)})
-        snap = c.wait(
-            lambda s: any(i.stage is LadderStage.CLOSED for i in s.incidents.values()), "the retry closed", 60
-        )
-        inc = next(iter(snap.incidents.values()))
-        stages = [e.stage for e in inc.timeline]
-        assert LadderStage.RETRY_IN_PLACE in stages and LadderStage.RESTART_PROCESSES not in stages
-        # What the operator sees, while unicornd runs and after it stopped.
-        shown = unicornctl(c, "status", "--json", "--check")
-        assert shown.returncode == 0, shown.stderr
-        doc = json.loads(shown.stdout)["unicorn"]
-        assert doc["daemon_alive"] and [t["task_id"] for t in doc["tasks"]] == ["y"]
-        assert doc["tasks"][0]["state"] == "running" and doc["tasks"][0]["nodes"] == list(nodes)
-        url = f"http://127.0.0.1:{metrics_port}/metrics"
-        scraped = urllib.request.urlopen(url, timeout=10).read().decode().splitlines()
-        counted = [x for x in scraped if x.startswith("unicorn_incidents_total{") and "refused" in x]
-        assert len(counted) == 1 and counted[0].endswith(" 1.0"), scraped
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and [a["kind"] for a in _Hook.received][-1:] != ["closed"]:
-            time.sleep(0.2)
-        hook.shutdown()
-        assert [(a["kind"], a["incident_id"]) for a in _Hook.received] == [
-            ("opened", inc.incident_id),
-            ("closed", inc.incident_id),
-        ], _Hook.received
-        c.stop()
-        assert unicornctl(c, "status", "--check").returncode == 1
-        assert stages[-2:] == [LadderStage.RESUMED, LadderStage.CLOSED]
-        assert snap.tasks["y"].nodes == nodes
+    with http_receiver() as hook:
+        metrics_port = free_port()
+        alerts_env = {
+            "UNICORN_ALERTS__WEBHOOK_URL": f"http://127.0.0.1:{hook.port}/unicorn",
+            "UNICORN_METRICS__LISTEN": f"127.0.0.1:{metrics_port}",
+        }
+        with coordinator(cluster, tmp_path, **ENV, **alerts_env) as c:
+            a = task(c, "y", "n3,n4", 1.0, tmp_path)
+            c.register(a)
+            nodes = c.wait(running("y", 6), "y training", 180).tasks["y"].nodes
+            report = FaultReport(
+                job_id=a.job_id or 0,
+                node="n4",
+                wall_time_s=time.time(),
+                status="connection_refused_reset",
+                severity="SEV3",
+                rule="injected",
+                rank=1,
+                evidence="RuntimeError: Connection reset by peer (injected by the test)",
+            )
+            with c.client() as r:
+                r.xadd(c.keys.events(), {PAYLOAD_FIELD: encode(report)})
+            snap = c.wait(
+                lambda s: any(i.stage is LadderStage.CLOSED for i in s.incidents.values()),
+                "the retry closed",
+                60,
+            )
+            inc = next(iter(snap.incidents.values()))
+            stages = [e.stage for e in inc.timeline]
+            assert LadderStage.RETRY_IN_PLACE in stages and LadderStage.RESTART_PROCESSES not in stages
+            # What the operator sees, while unicornd runs and after it stopped.
+            shown = unicornctl(c, "status", "--json", "--check")
+            assert shown.returncode == 0, shown.stderr
+            doc = json.loads(shown.stdout)["unicorn"]
+            assert doc["daemon_alive"] and [t["task_id"] for t in doc["tasks"]] == ["y"]
+            assert doc["tasks"][0]["state"] == "running" and doc["tasks"][0]["nodes"] == list(nodes)
+            url = f"http://127.0.0.1:{metrics_port}/metrics"
+            scraped = urllib.request.urlopen(url, timeout=10).read().decode().splitlines()
+            counted = [x for x in scraped if x.startswith("unicorn_incidents_total{") and "refused" in x]
+            assert len(counted) == 1 and counted[0].endswith(" 1.0"), scraped
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and [a["kind"] for a in hook.bodies][-1:] != ["closed"]:
+                time.sleep(0.2)
+            assert [(a["kind"], a["incident_id"]) for a in hook.bodies] == [
+                ("opened", inc.incident_id),
+                ("closed", inc.incident_id),
+            ], hook.bodies
+            c.stop()
+            assert unicornctl(c, "status", "--check").returncode == 1
+            assert stages[-2:] == [LadderStage.RESUMED, LadderStage.CLOSED]
+            assert snap.tasks["y"].nodes == nodes
 
 
 def test_kill9_during_recovery_loses_nothing(cluster: DevCluster, tmp_path: Path) -> None:

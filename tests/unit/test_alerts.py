@@ -3,18 +3,17 @@ to a real command and a real local HTTP server."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import sys
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from coord_world import apply, finding, plan, render, task, world
 
 from detect.statuses import ErrorStatus, Severity
+from tests.conftest import Receiver, http_receiver
 from unicorn_core.config import AlertsConfig, Config, load_config
 from unicorn_core.errors import CommandFailed, CommandNotFound, CommandTimeout, ConfigError
 from unicornd.alerts import (
@@ -204,49 +203,10 @@ def test_alerts_config_is_checked() -> None:
 # --- delivery ------------------------------------------------------------------------------
 
 
-@dataclass
-class Receiver:
-    """A real HTTP server on 127.0.0.1 answering POSTs with ``status`` after ``delay_s``."""
-
-    status: int = 200
-    delay_s: float = 0.0
-    bodies: list[dict[str, object]] = field(default_factory=list)
-    paths: list[str] = field(default_factory=list)
-    port: int = 0
-    release: threading.Event = field(default_factory=threading.Event)
-
-
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
-    rec = Receiver()
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            assert self.headers["Content-Type"] == "application/json"
-            rec.bodies.append(json.loads(body))
-            rec.paths.append(self.path)
-            if rec.delay_s:
-                rec.release.wait(rec.delay_s)
-            self.send_response(rec.status)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    rec.port = server.server_address[1]
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
+    with http_receiver() as rec:
         yield rec
-    finally:
-        rec.release.set()
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def _alerts(n: int) -> list[Alert]:
