@@ -407,24 +407,22 @@ class SshConfig(Section):
     )
 
     def endpoints(self) -> dict[str, tuple[str, int]]:
-        """``hosts`` as node -> (host, port); call only on a loaded (valid) config."""
-        out: dict[str, tuple[str, int]] = {}
-        for entry in self.hosts:
-            node, _, where = entry.partition("=")
-            host, _, port = where.rpartition(":")
-            out[node.strip()] = (host.strip(), int(port))
-        return out
+        """``hosts`` as node -> (host, port); entries that do not parse are left out
+        (a loaded config has none: :meth:`problems` rejects them)."""
+        return {p[0]: (p[1], p[2]) for p in map(_host_entry, self.hosts) if p is not None}
 
     def problems(self) -> list[str]:
-        bad: list[str] = []
-        for entry in self.hosts:
-            node, eq, where = entry.partition("=")
-            host, colon, port = where.rpartition(":")
-            if not (
-                eq and colon and node.strip() and host.strip() and port.isdigit() and 0 < int(port) < 65536
-            ):
-                bad.append(f"hosts entry {entry!r} is not NODE=HOST:PORT")
-        return bad
+        return [f"hosts entry {e!r} is not NODE=HOST:PORT" for e in self.hosts if _host_entry(e) is None]
+
+
+def _host_entry(entry: str) -> tuple[str, str, int] | None:
+    """``NODE=HOST:PORT`` as (node, host, port); None when it is not one."""
+    node, eq, where = entry.partition("=")
+    host, colon, port = where.rpartition(":")
+    node, host = node.strip(), host.strip()
+    if not (eq and colon and node and host and port.isdigit() and 0 < int(port) < 65536):
+        return None
+    return node, host, int(port)
 
 
 _WEBHOOK_SCHEMES = ("http", "https")
