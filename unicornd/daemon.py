@@ -279,7 +279,13 @@ class Daemon:
     async def _node_finished(self, task: TaskRecord, node: str) -> None:
         done = self._finished_nodes.setdefault(task.job_id or 0, set())
         done.add(node)
-        if set(task.nodes) <= done and task.state in (TaskState.RUNNING, TaskState.LAUNCHING):
+        # RECOVERING too: a restarted run may resume at its last iteration and end at once,
+        # with no new iteration to close the incident first.
+        if set(task.nodes) <= done and task.state in (
+            TaskState.RUNNING,
+            TaskState.LAUNCHING,
+            TaskState.RECOVERING,
+        ):
             log.info("task_finished", task=task.task_id, iteration=task.last_iteration)
             for n in task.nodes:
                 self.detector.forget_agent(task.job_id or 0, n)
