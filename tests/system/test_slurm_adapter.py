@@ -49,9 +49,19 @@ async def test_nodes_listed(slurm: CliSlurm) -> None:
 
 async def test_drain_reason_visible_in_sinfo_then_resume(slurm: CliSlurm, cluster: DevCluster) -> None:
     reason = "unicorn: ecc_error gpu=2 (test)"
+
+    def sinfo_n4() -> str:
+        return cluster.slurm("sinfo", "-h", "-n", "n4", "-o", "%T|%E").stdout.strip()
+
+    # A step of an earlier test (the paired node check runs srun on n[1-4]) may still be
+    # completing on n4; the node then shows "draining" until its epilog ends.
+    async def quiet() -> bool:
+        return sinfo_n4().split("|")[0] == "idle"
+
+    await eventually(quiet, 30, "n4 idle before the drain")
     await slurm.drain("n4", reason)
     try:
-        out = cluster.slurm("sinfo", "-h", "-n", "n4", "-o", "%T|%E").stdout.strip()
+        out = sinfo_n4()
         assert out == f"drained|{reason}"
         node = await slurm.get_node("n4")
         assert node.drained and not node.usable and node.reason == reason
