@@ -26,12 +26,19 @@ from unicornd.state import Incident, NodeRecord, Snapshot, TaskRecord
 
 @dataclass(frozen=True)
 class DrainNode:
-    """``scontrol update nodename=NODE state=drain reason=REASON``."""
+    """``scontrol update nodename=NODE state=drain reason=REASON``.
+
+    ``down``: the node is confirmed dead (unreachable over SSH); it is first set DOWN, which
+    removes it from its jobs at once (a drained dead node keeps its jobs COMPLETING until
+    slurmctld gives up on it, ~10 s on the dev cluster), then DRAIN, so that it stays out
+    (DOWN+DRAIN) when its slurmd registers again, until an operator resumes it.
+    """
 
     kind: ClassVar[str] = "drain_node"
     action_id: str
     node: str
     reason: str
+    down: bool = False
 
 
 @dataclass(frozen=True)

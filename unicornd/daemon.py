@@ -507,7 +507,7 @@ class Daemon:
 
     async def _execute(self, action: Action) -> None:
         handlers: dict[type[Any], Callable[[Any], Awaitable[None]]] = {
-            DrainNode: lambda a: self.slurm.drain(a.node, a.reason),
+            DrainNode: self._drain_node,
             ResumeNode: lambda a: self.slurm.resume(a.node),
             SendCommand: self._send,
             LaunchAgents: self._launch,
@@ -521,6 +521,11 @@ class Daemon:
             CloseIncident: self._close,
         }
         await handlers[type(action)](action)
+
+    async def _drain_node(self, action: DrainNode) -> None:
+        if action.down:
+            await self.slurm.down(action.node, action.reason)
+        await self.slurm.drain(action.node, action.reason)
 
     async def _grow(self, action: Grow) -> None:
         try:

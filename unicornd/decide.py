@@ -67,6 +67,8 @@ _L = LadderStage
 AGENT_LOST: Final = "agent_lost"
 AGENT_SILENT: Final = "agent_silent"
 AGENT_RULES: Final = frozenset({AGENT_LOST, AGENT_SILENT})
+SSH_UNREACHABLE: Final = "ssh_unreachable"
+"""The out-of-band probe could not reach the node: dead, its drain sets it DOWN first."""
 """Rules of a silent agent on a node that is up (:mod:`unicornd.oob`): its restart rung
 starts a new agent there instead of commanding the gone one."""
 
@@ -365,7 +367,8 @@ def _drain(draft: _Draft, inc: Incident, fault: _Fault, *, confirmed: bool) -> I
             held=held,
         )
     )
-    draft.act(DrainNode(_step_id(inc, _L.ISOLATE, inc.attempts_at(_L.ISOLATE), "drain", node), node, reason))
+    step = _step_id(inc, _L.ISOLATE, inc.attempts_at(_L.ISOLATE), "drain", node)
+    draft.act(DrainNode(step, node, reason, down=fault.rule == SSH_UNREACHABLE))
     if held and not rec.held:
         draft.notes.append(
             f"node {node}: {len(failures)} failures in {pol.node_failure_window_s:g} s; "

@@ -37,7 +37,7 @@ from detect.statuses import ErrorStatus, Severity, worst
 from unicorn_core.config import AgentConfig, SshConfig
 from unicorn_core.errors import CommandTimeout, SshUnreachable
 from unicorn_core.ssh import Endpoint, run
-from unicornd.decide import AGENT_LOST, AGENT_SILENT
+from unicornd.decide import AGENT_LOST, AGENT_SILENT, SSH_UNREACHABLE
 from unicornd.launch import bin_dir
 
 _EVIDENCE_CHARS = 900
@@ -105,7 +105,7 @@ def verdict(result: ProbeResult, silence: str, classifier: Classifier) -> Classi
     """
     where = f"ssh {result.node}"
     if not result.reachable:
-        return _lost(Severity.SEV1, "ssh_unreachable", f"{silence}; {where}: {result.detail}")
+        return _lost(Severity.SEV1, SSH_UNREACHABLE, f"{silence}; {where}: {result.detail}")
     kernel = [classifier.classify_line(line) for line in result.kernel_lines]
     faults = [c for c in kernel if c.is_fault]
     if faults:

@@ -111,6 +111,7 @@ def measure(c: Coordinator, task: TaskRecord, t0: float, before: int, node: str 
         "resumed_s": None if resumed is None else resumed - t0,
         "iterations_lost": max(0, before - starts[-1]) if starts else None,
         "stages": [e.stage.value for e in inc.timeline],
+        "timeline": {e.stage.value: round(e.t_s - t0, 3) for e in inc.timeline},
     }
 
 

@@ -170,3 +170,44 @@ async def test_kill_node_makes_it_unavailable(slurm: CliSlurm, cluster: DevClust
         return (await slurm.get_node("n3")).usable
 
     await eventually(usable_again, 40, "n3 usable after revive")
+
+
+async def test_dead_node_set_down_drained_and_its_job_requeued_elsewhere(
+    slurm: CliSlurm, cluster: DevCluster
+) -> None:
+    """unicornd's path for a node confirmed dead: DOWN then DRAIN, requeue onto other nodes."""
+    job_id = await slurm.submit_batch(SLEEP_JOB, ["-N2", "-w", "n1,n2", "--no-kill", "--job-name", "rq"])
+    reason = "unicorn: lost_connection (test)"
+
+    async def job_running() -> bool:
+        return (await slurm.get_job(job_id)).state is JobState.RUNNING
+
+    await eventually(job_running, 30, f"job {job_id} RUNNING")
+    cluster.script("kill-node", "n2")
+    try:
+        await slurm.down("n2", reason)
+        await slurm.drain("n2", reason)
+        await slurm.requeue(job_id, ["n1", "n3"])
+
+        async def moved() -> bool:
+            job = await slurm.get_job(job_id)
+            return job.state is JobState.RUNNING and job.nodes == ("n1", "n3")
+
+        await eventually(moved, 30, f"job {job_id} RUNNING on n1, n3")
+        cluster.script("revive-node", "n2")
+
+        async def registered() -> bool:
+            return (await slurm.get_node("n2")).responding
+
+        await eventually(registered, 30, "n2 responding after revive")
+        node = await slurm.get_node("n2")
+        assert node.drained and not node.usable and node.reason == reason  # DRAIN outlives DOWN
+    finally:
+        await slurm.cancel(job_id)
+        cluster.script("revive-node", "n2", check=False)
+        await slurm.resume("n2")
+
+    async def usable_again() -> bool:
+        return (await slurm.get_node("n2")).usable
+
+    await eventually(usable_again, 40, "n2 usable after resume")

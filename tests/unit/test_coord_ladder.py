@@ -23,6 +23,7 @@ from unicornd.actions import (
     SendCommand,
 )
 from unicornd.decide import (
+    SSH_UNREACHABLE,
     Finding,
     on_finding,
     on_node_check,
@@ -436,3 +437,12 @@ def test_finding_from_a_detect_classification() -> None:
     assert [a.reason for a in of_kind(d.actions, DrainNode)] == [
         "unicorn: ecc_error a.1 xid-48 rank 3: Xid 48: DBE"
     ]  # type: ignore[union-attr]
+
+
+def test_only_a_node_the_probe_could_not_reach_is_set_down_before_the_drain() -> None:
+    snap = two_tasks()
+    lost = replace(finding("f1", 1, "n2", E.LOST_CONNECTION), rule=SSH_UNREACHABLE)
+    silent = finding("f2", 1, "n2", E.LOST_CONNECTION)  # heartbeat only: unconfirmed
+    ecc = finding("f3", 1, "n2", E.ECC_ERROR)
+    drains = [of_kind(on_finding(snap, f, T0).actions, DrainNode) for f in (lost, silent, ecc)]
+    assert [[a.down for a in d] for d in drains] == [[True], [False], [False]]  # type: ignore[attr-defined]
