@@ -15,6 +15,10 @@ reading a quarter of a shard hashes a quarter of it. A caller that chose (and ve
 each shard's copy itself, e.g. with :class:`~ckpt.restore.Restorer`, passes them as
 ``shards``.
 
+Saves without collectives (``dcp.save(..., no_dist=True)``, the just-in-time snapshot of
+a rank whose peers may be dead) skip DCP's cross-rank deduplication, so data-parallel
+replicas each write the same chunk; the reader keeps the first copy of each chunk.
+
 Consistency: every rank of one save passes the same ``save_id``; the reader refuses
 (``corrupt``) an iteration whose shards carry different ids, i.e. shards of two runs
 that reached the same iteration (another layout, or a run restarted from an older
@@ -248,12 +252,15 @@ class MemoryStorageReader(StorageReader):
                     state_md[item.fqn] = BytesStorageMetadata()
                     storage[MetadataIndex(item.fqn)] = (rank, item.entry)
                     continue
+                index = MetadataIndex(item.fqn, torch.Size(item.offsets))
+                if index in storage:  # a replica's copy (a save without DCP's dedup: ``no_dist``)
+                    continue
                 md = state_md.get(item.fqn)
                 if not isinstance(md, TensorStorageMetadata):
                     props = TensorProperties(dtype=torch_dtype(item.dtype), requires_grad=item.requires_grad)
                     md = state_md[item.fqn] = TensorStorageMetadata(props, torch.Size(item.global_size), [])
                 md.chunks.append(ChunkStorageMetadata(torch.Size(item.offsets), torch.Size(item.sizes)))
-                storage[MetadataIndex(item.fqn, torch.Size(item.offsets))] = (rank, item.entry)
+                storage[index] = (rank, item.entry)
             for key, path in (meta.extra.get("planner_data") or {}).items():
                 planner_data[key] = tuple(path)
         return Metadata(state_dict_metadata=state_md, planner_data=planner_data or None, storage_data=storage)

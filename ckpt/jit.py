@@ -20,12 +20,22 @@ and snapshots ``state_fn()`` as the last completed iteration, tagging the shard 
 with ``extra["jit_request"] = request_id``. The agent then collects the answers with
 ``jit_responses``. The thread never calls a collective, so a dead peer cannot block it;
 at most the iteration in flight is lost.
+
+Signals: CPython runs a Python signal handler only when the main thread returns to the
+interpreter, never while it waits in C (a collective with a dead peer). ``watch_signals``
+therefore listens on the interpreter's wakeup fd, which its C-level handler writes at
+once: a SIGTERM from torchrun or the agent snapshots the last completed iteration even
+when the main thread will never run the loop's own handler. A rank whose own step raised
+calls ``take_now`` on its way out. An exception out of ``updating()`` marks the state
+inconsistent: no JIT snapshot until the next ``completed``. A JIT snapshot of an iteration
+that ``saved`` already reported (a periodic save, the restored version) is skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -104,7 +114,10 @@ class JitCheckpointer:
         self.poll_interval_s = poll_interval_s
         self.lock_timeout_s = lock_timeout_s
         self.last_completed: int | None = None
+        self.last_saved: int | None = None
         self.last_jit: SnapshotHandle | None = None
+        self._dirty = False
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -117,18 +130,38 @@ class JitCheckpointer:
 
     @contextlib.contextmanager
     def updating(self) -> Iterator[None]:
-        """Hold while the state changes; a JIT snapshot waits for the block to end."""
+        """Hold while the state changes; a JIT snapshot waits for the block to end.
+
+        An exception out of the block leaves the state half-updated: no JIT snapshot is
+        taken until the next :meth:`completed`.
+        """
         with self._lock:
-            yield
+            try:
+                yield
+            except BaseException:
+                self._dirty = True
+                raise
 
     def completed(self, iteration: int) -> None:
         """The state now is the consistent state after ``iteration``."""
         self.last_completed = iteration
+        self._dirty = False
+
+    def saved(self, iteration: int) -> None:
+        """A complete version of ``iteration`` exists already: a JIT request for it is skipped."""
+        self.last_saved = iteration if self.last_saved is None else max(self.last_saved, iteration)
 
     def snapshot(self, iteration: int, *, extra: Mapping[str, Any] | None = None) -> SnapshotHandle:
         """A periodic snapshot, serialised with JIT snapshots."""
         with self._lock:
-            return self.writer.snapshot(self.state_fn(), iteration, extra=extra)
+            handle = self.writer.snapshot(self.state_fn(), iteration, extra=extra)
+        self.saved(iteration)
+        return handle
+
+    def take_now(self, request_id: str) -> bool:
+        """Snapshot the last completed iteration from the calling thread (a rank whose own
+        step raised, before it exits); returns whether a snapshot was taken."""
+        return self._take(request_id)
 
     # -- triggers ---------------------------------------------------------------------
 
@@ -138,12 +171,55 @@ class JitCheckpointer:
         self._wake.set()
 
     def install_signal(self, signum: int = signal.SIGUSR1) -> None:
-        """Make ``signum`` trigger a JIT snapshot. Call from the main thread, in ``main()``."""
+        """Make ``signum`` trigger a JIT snapshot. Call from the main thread, in ``main()``.
+
+        The handler runs only when the main thread is in the interpreter; for a loop with
+        its own handler, or one that may be blocked in C, use :meth:`watch_signals`."""
 
         def handler(_signum: int, _frame: FrameType | None) -> None:
             self.trigger(f"signal-{signum}")
 
         signal.signal(signum, handler)
+
+    def watch_signals(self, *signums: int) -> None:
+        """Trigger a snapshot on each of ``signums``, even while the main thread is blocked in C.
+
+        Each signal must already have a Python handler (the loop's own, e.g. its SIGTERM
+        stop flag): the interpreter writes the wakeup fd only for those. Call from the main
+        thread, before :meth:`start`. Takes the process's wakeup fd (asyncio uses it too):
+        raises InvalidArgument when another one is installed.
+        """
+        for signum in signums:
+            if signal.getsignal(signum) in (signal.SIG_DFL, signal.SIG_IGN, None):
+                raise InvalidArgument(f"signal {signum} has no Python handler; install the loop's first")
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        reader.settimeout(self.poll_interval_s * 4)
+        previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        if previous != -1:
+            signal.set_wakeup_fd(previous)
+            reader.close()
+            writer.close()
+            raise InvalidArgument(f"a wakeup fd ({previous}) is installed already")
+        self._wakeup = (reader, writer)
+        watched = frozenset(int(s) for s in signums)
+        threading.Thread(
+            target=self._read_wakeup, args=(reader, watched), name="ckpt-jit-signals", daemon=True
+        ).start()
+
+    def _read_wakeup(self, reader: socket.socket, watched: frozenset[int]) -> None:
+        while not self._stop.is_set():
+            try:
+                data = reader.recv(64)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in watched:
+                    self.trigger(f"signal-{signum}")
 
     def start(self) -> None:
         if self._thread is not None:
@@ -157,6 +233,12 @@ class JitCheckpointer:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._wakeup is not None:
+            with contextlib.suppress(ValueError):  # not the main thread: leave the fd to exit
+                signal.set_wakeup_fd(-1)
+            for sock in self._wakeup:
+                sock.close()
+            self._wakeup = None
 
     # -- the thread -------------------------------------------------------------------
 
@@ -182,29 +264,39 @@ class JitCheckpointer:
             if request_id is not None:
                 self._take(request_id)
 
-    def _take(self, request_id: str) -> None:
+    def _take(self, request_id: str) -> bool:
         if not self._lock.acquire(timeout=self.lock_timeout_s):
             self._log.error(
                 "jit snapshot refused: state update did not finish",
                 request_id=request_id,
                 timeout_s=self.lock_timeout_s,
             )
-            return
+            return False
         try:
             iteration = self.last_completed
-            if iteration is None:
-                self._log.warning("jit snapshot skipped: no iteration completed yet", request_id=request_id)
-                return
-            self.last_jit = self.writer.snapshot(
-                self.state_fn(), iteration, extra={"jit_request": request_id}
-            )
+            if iteration is None or self._dirty:
+                why = "no iteration completed yet" if iteration is None else "an update failed midway"
+                self._log.warning(f"jit snapshot skipped: {why}", request_id=request_id)
+                return False
+            if self.last_saved is not None and iteration <= self.last_saved:
+                self._log.info(
+                    "jit snapshot skipped: saved already", request_id=request_id, iteration=iteration
+                )
+                return False
+            stall_s = self._write(iteration, request_id)
+            self.last_saved = iteration
             self._log.info(
-                "jit snapshot taken",
-                request_id=request_id,
-                iteration=iteration,
-                stall_s=round(self.last_jit.stall_s, 4),
+                "jit snapshot taken", request_id=request_id, iteration=iteration, stall_s=round(stall_s, 4)
             )
+            return True
         except Exception as exc:  # the thread must survive to serve the next request
             self._log.error("jit snapshot failed", request_id=request_id, error=repr(exc))
+            return False
         finally:
             self._lock.release()
+
+    def _write(self, iteration: int, request_id: str) -> float:
+        """Write the JIT snapshot of ``iteration``; returns the seconds it blocked. Called
+        under the lock. A subclass may write another format (the trainer writes DCP)."""
+        self.last_jit = self.writer.snapshot(self.state_fn(), iteration, extra={"jit_request": request_id})
+        return self.last_jit.stall_s

@@ -13,7 +13,11 @@ With a memory tier (``--snapshot-dir``, :mod:`launcher.trainer.snapshots`) the r
 also snapshot into shared memory every ``--snapshot-every`` iterations, at save-interval
 iterations, on SIGUSR1 (memory only: the agent persists it), on SIGTERM (memory, then
 ``--save-dir``) and at the end; on start they restore the newest version from the
-nearest tier holding it, and use ``--load`` only when it holds a newer one.
+nearest tier holding it, and use ``--load`` only when it holds a newer one. A
+just-in-time thread (:class:`~launcher.trainer.snapshots.TrainerJit`) also snapshots the
+last completed iteration, without collectives, when SIGTERM or SIGUSR1 arrives while the
+main thread is stuck in a collective with a dead peer, and a rank whose own step raised
+snapshots it on its way out: a restart then loses at most the iteration in flight.
 
 Exit codes (``main`` in :mod:`launcher.train`): 0 finished or stopped by SIGTERM after
 saving; 1 uncaught error; 2 invalid arguments or layout; 3 injected ``exit`` fault.
@@ -21,6 +25,7 @@ saving; 1 uncaught error; 2 invalid arguments or layout; 3 injected ``exit`` fau
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -46,7 +51,7 @@ from launcher.trainer.data import batch, replica_samples
 from launcher.trainer.logline import iteration_line
 from launcher.trainer.model import build_stage, placement
 from launcher.trainer.parallel import StepRunner, apply_data_parallel, apply_tensor_parallel, build_mesh
-from launcher.trainer.snapshots import MemoryCheckpoints
+from launcher.trainer.snapshots import MemoryCheckpoints, TrainerJit
 from unicorn_core.errors import InvalidArgument, UnicornError
 from unicorn_core.protocol import IterationPhase
 
@@ -200,6 +205,25 @@ def _train(cfg: TrainConfig, clock: StartupClock, rank: int, device: torch.devic
             f"device={device.type} world={dist.get_world_size()} resumed_from={done}",
             flush=True,
         )
+    trainer.start_jit(done)
+    try:
+        iteration, last_saved = _loop(cfg, trainer, rank, done)
+    except Exception:
+        if trainer.jit is not None:  # this rank's own step failed: keep the last completed one
+            trainer.jit.take_now("exception")
+        raise
+    finally:
+        if trainer.jit is not None:
+            trainer.jit.stop()
+    if rank == 0:
+        print(f"[unicorn-train] done at iteration {iteration} (last saved {last_saved})", flush=True)
+    if trainer.memory is not None:
+        trainer.memory.close()
+    return 0
+
+
+def _loop(cfg: TrainConfig, trainer: _Trainer, rank: int, done: int) -> tuple[int, int]:
+    """Iterations ``done + 1`` on; returns the last one run and the last one saved."""
     iteration, last_saved = done, done
     for iteration in range(done + 1, cfg.iterations + 1):
         _inject_fault(cfg, iteration, rank)
@@ -227,11 +251,7 @@ def _train(cfg: TrainConfig, clock: StartupClock, rank: int, device: torch.devic
                 reason = "SIGTERM" if stop_now else "--exit-at-iteration"
                 print(f"[unicorn-train] stopping after iteration {iteration} ({reason})", flush=True)
             break
-    if rank == 0:
-        print(f"[unicorn-train] done at iteration {iteration} (last saved {last_saved})", flush=True)
-    if trainer.memory is not None:
-        trainer.memory.close()
-    return 0
+    return iteration, last_saved
 
 
 class _Trainer:
@@ -260,6 +280,7 @@ class _Trainer:
             if cfg.snapshots is not None
             else None
         )
+        self.jit: TrainerJit | None = None
         self.is_logger = rank == dist.get_world_size() - 1  # Megatron logs from the last rank (last stage)
         self._window_s, self._window_n = 0.0, 0
         clock.built_s = time.time()
@@ -303,6 +324,21 @@ class _Trainer:
             print(f"[unicorn-train] restored iteration {loaded} from --load {cfg.load_dir}", flush=True)
         return loaded
 
+    def start_jit(self, done: int) -> None:
+        """With a memory tier: start the just-in-time thread; ``done`` is the restored iteration."""
+        if self.memory is None:
+            return
+        self.jit = TrainerJit(self.memory, self.state)
+        if done:
+            self.jit.completed(done)
+            self.jit.saved(done)  # a tier holds it already
+        self.jit.watch_signals(signal.SIGTERM, signal.SIGUSR1)
+        self.jit.start()
+
+    def _updating(self) -> contextlib.AbstractContextManager[None]:
+        """The JIT thread's lock around a state change or a snapshot (none without a tier)."""
+        return self.jit.updating() if self.jit is not None else contextlib.nullcontext()
+
     def _check_meta(self, where: str) -> None:
         if self.state["meta"] != _meta(self.cfg):
             raise InvalidArgument(
@@ -317,7 +353,10 @@ class _Trainer:
         """Save into the memory tier; the rank blocks for DCP's planning and the copy only."""
         assert self.memory is not None
         self.hook.slow_step(IterationPhase.CHECKPOINT)
-        stall_s = self.memory.save(self.state, iteration)
+        with self._updating():  # one save at a time into this rank's writer
+            stall_s = self.memory.save(self.state, iteration)
+        if self.jit is not None:
+            self.jit.saved(iteration)
         self.hook.iteration(iteration, stall_s, phase=IterationPhase.CHECKPOINT)
         if self.rank == 0:
             print(
@@ -339,7 +378,12 @@ class _Trainer:
             first_index, count, seed=cfg.seed, sequence=cfg.model.sequence, vocabulary=cfg.model.vocabulary
         )
         local_loss = self.runner.step(inputs.to(self.device), targets.to(self.device))
-        self.optimizer.step()
+        # The state a JIT snapshot may take changes here only (the lr set above is
+        # recomputed every iteration, so a snapshot holding the next one's is harmless).
+        with self._updating():
+            self.optimizer.step()
+        if self.jit is not None:
+            self.jit.completed(iteration)
         replica_weight = 1.0 / (layout.tp * layout.dp)  # every last-stage rank holds its replica's loss
         agreed = torch.tensor(
             [

@@ -14,7 +14,10 @@ verified by checksum and a corrupt or missing one skipped with its reason. Only 
 every rank holds a verified copy of every shard does DCP load, resharding to this run's
 layout (a DP4 save restores at DP2 or TP2·DP1); otherwise the next older candidate is
 tried. All ranks call :meth:`MemoryCheckpoints.save` and :meth:`restore` together
-(collectives).
+(collectives), except ``save(..., local=True)``: DCP without collectives, each rank its
+own part (replicas included), for :class:`TrainerJit`, the just-in-time snapshot taken
+while peers may be dead. Every save of one iteration in one run carries the same save id,
+so a restore may combine local and collective saves of that iteration.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from ckpt.dcp import SAVE_ID_KEY, MemoryStorageReader, MemoryStorageWriter
 from ckpt.errors import InvalidTransition, RestoreFailed, ShardUnavailable
 from ckpt.format import ShardState, read_meta
+from ckpt.jit import JitCheckpointer
 from ckpt.restore import PeerAddress, Restorer, RestoreReport
 from ckpt.shard import OpenShard, seal_shard
 from ckpt.snapshot import SnapshotWriter
@@ -86,15 +90,22 @@ class MemoryCheckpoints:
 
     # --- save -------------------------------------------------------------------------
 
-    def save(self, state: dict[str, Any], iteration: int) -> float:
-        """Snapshot ``state`` as ``iteration`` into shared memory; returns the seconds blocked."""
-        start = time.perf_counter()
+    def writer(self) -> SnapshotWriter:
+        """This rank's shm writer (created at the first save, i.e. after any restore)."""
         if self._writer is None:
             self._writer = SnapshotWriter(self.snap.root, self.snap.job_id, self.rank, self.world_size)
+        return self._writer
+
+    def save(self, state: dict[str, Any], iteration: int, *, local: bool = False) -> float:
+        """Snapshot ``state`` as ``iteration`` into shared memory; returns the seconds blocked.
+
+        ``local``: no collective (DCP ``no_dist``), so a dead peer cannot block it.
+        """
+        start = time.perf_counter()
         writer = MemoryStorageWriter(
-            self._writer, iteration, seal=False, save_id=f"{self.run_id}-{iteration}"
+            self.writer(), iteration, seal=False, save_id=f"{self.run_id}-{iteration}"
         )
-        state_dict_saver.save(state, storage_writer=writer)
+        state_dict_saver.save(state, storage_writer=writer, no_dist=local)
         return time.perf_counter() - start
 
     def close(self) -> None:
@@ -200,6 +211,18 @@ class MemoryCheckpoints:
                     seal_shard(self.snap.shard(iteration, int(stem)))
             except (OSError, msgspec.MsgspecError, ShardUnavailable, InvalidTransition):
                 continue  # reused or half-written: the restore attempt reports it
+
+
+class TrainerJit(JitCheckpointer):
+    """The trainer's just-in-time snapshot: DCP without collectives into the memory tier."""
+
+    def __init__(self, memory: MemoryCheckpoints, state: dict[str, Any]) -> None:
+        super().__init__(memory.writer(), lambda: state)
+        self.memory = memory
+        self.state = state
+
+    def _write(self, iteration: int, request_id: str) -> float:
+        return self.memory.save(self.state, iteration, local=True)
 
 
 def _source(report: RestoreReport) -> str:

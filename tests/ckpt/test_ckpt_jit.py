@@ -8,8 +8,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
+from ckpt.errors import InvalidArgument
 from ckpt.jit import JitCheckpointer, jit_responses, request_jit, request_path
 from ckpt.shard import OpenShard
 from ckpt.snapshot import SnapshotWriter
@@ -89,3 +91,54 @@ def test_signal_triggers_a_snapshot_and_a_stale_request_does_not(shm_root: Path)
         signal.signal(signal.SIGUSR1, previous)
     assert jit.last_jit is not None and jit.last_jit.iteration == 9
     assert jit.last_jit.meta.extra == {"jit_request": f"signal-{int(signal.SIGUSR1)}"}
+
+
+def test_a_failed_update_blocks_jit_until_the_next_completed_and_saved_iterations_are_skipped(
+    shm_root: Path,
+) -> None:
+    loop = Loop()
+    jit = JitCheckpointer(SnapshotWriter(shm_root, "job", 0, 1), loop.state, lock_timeout_s=1.0)
+    assert not jit.take_now("before-any"), "nothing completed yet"
+    jit.completed(1)
+    jit.saved(1)  # e.g. the restored version
+    assert not jit.take_now("restored")
+    try:
+        with jit.updating():
+            loop.a += 1  # half an update, then the step raises
+            raise RuntimeError("optimizer step failed")
+    except RuntimeError:
+        pass
+    assert not jit.take_now("half-updated") and jit.last_jit is None
+    with jit.updating():
+        loop.b += 1
+    jit.completed(2)
+    assert jit.take_now("exception") and jit.last_jit is not None and jit.last_jit.iteration == 2
+    assert not jit.take_now("again"), "iteration 2 is saved already"
+
+
+def test_watched_signal_snapshots_from_the_wakeup_fd(shm_root: Path) -> None:
+    """The trigger comes from the interpreter's wakeup fd, not from the Python handler, which
+    stays the loop's own (and would not run while the main thread waits in C)."""
+    loop = Loop()
+    jit = JitCheckpointer(SnapshotWriter(shm_root, "job", 0, 1), loop.state, poll_interval_s=0.01)
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+        with pytest.raises(InvalidArgument, match="no Python handler"):
+            jit.watch_signals(signal.SIGUSR2)
+        seen: list[int] = []
+        signal.signal(signal.SIGUSR2, lambda signum, _frame: seen.append(signum))
+        jit.watch_signals(signal.SIGUSR2)
+        with pytest.raises(InvalidArgument, match="wakeup fd"):
+            JitCheckpointer(SnapshotWriter(shm_root, "job2", 0, 1), loop.state).watch_signals(signal.SIGUSR2)
+        jit.completed(5)
+        jit.start()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        _wait_for(lambda: jit.last_jit is not None)
+        assert seen == [signal.SIGUSR2], "the loop's own handler still runs"
+    finally:
+        jit.stop()
+        signal.signal(signal.SIGUSR2, previous)
+    assert signal.set_wakeup_fd(-1) == -1, "stop() released the wakeup fd"
+    assert jit.last_jit is not None and jit.last_jit.iteration == 5
+    assert jit.last_jit.meta.extra == {"jit_request": f"signal-{int(signal.SIGUSR2)}"}

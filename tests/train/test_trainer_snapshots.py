@@ -161,3 +161,24 @@ def test_lost_node_restores_from_the_peer_copy_and_skips_a_corrupt_one(
     assert "shards [1] from remote" in restored
     assert "checksum" in resumed.output  # the reason the peer's copy was refused is logged
     assert sorted(resumed.losses) == [3, 4]
+
+
+def test_rank_exception_snapshots_the_last_completed_iteration_on_every_rank(shm_root: Path) -> None:
+    """PP2, no periodic snapshot: rank 1 raises at iteration 3 and snapshots iteration 2 on
+    its way out; rank 0, blocked in C in the pipeline's receive (its Python SIGTERM handler
+    cannot run), snapshots 2 from the wakeup fd when torchrun sends SIGTERM. The restart
+    resumes from 2, with the losses of a run that never failed."""
+    args = (*COMMON[:-2], "--iterations=5", "--pp=2", "--snapshot-every=100", "--dist-timeout-s=20")
+    reference = run(2, *args, f"--snapshot-dir={shm_root}-reference")
+    shutil.rmtree(f"{shm_root}-reference", ignore_errors=True)
+    assert reference.returncode == 0, reference.output[-3000:]
+    crashed = run(
+        2, *args, f"--snapshot-dir={shm_root}", "--fail-at-iteration=3", "--fail-rank=1", "--fail-mode=raise"
+    )
+    assert crashed.returncode != 0 and sorted(crashed.losses) == [1, 2]
+    assert "snapshot of iteration" not in crashed.output, "no periodic snapshot: only the JIT ones"
+    restarted = run(2, *args, f"--snapshot-dir={shm_root}")
+    assert restarted.returncode == 0, restarted.output[-3000:]
+    assert "restored iteration 2 from the memory tiers: shards [0, 1] from shm" in restarted.output
+    assert sorted(restarted.losses) == [3, 4, 5]
+    assert_losses_match(restarted.losses, reference.losses)
