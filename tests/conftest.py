@@ -11,9 +11,11 @@ import contextlib
 import http.server
 import json
 import os
+import shutil
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,3 +158,38 @@ def private_cluster(
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
     with private_cluster(tmp_path_factory, "cluster", "--nodes", "4", "--gpus-per-node", "4") as c:
         yield c
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A private real redis-server on a free loopback port (no persistence); its URL."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (scripts/test installs it)")
+    port = free_port()
+    server = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        import redis
+
+        client = redis.Redis(port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        from unicorn_core.logs import reset_logging
+
+        reset_logging()

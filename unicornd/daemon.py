@@ -122,6 +122,10 @@ class Daemon:
         self._stop = asyncio.Event()
         self._drain_only = False
         self._finished_nodes: dict[int, set[str]] = {}
+        # task -> (iteration, reported_s, launch_id) seen but not persisted yet: progress is
+        # persisted every _PROGRESS_EVERY iterations, and the rest once a second (tick) and
+        # before a task ends, so the snapshot's last iteration is never more than 1 s behind.
+        self._unrecorded: dict[str, tuple[int, float, str]] = {}
         self._quiet_jobs: set[int] = set()
         self._probes: dict[tuple[int, str], asyncio.Task[None]] = {}
         self.alerts = AlertSink(cfg.alerts)
@@ -265,6 +269,7 @@ class Daemon:
         mark = task.last_iteration
         urgent = task.state is not TaskState.RUNNING or self.snap.open_incident(task.task_id) is not None
         if mark is None or urgent or iteration >= mark + _PROGRESS_EVERY:
+            self._unrecorded.pop(task.task_id, None)
             # reported_s: when the rank finished the iteration (its wall clock), so an
             # iteration finished before a recovery action does not count as its success.
             await self.decide(
@@ -274,6 +279,20 @@ class Daemon:
                 time.time(),
                 reported_s=reported_s,
                 launch_id=launch_id,
+            )
+        elif iteration > mark and iteration > self._unrecorded.get(task.task_id, (-1, 0.0, ""))[0]:
+            self._unrecorded[task.task_id] = (iteration, reported_s, launch_id)
+
+    async def _record_progress(self, task_id: str | None = None) -> None:
+        """Persist the iterations seen but not yet recorded (of ``task_id``, or of every task)."""
+        for tid in [task_id] if task_id is not None else list(self._unrecorded):
+            seen = self._unrecorded.pop(tid, None)
+            task = self.snap.tasks.get(tid)
+            if seen is None or task is None or seen[0] <= (task.last_iteration or -1):
+                continue
+            iteration, reported_s, launch_id = seen
+            await self.decide(
+                decide.on_progress, tid, iteration, time.time(), reported_s=reported_s, launch_id=launch_id
             )
 
     async def _node_finished(self, task: TaskRecord, node: str) -> None:
@@ -286,6 +305,8 @@ class Daemon:
             TaskState.LAUNCHING,
             TaskState.RECOVERING,
         ):
+            await self._record_progress(task.task_id)
+            task = self.snap.tasks.get(task.task_id, task)
             log.info("task_finished", task=task.task_id, iteration=task.last_iteration)
             for n in task.nodes:
                 self.detector.forget_agent(task.job_id or 0, n)
@@ -424,6 +445,7 @@ class Daemon:
             now = time.time()
             if now - last_tick >= 1.0:
                 last_tick = now
+                await self._record_progress()
                 await self.decide(decide.on_tick, now)
 
     async def _slurm_watch(self) -> None:
@@ -451,6 +473,7 @@ class Daemon:
                     continue
                 job = jobs.get(task.job_id)
                 if job is None or job.state.finished:
+                    await self._record_progress(task.task_id)
                     ok = job is not None and job.state is JobState.COMPLETED
                     log.info("task_job_ended", task=task.task_id, job_id=task.job_id, ok=ok)
                     for n in task.nodes:

@@ -4,13 +4,7 @@ real redis-server (started here on a free port), including Redis down and no sta
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 import redis
 from click.testing import CliRunner
 from coord_world import apply, finding, plan, render, task, world
@@ -103,36 +97,6 @@ def test_tasks_render() -> None:
 
 
 # --- the commands against a real Redis ---------------------------------------------------------
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (scripts/test installs it)")
-    port = free_port()
-    server = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        client = redis.Redis(port=port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-        reset_logging()
 
 
 PREFIX = "clitest"

@@ -25,7 +25,6 @@ import pytest
 import redis
 from click.testing import CliRunner
 from coord_world import apply, of_kind, task, world
-from test_cli_incidents import redis_url  # noqa: F401 - the real redis-server fixture (shared)
 
 from unicorn_core import redis_io
 from unicorn_core.config import Config, load_config
@@ -206,7 +205,7 @@ def ctl(url: str, *args: str, prefix: Sequence[str] = (), **extra: str) -> subpr
     )
 
 
-def test_with_unicornd_down_mutations_fail_clearly_and_change_nothing(redis_url: str) -> None:  # noqa: F811
+def test_with_unicornd_down_mutations_fail_clearly_and_change_nothing(redis_url: str) -> None:
     r = redis.Redis.from_url(redis_url)
     r.set(RedisKeys(PREFIX).state(), snapshot_to_json(two_tasks()))
     if os.geteuid() == 0:
@@ -226,7 +225,7 @@ def invoke(url: str, caller: Caller, *args: str, **extra: str) -> tuple[int, str
     return result.exit_code, result.stderr
 
 
-def test_non_operators_are_refused(redis_url: str, tmp_path: Path) -> None:  # noqa: F811
+def test_non_operators_are_refused(redis_url: str, tmp_path: Path) -> None:
     bob = Caller(uid=4243, user="bob", gids=frozenset({987_654}))
     no_slurm = str(tmp_path)  # no scontrol here: the SlurmUser cannot be learnt, so bob is refused
     code, err = invoke(
@@ -296,7 +295,7 @@ async def _ctl(url: str, *args: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the caller must be an operator (root) here")
-async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> None:  # noqa: F811
+async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> None:
     cfg = load_config(None, env={"UNICORN_REDIS__URL": redis_url, "UNICORN_REDIS__KEY_PREFIX": PREFIX})
     slurm = ScriptedSlurm(["n1", "n2"])
     client = redis_io.connect(cfg.redis, client_name="test-unicornd")
