@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 from urllib.parse import urlsplit
 
-from unicorn_core.errors import ConfigError
+from unicorn_core.errors import ConfigError, InvalidArgument
 
 CONFIG_ENV = "UNICORN_CONFIG"
 """Environment variable naming the config file when ``load_config`` gets no path."""
@@ -344,6 +344,187 @@ class PlanConfig(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RecoveryConfig(Section):
+    """The error-handling ladder, its breakers and the drain limiter (unicornd's ``Policy``).
+
+    Every constant the decision functions use. ``RecoveryConfig()`` is the defaults;
+    constructing one with out-of-range values raises InvalidArgument (the loader reports
+    them first, as config errors).
+    """
+
+    max_retries_in_place: int = field(
+        default=2,
+        metadata=_meta(
+            "SEV3 reattempts in place before a process restart. Default 2: SEV3 faults are "
+            "transient (connection resets, NCCL timeouts caused elsewhere); two ride out a "
+            "network blip, more only delay the restart a persistent fault needs.",
+            ge=0,
+        ),
+    )
+    max_process_restarts: int = field(
+        default=1,
+        metadata=_meta(
+            "SEV2 restarts of a task's processes on the same nodes before the node is "
+            "isolated. Default 1: a second failure on the same nodes points at the node.",
+            ge=0,
+        ),
+    )
+    settle_s: float = field(
+        default=10.0,
+        metadata=_meta(
+            "Seconds after an action in which findings no worse than the current rung are "
+            "its consequences (peers' collectives time out, restarted ranks exit), not new "
+            "failures. Default 10: NCCL's abort after a peer dies takes seconds.",
+            ge=0,
+        ),
+    )
+    retry_timeout_s: float = field(
+        default=60.0,
+        metadata=_meta(
+            "Seconds without an iteration after a retry in place before it failed. Default 60.", ge=0
+        ),
+    )
+    restart_timeout_s: float = field(
+        default=180.0,
+        metadata=_meta(
+            "Seconds without an iteration after a process restart before it failed (a restart "
+            "reloads a checkpoint). Default 180.",
+            ge=0,
+        ),
+    )
+    transition_timeout_s: float = field(
+        default=600.0,
+        metadata=_meta(
+            "Seconds without an iteration after a transition before it failed (it may resize "
+            "jobs and start agents on new nodes). Default 600.",
+            ge=0,
+        ),
+    )
+    no_progress_limit: int = field(
+        default=3,
+        metadata=_meta(
+            "Recoveries allowed while the iteration does not pass its previous maximum; "
+            "beyond, the task is stopped and the operator told (a restart-loop breaker). Default 3.",
+            ge=0,
+        ),
+    )
+    recovery_budget: int = field(
+        default=10,
+        metadata=_meta(
+            "Ladder actions per task per budget_window_s; beyond, the task is stopped and the "
+            "operator told. "
+            "Default 10 per hour: more than one fault every six minutes is not self-healing.",
+            ge=0,
+        ),
+    )
+    budget_window_s: float = field(
+        default=3600.0, metadata=_meta("Window of recovery_budget, in seconds. Default 3600.", ge=0)
+    )
+    max_drain_fraction: float = field(
+        default=0.25,
+        metadata=_meta(
+            "Fraction of the nodes unicorn may drain per drain_window_s without an "
+            "operator's confirmation (but at least min_drains_per_window): a storm of false "
+            "positives must not empty the cluster. Default 0.25.",
+            ge=0,
+            le=1,
+        ),
+    )
+    min_drains_per_window: int = field(
+        default=1,
+        metadata=_meta(
+            "Drains always allowed per drain_window_s, whatever the fraction gives. Default 1, "
+            "so a 4-node cluster still heals a dead node by itself.",
+            ge=0,
+        ),
+    )
+    drain_window_s: float = field(
+        default=600.0, metadata=_meta("Window of the drain limiter, in seconds. Default 600.", ge=0)
+    )
+    node_failure_limit: int = field(
+        default=2,
+        metadata=_meta(
+            "Failures of one node per node_failure_window_s after which it stays drained "
+            "until an operator resumes it (flapping nodes cost every task a transition). Default 2.",
+            ge=0,
+        ),
+    )
+    node_failure_window_s: float = field(
+        default=86400.0,
+        metadata=_meta("Window of node_failure_limit, in seconds. Default 86400 (a day).", ge=0),
+    )
+    node_check_on_join: bool = field(
+        default=True,
+        metadata=_meta(
+            "A returning node runs the node check before it rejoins a task (a node that comes "
+            "back broken would fail the task again). Default true."
+        ),
+    )
+    jit_checkpoint: bool = field(
+        default=True,
+        metadata=_meta(
+            "Before a transition stops ranks, healthy nodes are told to checkpoint now, so at "
+            "most the current iteration is recomputed. Default true."
+        ),
+    )
+    max_resizes_per_run: int = field(
+        default=1,
+        metadata=_meta(
+            "Resizes (shrink or expansion) of one job run before unicorn requeues instead. "
+            "Default 1: without slurmdbd Slurm 22.05 resizes a job once per run (measured).",
+            ge=0,
+        ),
+    )
+    command_deadline_s: float = field(
+        default=120.0,
+        metadata=_meta("Seconds an agent may take to restart, relaunch or stop. Default 120.", gt=0),
+    )
+    checkpoint_deadline_s: float = field(
+        default=60.0, metadata=_meta("Seconds an agent may take to checkpoint now. Default 60.", gt=0)
+    )
+    remembered_findings: int = field(
+        default=64,
+        metadata=_meta(
+            "Finding ids kept per incident to drop redelivered ones (a redelivery arrives "
+            "soon, not after 64 newer findings). Default 64.",
+            gt=0,
+        ),
+    )
+    drain_reason_chars: int = field(
+        default=160,
+        metadata=_meta(
+            "Longest drain reason written to Slurm (a fixed-size field; sinfo -R shows one "
+            "line). Default 160.",
+            gt=0,
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                continue
+            if not math.isfinite(value) or value < 0:
+                raise InvalidArgument(f"policy {f.name} must be finite and >= 0, got {value!r}")
+        if not 0.0 <= self.max_drain_fraction <= 1.0:
+            raise InvalidArgument(
+                f"policy max_drain_fraction must be in [0, 1], got {self.max_drain_fraction!r}"
+            )
+        for name in (
+            "command_deadline_s",
+            "checkpoint_deadline_s",
+            "drain_reason_chars",
+            "remembered_findings",
+        ):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"policy {name} must be > 0, got {getattr(self, name)!r}")
+
+    def drain_limit(self, nodes: int) -> int:
+        """Drains allowed per window on a cluster of ``nodes`` nodes."""
+        return max(self.min_drains_per_window, math.floor(self.max_drain_fraction * nodes))
+
+
+@dataclass(frozen=True, kw_only=True)
 class SshConfig(Section):
     """Out-of-band confirmation: when a node's agent falls silent, unicornd probes the node
     over SSH to tell a dead node (drain) from a dead agent (relaunch it, no drain)."""
@@ -633,6 +814,9 @@ class Config(Section):
     agent: AgentConfig = field(default_factory=AgentConfig, metadata=_meta("Per-node agent."))
     detect: DetectConfig = field(default_factory=DetectConfig, metadata=_meta("Failure detection."))
     plan: PlanConfig = field(default_factory=PlanConfig, metadata=_meta("Cluster-wide planning."))
+    recovery: RecoveryConfig = field(
+        default_factory=RecoveryConfig, metadata=_meta("Error-handling ladder, breakers, drain limiter.")
+    )
     ckpt: CkptConfig = field(default_factory=CkptConfig, metadata=_meta("Checkpoint engine."))
     ssh: SshConfig = field(default_factory=SshConfig, metadata=_meta("Out-of-band node probes over SSH."))
     alerts: AlertsConfig = field(
@@ -824,10 +1008,14 @@ def _build(
         except _MismatchError as exc:
             errors.append(f"{key} = {_show(value)}{origin}: expected {exc.expected}")
             continue
-        for bound_name, (compare, symbol) in _BOUNDS.items():
-            if bound_name in f.metadata and not compare(checked, f.metadata[bound_name]):
-                errors.append(f"{key} = {_show(value)}{origin}: must be {symbol} {f.metadata[bound_name]:g}")
-        values[name] = checked
+        broken = [
+            f"{key} = {_show(value)}{origin}: must be {symbol} {f.metadata[bound_name]:g}"
+            for bound_name, (compare, symbol) in _BOUNDS.items()
+            if bound_name in f.metadata and not compare(checked, f.metadata[bound_name])
+        ]
+        errors.extend(broken)
+        if not broken:  # an out-of-range value never reaches a constructor that checks it too
+            values[name] = checked
     return cls(**values)
 
 

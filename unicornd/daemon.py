@@ -109,7 +109,7 @@ class Daemon:
         self.slurm = slurm
         self.client = client
         self.keys = RedisKeys(cfg.redis.key_prefix)
-        self.store = Store(client, self.keys, policy or Policy())
+        self.store = Store(client, self.keys, policy or cfg.recovery)
         self.detector = Detector(
             cfg.detect, cfg.agent, classifier or load_classifier(cfg.detect.rules_file or None)
         )

@@ -28,6 +28,7 @@ from typing import Any, Final, Self, TypeVar
 import msgspec
 
 from detect.statuses import ErrorStatus, Severity
+from unicorn_core.config import RecoveryConfig
 from unicorn_core.errors import InvalidArgument, ProtocolError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.layout import Layout
@@ -428,101 +429,9 @@ class Incident(_Record):
 # --- policy and snapshot -------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Policy:
-    """Every constant the decision functions use, with its default and why.
-
-    Ladder (Unicron Fig. 7):
-
-    - ``max_retries_in_place`` = 2: SEV3 faults are transient (connection resets, NCCL
-      timeouts caused elsewhere); two reattempts ride out a network blip, more only
-      delay the restart that a persistent fault needs.
-    - ``max_process_restarts`` = 1: a restart from the nearest state fixes a corrupted
-      process; a second failure on the same nodes points at the node, so isolate.
-    - ``settle_s`` = 10: findings within this time of an action and no worse than the
-      current rung are its consequences (peers' collectives time out, ranks being
-      restarted exit), not new failures. NCCL's abort after a peer dies takes seconds.
-    - ``retry_timeout_s`` = 60, ``restart_timeout_s`` = 180, ``transition_timeout_s`` =
-      600: with no iteration after the rung's action for this long, the rung failed
-      (retry waits for a transient fault to clear; a restart reloads a checkpoint; a
-      transition may resize jobs and start agents on new nodes).
-
-    Breakers:
-
-    - ``no_progress_limit`` = 3: recoveries allowed while the iteration does not pass
-      its previous maximum; beyond, the task is stopped and the operator told
-      (nvidia-resiliency-ext's restart-loop breaker).
-    - ``recovery_budget`` = 10 ladder actions per ``budget_window_s`` = 3600 s and task:
-      more than one fault every six minutes is not self-healing any more.
-    - ``max_drain_fraction`` = 0.25 of the nodes per ``drain_window_s`` = 600 s, but
-      at least ``min_drains_per_window`` = 1: a storm of false positives must not empty
-      the cluster; beyond, the operator confirms each drain. One drain is always
-      allowed, so a 4-node cluster still heals a dead node by itself.
-    - ``node_failure_limit`` = 2 failures per ``node_failure_window_s`` = 86400 s: a
-      node failing twice a day stays drained until an operator resumes it (flapping
-      nodes cost every task on them a transition).
-
-    Execution:
-
-    - ``node_check_on_join`` = True: a returning node runs the node check before it
-      rejoins a task (a node that comes back broken would fail the task again).
-    - ``jit_checkpoint`` = True: before a transition stops ranks, healthy nodes are
-      told to checkpoint now, so at most the current iteration is recomputed.
-    - ``max_resizes_per_run`` = 1: without slurmdbd Slurm 22.05 resizes a job once per
-      run (measured; the next update fails on the db_index); beyond, requeue.
-    - ``command_deadline_s`` = 120 (restart, relaunch, stop) and
-      ``checkpoint_deadline_s`` = 60 (checkpoint now): how long an agent may take.
-    - ``remembered_findings`` = 64: finding ids kept per incident for deduplication
-      (a redelivered stream entry arrives soon, not after 64 newer findings).
-    - ``drain_reason_chars`` = 160: Slurm stores the reason in a fixed-size field and
-      ``sinfo -R`` shows it on one line.
-    """
-
-    max_retries_in_place: int = 2
-    max_process_restarts: int = 1
-    settle_s: float = 10.0
-    retry_timeout_s: float = 60.0
-    restart_timeout_s: float = 180.0
-    transition_timeout_s: float = 600.0
-    no_progress_limit: int = 3
-    recovery_budget: int = 10
-    budget_window_s: float = 3600.0
-    max_drain_fraction: float = 0.25
-    min_drains_per_window: int = 1
-    drain_window_s: float = 600.0
-    node_failure_limit: int = 2
-    node_failure_window_s: float = 86400.0
-    node_check_on_join: bool = True
-    jit_checkpoint: bool = True
-    max_resizes_per_run: int = 1
-    command_deadline_s: float = 120.0
-    checkpoint_deadline_s: float = 60.0
-    remembered_findings: int = 64
-    drain_reason_chars: int = 160
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool):
-                continue
-            if not math.isfinite(value) or value < 0:
-                raise InvalidArgument(f"policy {f.name} must be finite and >= 0, got {value!r}")
-        if not 0.0 <= self.max_drain_fraction <= 1.0:
-            raise InvalidArgument(
-                f"policy max_drain_fraction must be in [0, 1], got {self.max_drain_fraction!r}"
-            )
-        for name in (
-            "command_deadline_s",
-            "checkpoint_deadline_s",
-            "drain_reason_chars",
-            "remembered_findings",
-        ):
-            if getattr(self, name) <= 0:
-                raise InvalidArgument(f"policy {name} must be > 0, got {getattr(self, name)!r}")
-
-    def drain_limit(self, nodes: int) -> int:
-        """Drains allowed per window on a cluster of ``nodes`` nodes."""
-        return max(self.min_drains_per_window, math.floor(self.max_drain_fraction * nodes))
+Policy = RecoveryConfig
+"""Every constant the decision functions use: the ``[recovery]`` config section (see
+:class:`unicorn_core.config.RecoveryConfig` for each one's default and why)."""
 
 
 @dataclass(frozen=True)

@@ -438,3 +438,16 @@ def test_generic_upper_bound() -> None:
 def test_generic_describe() -> None:
     keys = [info.key for info in describe(_Tree)]
     assert keys == ["inner.enabled", "inner.nodes", "inner.mode", "inner.ratio"]
+
+
+def test_recovery_section_sets_the_daemons_policy(tmp_path: Path) -> None:
+    path = tmp_path / "unicorn.toml"
+    path.write_text("[recovery]\nmax_drain_fraction = 0.5\nmin_drains_per_window = 2\n")
+    cfg = load_config(path, env={"UNICORN_RECOVERY__SETTLE_S": "3"})
+    assert (cfg.recovery.max_drain_fraction, cfg.recovery.settle_s) == (0.5, 3.0)
+    assert cfg.recovery.drain_limit(10) == 5 and cfg.recovery.drain_limit(2) == 2
+    path.write_text("[recovery]\nmax_drain_fraction = 1.5\ndrain_everything = true\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(path, env={})
+    assert "recovery.max_drain_fraction = 1.5: must be <= 1" in str(ei.value)
+    assert "unknown key 'recovery.drain_everything'" in str(ei.value)
