@@ -30,8 +30,10 @@ async def eventually(pred: Callable[[], Awaitable[bool]], timeout_s: float, what
         await asyncio.sleep(0.1)
 
 
-async def running_job(slurm: CliSlurm, nodes: int) -> int:
-    job_id = await slurm.submit_batch(SLEEP_JOB, ["--nodes", str(nodes), "--no-kill", "--job-name", "t"])
+async def running_job(slurm: CliSlurm, nodes: int, *options: str) -> int:
+    job_id = await slurm.submit_batch(
+        SLEEP_JOB, ["--nodes", str(nodes), "--no-kill", "--job-name", "t", *options]
+    )
 
     async def is_running() -> bool:
         return (await slurm.get_job(job_id)).state is JobState.RUNNING
@@ -176,13 +178,8 @@ async def test_dead_node_set_down_drained_and_its_job_requeued_elsewhere(
     slurm: CliSlurm, cluster: DevCluster
 ) -> None:
     """unicornd's path for a node confirmed dead: DOWN then DRAIN, requeue onto other nodes."""
-    job_id = await slurm.submit_batch(SLEEP_JOB, ["-N2", "-w", "n1,n2", "--no-kill", "--job-name", "rq"])
+    job_id = await running_job(slurm, 2, "--nodelist", "n1,n2")
     reason = "unicorn: lost_connection (test)"
-
-    async def job_running() -> bool:
-        return (await slurm.get_job(job_id)).state is JobState.RUNNING
-
-    await eventually(job_running, 30, f"job {job_id} RUNNING")
     cluster.script("kill-node", "n2")
     try:
         await slurm.down("n2", reason)
