@@ -67,10 +67,10 @@ _L = LadderStage
 AGENT_LOST: Final = "agent_lost"
 AGENT_SILENT: Final = "agent_silent"
 AGENT_RULES: Final = frozenset({AGENT_LOST, AGENT_SILENT})
-SSH_UNREACHABLE: Final = "ssh_unreachable"
-"""The out-of-band probe could not reach the node: dead, its drain sets it DOWN first."""
 """Rules of a silent agent on a node that is up (:mod:`unicornd.oob`): its restart rung
 starts a new agent there instead of commanding the gone one."""
+SSH_UNREACHABLE: Final = "ssh_unreachable"
+"""The out-of-band probe could not reach the node: dead, its drain sets it DOWN first."""
 
 LIVE_TASK_STATES: Final = frozenset({TaskState.LAUNCHING, TaskState.RUNNING, TaskState.RECOVERING})
 """States in which a task has processes that can fail."""

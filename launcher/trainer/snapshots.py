@@ -91,7 +91,8 @@ class MemoryCheckpoints:
     # --- save -------------------------------------------------------------------------
 
     def writer(self) -> SnapshotWriter:
-        """This rank's shm writer (created at the first save, i.e. after any restore)."""
+        """This rank's shm writer, created at its first use (a save or the JIT thread's start),
+        which must come after any restore (see ``__init__``)."""
         if self._writer is None:
             self._writer = SnapshotWriter(self.snap.root, self.snap.job_id, self.rank, self.world_size)
         return self._writer
