@@ -402,7 +402,9 @@ class Agent:
                 self.iteration = msg.iteration
             self.monitor.observe(msg.rank, msg.iteration, msg.duration_s, msg.phase, now_s=time.monotonic())
         elif isinstance(msg, SlowStep):
-            self.monitor.expect_slow_step(msg.phase, time.monotonic(), iteration=msg.iteration, rank=msg.rank)
+            if msg.rank in self.monitor.ranks:  # an unseen rank has no deadline to extend yet
+                now = time.monotonic()
+                self.monitor.expect_slow_step(msg.phase, now, iteration=msg.iteration, rank=msg.rank)
         else:
             log.info("rank_exception", rank=msg.rank, exc_type=msg.exc_type, message=msg.message[:200])
         self._emit(msg)

@@ -124,7 +124,11 @@ class Detector:
             return []
         if isinstance(msg, SlowStep):
             job = self._job(msg.job_id)
-            job.monitor.expect_slow_step(msg.phase, now_s, iteration=msg.iteration, rank=msg.rank)
+            # A rank the monitor does not know (its job was just restarted, so its timing is
+            # relearned: ranks about to be replaced announce their SIGTERM save) has no
+            # deadline to extend: the announcement is stale, not an error.
+            if msg.rank in job.monitor.ranks:
+                job.monitor.expect_slow_step(msg.phase, now_s, iteration=msg.iteration, rank=msg.rank)
             return []
         if isinstance(msg, IterationTiming):
             job = self._job(msg.job_id)
