@@ -71,6 +71,8 @@ from unicorn_core.protocol import (
     SlowStep,
 )
 
+_REDIS_CREDENTIALS: Final = frozenset({"UNICORN_REDIS__URL", "UNICORN_REDIS__PASSWORD_FILE"})
+"""Environment variables that carry the agent's Redis credentials; not passed to children."""
 log = get_logger(__name__)
 
 _RANK_PREFIX: Final = re.compile(r"^\[(?:rank|default)(\d+)\]:")
@@ -115,7 +117,11 @@ class Agent:
         self.node = node
         self.run_dir = run_dir
         self.argv = list(argv)
-        self.base_env = dict(os.environ if env is None else env)
+        # The training and checkpoint processes never talk to Redis: they do not get the
+        # job's Redis credentials (which unicornd hands the agent in its environment).
+        self.base_env = {
+            k: v for k, v in (os.environ if env is None else env).items() if k not in _REDIS_CREDENTIALS
+        }
         self.classifier = (
             classifier if classifier is not None else load_classifier(cfg.detect.rules_file or None)
         )

@@ -127,7 +127,9 @@ class Outbox:
             pipe = self._client.pipeline(transaction=False)
             for msg in batch:
                 stream = (
-                    self._keys.command_results() if isinstance(msg, CommandResult) else self._keys.events()
+                    self._keys.command_results(self._job_id)
+                    if isinstance(msg, CommandResult)
+                    else self._keys.events(self._job_id)
                 )
                 pipe.xadd(
                     stream,
@@ -135,7 +137,7 @@ class Outbox:
                     maxlen=STREAM_MAXLEN,
                     approximate=True,
                 )
-            await redis_io.call(("XADD", self._keys.events()), pipe.execute())
+            await redis_io.call(("XADD", self._keys.events(self._job_id)), pipe.execute())
             for _ in batch:
                 self._queue.popleft()
             self.stats.written += len(batch)
@@ -144,8 +146,10 @@ class Outbox:
         data = protocol.encode(hb)
         pipe = self._client.pipeline(transaction=False)
         pipe.set(self._keys.heartbeat(self._job_id, self._node), data, px=self._ttl_ms)
-        pipe.xadd(self._keys.events(), {PAYLOAD_FIELD: data}, maxlen=STREAM_MAXLEN, approximate=True)
-        await redis_io.call(("SET", "XADD", self._keys.events()), pipe.execute())
+        pipe.xadd(
+            self._keys.events(self._job_id), {PAYLOAD_FIELD: data}, maxlen=STREAM_MAXLEN, approximate=True
+        )
+        await redis_io.call(("SET", "XADD", self._keys.events(self._job_id)), pipe.execute())
         self.stats.written += 1
 
     async def flush(self, timeout_s: float) -> bool:

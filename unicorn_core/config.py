@@ -130,6 +130,36 @@ class RedisConfig(Section):
         ),
     )
 
+    agent_acl: bool = field(
+        default=True,
+        metadata=_meta(
+            "Give the agents of each Slurm job their own Redis user, confined to that job's "
+            "heartbeats, event streams and commands (unicornd creates it with a random password "
+            "when it launches the job's agents and deletes it when the task is gone); false = "
+            "agents connect with unicornd's own credentials. Default: true. Needs Redis >= 7 and "
+            "a unicornd user allowed ACL SETUSER/DELUSER/USERS."
+        ),
+    )
+    operator_password_file: str = field(
+        default="",
+        metadata=_meta(
+            "Password file of the Redis user <key_prefix>-operator, which may read the status "
+            "and send drain/resume requests; unicornd (re)creates that user at start. unicornctl "
+            "connects as the most privileged user whose password file the caller can read: "
+            "password_file (unicornd's), then this, then user_password_file. Make it readable "
+            "by operators only (e.g. mode 0640, group slurm.operators_group). Default: empty (no "
+            "operator user)."
+        ),
+    )
+    user_password_file: str = field(
+        default="",
+        metadata=_meta(
+            "Password file of the Redis user <key_prefix>-user, which may read the status and "
+            "register or stop tasks (the sbatch wrapper) but not drain; unicornd (re)creates it "
+            "at start. Readable by every user of the cluster. Default: empty (no such user)."
+        ),
+    )
+
     def problems(self) -> list[str]:
         found = []
         parts = urlsplit(self.url)
@@ -150,18 +180,22 @@ class RedisConfig(Section):
         Reads the file on each call, so a rotated secret is picked up on reconnect.
         Raises ``ConfigError`` naming the file when it cannot be read or is empty.
         """
-        if not self.password_file:
-            return None
-        path = Path(self.password_file)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            raise ConfigError(f"redis.password_file {str(path)!r}: cannot read: {reason}") from exc
-        password = text.removesuffix("\n").removesuffix("\r")
-        if not password:
-            raise ConfigError(f"redis.password_file {str(path)!r}: file is empty")
-        return password
+        return read_secret("redis.password_file", self.password_file) if self.password_file else None
+
+
+def read_secret(key: str, path_text: str) -> str:
+    """The content of the secret file ``path_text`` (config key ``key``), one trailing newline
+    stripped; ``ConfigError`` naming both when it cannot be read or is empty."""
+    path = Path(path_text)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{key} {str(path)!r}: cannot read: {reason}") from exc
+    secret = text.removesuffix("\n").removesuffix("\r")
+    if not secret:
+        raise ConfigError(f"{key} {str(path)!r}: file is empty")
+    return secret
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,10 +7,10 @@ two distinct calls produce the same name. Stream entries carry one encoded
 =============================  ===========  ====================  ==========================
 Key                            Redis type   Written by            Read by
 =============================  ===========  ====================  ==========================
-``events()``                   stream       node agents           unicornd (group
+``events(job)``                stream       the job's agents      unicornd (group
                                                                   :data:`COORDINATOR_GROUP`)
 ``agent_commands(job, node)``  stream       unicornd              the agent of job on node
-``command_results()``          stream       node agents           unicornd (group), CLI
+``command_results(job)``       stream       the job's agents      tests, operators
 ``heartbeat(job, node)``       string, TTL  the agent (SET EX)    unicornd (expiry = lost)
 ``daemon_liveness()``          string, TTL  unicornd (SET EX)     ``unicornctl --check``
 ``task(task_id)``              hash         unicornd, CLI submit  unicornd, CLI
@@ -22,9 +22,12 @@ Key                            Redis type   Written by            Read by
 ``state()``                    string       unicornd              unicornd, CLI
 ``actions_pending()``          list         unicornd              unicornd executor
 ``control()``                  stream       CLI, sbatch wrapper   unicornd (group)
+``operator_control()``         stream       operators' CLI        unicornd (group)
+``reply(stream, entry)``       string, TTL  unicornd              the requester
+``agent_password(job)``        string       unicornd              unicornd
 =============================  ===========  ====================  ==========================
 
-``events()`` carries Heartbeat, ProcessExit, ExceptionReport, IterationTiming,
+``events(job)`` carries Heartbeat, ProcessExit, ExceptionReport, IterationTiming,
 GpuHealthEvent and FaultReport; ``agent_commands`` carries AgentCommand; ``command_results`` carries
 CommandResult. ``task`` holds one task's record and ``tasks`` the ids of known tasks;
 ``node`` holds one node's health state; ``plan_current`` the plan being applied;
@@ -32,7 +35,12 @@ CommandResult. ``task`` holds one task's record and ``tasks`` the ids of known t
 ``state`` is the coordinator's whole snapshot (tasks, nodes, incidents, plan generation)
 as one JSON document, written in the same transaction as ``actions_pending`` (the
 actions decided but not yet executed), so a restarted unicornd resumes exactly where it
-was. ``control`` carries requests to unicornd (register a task, drain, resume) as JSON.
+was. ``control`` carries users' requests to unicornd (register or stop a task) as JSON,
+``operator_control`` operators' requests (drain, resume, and users' requests too).
+
+Streams an agent writes are per Slurm job, so a Redis ACL user per job
+(:mod:`unicorn_core.acl`) can confine a job's agents to their own keys: one job cannot
+write another job's events nor read its commands.
 """
 
 from __future__ import annotations
@@ -81,17 +89,17 @@ class RedisKeys:
     def _key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
 
-    def events(self) -> str:
-        """Stream: agent -> coordinator messages other than commands and their results."""
-        return self._key("events")
+    def events(self, job_id: int) -> str:
+        """Stream: the agents of ``job_id`` -> coordinator (all messages but command results)."""
+        return self._key("events", _job_id(job_id))
 
     def agent_commands(self, job_id: int, node: str) -> str:
         """Stream: coordinator -> the agent of ``job_id`` on ``node``."""
         return self._key("cmd", _job_id(job_id), _component("node", node))
 
-    def command_results(self) -> str:
-        """Stream: agents -> coordinator, one CommandResult per AgentCommand."""
-        return self._key("cmd-results")
+    def command_results(self, job_id: int) -> str:
+        """Stream: the agents of ``job_id`` -> coordinator, one CommandResult per AgentCommand."""
+        return self._key("cmd-results", _job_id(job_id))
 
     def heartbeat(self, job_id: int, node: str) -> str:
         """String with TTL: present while the agent of ``job_id`` on ``node`` is alive."""
@@ -134,5 +142,25 @@ class RedisKeys:
         return self._key("actions", "pending")
 
     def control(self) -> str:
-        """Stream: requests to unicornd (task registration, operator drain/resume)."""
+        """Stream: users' requests to unicornd (register a task, stop a task)."""
         return self._key("control")
+
+    def operator_control(self) -> str:
+        """Stream: operators' requests to unicornd (drain, resume, and those of ``control``).
+
+        A separate stream so Redis ACLs, not the client, decide who may drain: only the
+        operator and coordinator users may write it.
+        """
+        return self._key("ops")
+
+    def reply(self, stream: str, entry_id: str) -> str:
+        """String: unicornd's verdict on request ``entry_id`` of ``stream`` (a control stream)."""
+        if stream not in (self.control(), self.operator_control()):
+            raise InvalidArgument(f"{stream!r} is not one of unicornd's control streams")
+        if re.fullmatch(r"[0-9]+-[0-9]+", entry_id) is None:
+            raise InvalidArgument(f"invalid stream entry id {entry_id!r}")
+        return f"{stream}:reply:{entry_id}"
+
+    def agent_password(self, job_id: int) -> str:
+        """String: the password of the Redis user of ``job_id``'s agents (coordinator only)."""
+        return self._key("secret", "agent", _job_id(job_id))

@@ -32,7 +32,7 @@ from plan.hardware import gpu_spec
 from plan.objective import FailureModel
 from plan.planner import Plan
 from plan.sim.cli import simulate as simulate_command
-from unicorn_core import proc, redis_io
+from unicorn_core import acl, proc, redis_io
 from unicorn_core.config import Config, describe, load_config
 from unicorn_core.errors import ConfigError, InvalidArgument, ProtocolError, UnicornError
 from unicorn_core.keys import RedisKeys
@@ -46,7 +46,7 @@ from unicornd.alerts import incident_milestones, stage_spans
 from unicornd.decide import LIVE_TASK_STATES, Finding, on_finding, on_node_join, on_operator_drain
 from unicornd.launch import renderer
 from unicornd.paircheck import PairedCheckReport, paired_check
-from unicornd.registry import NoDaemon, RequestRefused, request
+from unicornd.registry import NoDaemon, NotOperator, RequestRefused, request
 from unicornd.replan import plan_for, plan_transition
 from unicornd.state import Incident, NodeHealth, Snapshot, TaskRecord
 from unicornd.store import KEEP_CLOSED_S
@@ -66,7 +66,7 @@ class ClusterStatus:
 
 async def gather_status(cfg: Config) -> ClusterStatus:
     slurm = await make_backend(cfg.slurm)
-    client = redis_io.connect(cfg.redis, client_name="unicornctl")
+    client = redis_io.connect(acl.caller_config(cfg.redis), client_name="unicornctl")
     try:
         nodes, jobs = await asyncio.gather(slurm.list_nodes(), slurm.list_jobs())
         keys = RedisKeys(cfg.redis.key_prefix)
@@ -371,7 +371,7 @@ class _NoStateError(click.ClickException):
 async def read_snapshot(cfg: Config) -> Snapshot | None:
     """unicornd's persisted snapshot; None when there is none. Raises ``RedisCallError``
     (unreachable, auth), ``ProtocolError`` (not a snapshot this version wrote)."""
-    client = redis_io.connect(cfg.redis, client_name="unicornctl")
+    client = redis_io.connect(acl.caller_config(cfg.redis), client_name="unicornctl")
     try:
         return await store.read_snapshot(client, RedisKeys(cfg.redis.key_prefix))
     finally:
@@ -800,7 +800,7 @@ def render_outlook(o: Outlook, title: str) -> str:
 
 async def daemon_alive(cfg: Config) -> bool:
     """unicornd's liveness key exists (it refreshes it every few seconds while running)."""
-    client = redis_io.connect(cfg.redis, client_name="unicornctl")
+    client = redis_io.connect(acl.caller_config(cfg.redis), client_name="unicornctl")
     keys = RedisKeys(cfg.redis.key_prefix)
     try:
         return bool(await redis_io.call(("EXISTS",), client.exists(keys.daemon_liveness())))
@@ -808,10 +808,12 @@ async def daemon_alive(cfg: Config) -> bool:
         await client.aclose()
 
 
-async def _send(cfg: Config, doc: dict[str, Any]) -> None:
-    client = redis_io.connect(cfg.redis, client_name="unicornctl")
+async def _send_operator(cfg: Config, doc: dict[str, Any]) -> None:
+    client = redis_io.connect(acl.caller_config(cfg.redis), client_name="unicornctl")
     try:
-        await request(client, RedisKeys(cfg.redis.key_prefix), doc, timeout_s=REQUEST_TIMEOUT_S)
+        await request(
+            client, RedisKeys(cfg.redis.key_prefix), doc, timeout_s=REQUEST_TIMEOUT_S, operator=True
+        )
     finally:
         await client.aclose()
 
@@ -853,7 +855,9 @@ def _operator_request(
         click.echo(render_outlook(seen, f"unicornctl {verb} {node} would:"))
         raise _NotConfirmedError(f"nothing changed; run again with --yes to {verb} {node}")
     try:
-        asyncio.run(_send(cfg, doc))
+        asyncio.run(_send_operator(cfg, doc))
+    except NotOperator as e:
+        raise _NotOperatorError(f"{e}; nothing changed") from None
     except NoDaemon as e:
         raise _NoDaemonError(f"{e}; the request stays queued for unicornd") from None
     except RequestRefused as e:
@@ -869,7 +873,8 @@ _MUTATION_CODES = """
     Exit codes: 0 done (unicornd accepted and persisted it); 1 not confirmed (no --yes:
     what would happen is printed), Redis unreachable, or unicornd refused; 2 unknown node or
     bad usage; 3 unicornd not running (no liveness key) or no answer; 4 not an operator
-    (root, the SlurmUser, or a member of slurm.operators_group).
+    (root, the SlurmUser, or a member of slurm.operators_group), or Redis refused the
+    request because the caller's Redis user is not the operator's.
 """
 
 

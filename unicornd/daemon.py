@@ -30,16 +30,16 @@ import json
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import replace
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import redis.asyncio as aioredis
 
 from detect import Classifier, load_classifier
 from plan.hardware import gpu_spec
 from plan.objective import FailureModel
-from unicorn_core import protocol, redis_io
+from unicorn_core import acl, protocol, redis_io
 from unicorn_core.config import Config
 from unicorn_core.errors import CommandFailed, InvalidArgument, ProtocolError, UnicornError
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
@@ -52,7 +52,7 @@ from unicorn_core.protocol import (
     ProcessExit,
 )
 from unicorn_core.slurm.backend import ResizeUnsupported, SlurmBackend, StepHandle
-from unicorn_core.slurm.types import JobState
+from unicorn_core.slurm.types import JobInfo, JobState
 from unicornd import decide, oob
 from unicornd.actions import (
     Action,
@@ -83,6 +83,9 @@ from unicornd.store import Store, prune
 
 log = get_logger(__name__)
 
+OPERATOR_OPS: Final = frozenset({"drain", "resume", "confirm_drain"})
+"""Control requests unicornd takes only from the operators' stream."""
+_ENDED: Final = frozenset({TaskState.FINISHED, TaskState.FAILED, TaskState.STOPPED})
 LIVENESS_TTL_S: Final = 5.0
 TICK_S: Final = 0.05
 SLURM_POLL_S: Final = 1.0
@@ -196,9 +199,13 @@ class Daemon:
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGQUIT, self._stop.set)
         await self._load()
-        events = StreamIngest(self.client, self.keys.events(), self.consumer, self._on_event)
+        await self._apply_roles()
+        events = StreamIngest(self.client, self._event_streams, self.consumer, self._on_event)
         control = StreamIngest(
-            self.client, self.keys.control(), self.consumer, raw_handler=self._on_control_raw
+            self.client,
+            lambda: (self.keys.control(), self.keys.operator_control()),
+            self.consumer,
+            raw_handler=self._on_control_raw,
         )
         roots: dict[str, Coroutine[Any, Any, None]] = {
             "events": events.run(),
@@ -251,9 +258,65 @@ class Daemon:
             )
             await asyncio.sleep(LIVENESS_TTL_S / 3)
 
+    # --- agents' streams and Redis users ------------------------------------------------
+
+    def _event_streams(self) -> list[str]:
+        """The events stream of every job a known task holds (its agents write only there)."""
+        jobs = sorted({t.job_id for t in self.snap.tasks.values() if t.job_id is not None})
+        return [self.keys.events(j) for j in jobs]
+
+    async def _apply_roles(self) -> None:
+        if self.cfg.redis.operator_password_file or self.cfg.redis.user_password_file:
+            log.info("redis_roles", users=await acl.apply_roles(self.client, self.cfg.redis))
+
+    async def _agent_env(self, job_id: int) -> dict[str, str]:
+        """The Redis credentials of ``job_id``'s agents, as config overrides for their environment.
+
+        With ``redis.agent_acl`` the job gets its own Redis user (:func:`acl.agent_rules`),
+        whose password is made once per job and kept under a key only unicornd reads, so a
+        later relaunch of some of the job's agents does not lock out the others.
+        """
+        if not self.cfg.redis.agent_acl:
+            return {}
+        key = self.keys.agent_password(job_id)
+        await redis_io.call(("SET", key), self.client.set(key, acl.new_password(), nx=True))
+        password = cast(bytes, await redis_io.call(("GET", key), self.client.get(key))).decode()
+        user = acl.agent_user(self.keys, job_id)
+        await acl.set_user(self.client, user, acl.agent_rules(self.keys, job_id, password))
+        return {
+            "UNICORN_REDIS__URL": acl.url_with_user(self.cfg.redis.url, user, password),
+            "UNICORN_REDIS__PASSWORD_FILE": "",
+        }
+
+    async def _forget_agent_users(self, jobs: Mapping[int, JobInfo]) -> None:
+        """Delete the Redis user, password and streams of jobs whose agents are gone for good:
+        no task that may still run holds the job, and Slurm has no running or pending job by
+        that id (the job's steps, agents included, end with it)."""
+        if not self.cfg.redis.agent_acl:
+            return
+        held = {
+            t.job_id
+            for t in self.snap.tasks.values()
+            if t.job_id is not None
+            and (t.state not in _ENDED or (t.job_id in jobs and not jobs[t.job_id].state.finished))
+        }
+        for user in await acl.users(self.client):
+            job = acl.agent_job(self.keys, user)
+            if job is None or job in held:
+                continue
+            await acl.delete_user(self.client, user)
+            gone = (self.keys.agent_password(job), self.keys.events(job), self.keys.command_results(job))
+            await redis_io.call(("DEL", *gone), self.client.delete(*gone))
+            log.info("agent_user_deleted", job_id=job, user=user)
+
     # --- inputs -------------------------------------------------------------------------
 
-    async def _on_event(self, msg: Message, now_mono: float, entry_id: str) -> None:
+    async def _on_event(self, msg: Message, now_mono: float, entry_id: str, stream: str) -> None:
+        if stream != self.keys.events(msg.job_id):
+            # Each job's agents may write only their job's stream (Redis ACL); a message
+            # there about another job is forged or misrouted: never act on it.
+            log.warning("event_wrong_stream", id=entry_id, stream=stream, job_id=msg.job_id)
+            return
         found = self.detector.on_message(msg, now_mono)
         task = self.snap.task_of_job(msg.job_id) if msg.job_id else None
         if isinstance(msg, IterationTiming) and task is not None:
@@ -386,29 +449,35 @@ class Daemon:
         )
         await self.decide(decide.on_finding, finding, time.time())
 
-    async def _on_control_raw(self, fields: dict[bytes, bytes], entry_id: str) -> None:
+    async def _on_control_raw(self, fields: dict[bytes, bytes], entry_id: str, stream: str) -> None:
         try:
             req = json.loads(fields.get(PAYLOAD_FIELD.encode(), b""))
             if not isinstance(req, dict) or not isinstance(req.get("op"), str):
                 raise ProtocolError("invalid", "control request must be an object with a string 'op'")
-            await self._control(req)
+            await self._control(req, operator=stream == self.keys.operator_control())
         except (ValueError, UnicornError) as e:
-            log.warning("control_rejected", id=entry_id, error=str(e))
-            await self._reply(entry_id, ok=False, detail=str(e))
+            log.warning("control_rejected", id=entry_id, stream=stream, error=str(e))
+            await self._reply(stream, entry_id, ok=False, detail=str(e))
             return
-        await self._reply(entry_id, ok=True, detail="")
+        await self._reply(stream, entry_id, ok=True, detail="")
 
-    async def _reply(self, entry_id: str, *, ok: bool, detail: str) -> None:
+    async def _reply(self, stream: str, entry_id: str, *, ok: bool, detail: str) -> None:
         await redis_io.call(
             ("SET", "reply"),
             self.client.set(
-                f"{self.keys.control()}:reply:{entry_id}", json.dumps({"ok": ok, "detail": detail}), ex=3600
+                self.keys.reply(stream, entry_id), json.dumps({"ok": ok, "detail": detail}), ex=3600
             ),
         )
 
-    async def _control(self, req: dict[str, Any]) -> None:
+    async def _control(self, req: dict[str, Any], *, operator: bool) -> None:
+        """One request; ``operator``: it came on the operators' stream (only they can write it)."""
         op = req["op"]
         now = time.time()
+        if op in OPERATOR_OPS and not operator:
+            raise InvalidArgument(
+                f"{op!r} is an operator's request: send it with unicornctl as an operator "
+                f"(it goes on {self.keys.operator_control()!r}, which only operators may write)"
+            )
         if op == "register":
             task = TaskRecord.from_dict(req.get("task"))
             await self.decide(decide.on_task_arrived, task, now)
@@ -482,6 +551,10 @@ class Daemon:
                         await self.decide(decide.on_task_stop, task.task_id, now, why="job cancelled")
                     else:
                         await self.decide(decide.on_task_finished, task.task_id, now, ok=ok)
+            try:
+                await self._forget_agent_users(jobs)
+            except UnicornError as e:
+                log.warning("agent_user_cleanup_failed", error=str(e))
             await asyncio.sleep(SLURM_POLL_S)
 
     # --- acting -------------------------------------------------------------------------
@@ -613,6 +686,7 @@ class Daemon:
             self.detector.expect_checkpoint(action.job_id, time.monotonic())
 
     async def _launch(self, action: LaunchAgents) -> None:
+        credentials = await self._agent_env(action.job_id)
         self._quiet_jobs.discard(action.job_id)
         self.detector.restart_job(action.job_id)
         self._finished_nodes.pop(action.job_id, None)
@@ -633,7 +707,7 @@ class Daemon:
                 action.job_id,
                 [cmd.node],
                 argv,
-                env={**action.env},
+                env={**action.env, **credentials},
                 options=[f"--output=/tmp/unicorn-agent-{action.job_id}-{cmd.node}.out"],
                 capture=False,
             )

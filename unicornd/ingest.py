@@ -10,8 +10,9 @@ never become valid, and leaving them pending would replay garbage forever.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Final, cast
 
 import redis.asyncio as aioredis
@@ -25,10 +26,10 @@ from unicorn_core.protocol import Message, SafeDecoder
 
 log = get_logger(__name__)
 
-Handler = Callable[[Message, float, str], Awaitable[None]]
-"""(message, monotonic arrival time, stream entry id) -> None."""
-RawHandler = Callable[[dict[bytes, bytes], str], Awaitable[None]]
-"""(entry fields, stream entry id) -> None: for streams that do not carry protocol messages."""
+Handler = Callable[[Message, float, str, str], Awaitable[None]]
+"""(message, monotonic arrival time, stream entry id, stream) -> None."""
+RawHandler = Callable[[dict[bytes, bytes], str, str], Awaitable[None]]
+"""(entry fields, stream entry id, stream) -> None: for streams that do not carry protocol messages."""
 
 _Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 READ_COUNT: Final = 512
@@ -46,13 +47,21 @@ async def ensure_group(client: aioredis.Redis, stream: str) -> None:
             raise
 
 
+Streams = Callable[[], Sequence[str]]
+"""The streams to read now (re-evaluated before every read: agents' streams come and go)."""
+
+
 class StreamIngest:
-    """One consumer of ``stream`` in the coordinator group."""
+    """One consumer, in the coordinator group, of ``stream`` or of every stream ``streams()`` names.
+
+    The group is created on a stream the first time it is read, and entries this consumer
+    was handed before a restart but never acknowledged are replayed from it first.
+    """
 
     def __init__(
         self,
         client: aioredis.Redis,
-        stream: str,
+        stream: str | Streams,
         consumer: str,
         handler: Handler | None = None,
         *,
@@ -61,65 +70,83 @@ class StreamIngest:
         if (handler is None) == (raw_handler is None):
             raise ValueError("give exactly one of handler and raw_handler")
         self.client = client
-        self.stream = stream
+        self.streams: Streams = (lambda: (stream,)) if isinstance(stream, str) else stream
         self.consumer = consumer
         self.handler = handler
         self.raw_handler = raw_handler
         self.decoder = SafeDecoder()
         self.handled = 0
+        self._ready: set[str] = set()
 
-    async def _read(self, start: str, block_ms: int | None) -> _Entries:
+    async def _read(self, streams: Mapping[str, str], block_ms: int | None) -> _Entries:
         raw = await redis_io.call(
-            ("XREADGROUP", self.stream),
+            ("XREADGROUP", *streams),
             self.client.xreadgroup(
-                COORDINATOR_GROUP, self.consumer, {self.stream: start}, count=READ_COUNT, block=block_ms
+                COORDINATOR_GROUP,
+                self.consumer,
+                dict(streams),  # type: ignore[arg-type]
+                count=READ_COUNT,
+                block=block_ms,
             ),
         )
         return cast(_Entries, raw or [])
 
     async def _handle(self, entries: _Entries) -> int:
         n = 0
-        for _stream, items in entries:
+        for stream_raw, items in entries:
+            stream = stream_raw.decode()
             for entry_id, fields in items:
                 now = time.monotonic()
                 eid = entry_id.decode()
                 if self.raw_handler is not None:
-                    await self.raw_handler(fields, eid)
+                    await self.raw_handler(fields, eid, stream)
                     self.handled += 1
                 else:
                     assert self.handler is not None
                     msg = self.decoder.decode(fields.get(PAYLOAD_FIELD.encode(), b""))
                     if msg is None:
-                        log.warning("event_rejected", id=eid, error=str(self.decoder.last_error))
+                        log.warning(
+                            "event_rejected", id=eid, stream=stream, error=str(self.decoder.last_error)
+                        )
                     else:
-                        await self.handler(msg, now, eid)
+                        await self.handler(msg, now, eid, stream)
                         self.handled += 1
-                await redis_io.call(
-                    ("XACK", self.stream), self.client.xack(self.stream, COORDINATOR_GROUP, entry_id)
-                )
+                await redis_io.call(("XACK", stream), self.client.xack(stream, COORDINATOR_GROUP, entry_id))
                 n += 1
         return n
 
-    async def replay_pending(self) -> int:
-        """Handle entries delivered to this consumer before a restart but never acknowledged."""
-        total = 0
+    async def _open(self, stream: str) -> None:
+        """Create the group on a stream seen for the first time, then replay its pending entries."""
+        await ensure_group(self.client, stream)
+        replayed = 0
         while True:
-            n = await self._handle(await self._read("0", None))
-            total += n
+            n = await self._handle(await self._read({stream: "0"}, None))
+            replayed += n
             if n == 0:
-                return total
+                break
+        if replayed:
+            log.info("events_replayed", stream=stream, count=replayed)
+        self._ready.add(stream)
+
+    async def step(self, block_ms: int | None) -> int:
+        """Open new streams, then handle one batch of new entries (waits up to ``block_ms``)."""
+        streams = list(dict.fromkeys(self.streams()))
+        for stream in streams:
+            if stream not in self._ready:
+                await self._open(stream)
+        self._ready.intersection_update(streams)
+        if not streams:
+            await asyncio.sleep((block_ms or 0) / 1000)
+            return 0
+        try:
+            return await self._handle(await self._read(dict.fromkeys(streams, ">"), block_ms))
+        except RedisCallError as e:
+            if isinstance(e.__cause__, redis.exceptions.ResponseError) and "NOGROUP" in str(e):
+                self._ready.clear()  # a stream was deleted under us: recreate groups
+                return 0
+            raise
 
     async def run(self, block_ms: int = 200) -> None:
         """Replay pending entries, then handle new ones forever."""
-        await ensure_group(self.client, self.stream)
-        replayed = await self.replay_pending()
-        if replayed:
-            log.info("events_replayed", stream=self.stream, count=replayed)
         while True:
-            try:
-                await self._handle(await self._read(">", block_ms))
-            except RedisCallError as e:
-                if isinstance(e.__cause__, redis.exceptions.ResponseError) and "NOGROUP" in str(e):
-                    await ensure_group(self.client, self.stream)
-                    continue
-                raise
+            await self.step(block_ms)

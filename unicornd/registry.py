@@ -1,7 +1,9 @@
 """Requests to a running unicornd: register a task, resume a node, confirm a drain.
 
-A request is one JSON document on the control stream; unicornd handles it, persists the
-outcome, and writes a reply under ``<control>:reply:<entry id>``. :func:`request` waits
+A request is one JSON document on a control stream: users' requests (register, stop) on
+``control``, operators' (drain, resume) on ``operator_control``, which Redis ACLs let
+only operators write. unicornd handles it, persists the outcome, and writes a reply under
+``keys.reply(stream, entry id)``. :func:`request` waits
 for that reply, so callers (the sbatch wrapper, ``unicornctl``, tests) learn whether it
 was accepted. Requests are validated here first, so bad input is refused before it is
 sent and changes nothing.
@@ -16,15 +18,20 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from unicorn_core import redis_io
-from unicorn_core.errors import InvalidArgument, UnicornError
+from unicorn_core.errors import InvalidArgument, RedisCallError, UnicornError
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicornd.state import TaskRecord
 
 
 class RequestRefused(UnicornError):
     """unicornd refused the request (the reason is its message)."""
+
+
+class NotOperator(UnicornError):
+    """Redis refused to take the request: the caller's Redis user is not an operator."""
 
 
 class NoDaemon(UnicornError):
@@ -34,13 +41,30 @@ class NoDaemon(UnicornError):
 
 
 async def request(
-    client: aioredis.Redis, keys: RedisKeys, doc: Mapping[str, Any], *, timeout_s: float = 30.0
+    client: aioredis.Redis,
+    keys: RedisKeys,
+    doc: Mapping[str, Any],
+    *,
+    timeout_s: float = 30.0,
+    operator: bool = False,
 ) -> None:
-    """Send ``doc`` to unicornd and wait for its verdict; raises RequestRefused / NoDaemon."""
-    entry = await redis_io.call(
-        ("XADD", keys.control()), client.xadd(keys.control(), {PAYLOAD_FIELD: json.dumps(dict(doc))})
-    )
-    reply_key = f"{keys.control()}:reply:{cast(bytes, entry).decode()}"
+    """Send ``doc`` to unicornd and wait for its verdict; raises RequestRefused / NoDaemon.
+
+    ``operator``: send it on the operators' stream (drain, resume), which only the
+    operator and coordinator Redis users may write; a user's client gets NotOperator.
+    """
+    stream = keys.operator_control() if operator else keys.control()
+    try:
+        entry = await redis_io.call(
+            ("XADD", stream), client.xadd(stream, {PAYLOAD_FIELD: json.dumps(dict(doc))})
+        )
+    except RedisCallError as e:
+        if isinstance(e.__cause__, redis.exceptions.NoPermissionError):
+            raise NotOperator(
+                f"Redis refused the request ({e}): these credentials are not an operator's"
+            ) from e
+        raise
+    reply_key = keys.reply(stream, cast(bytes, entry).decode())
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         raw = await redis_io.call(("GET", reply_key), client.get(reply_key))
@@ -64,7 +88,7 @@ async def register_task(
 
 async def resume_node(client: aioredis.Redis, keys: RedisKeys, node: str, *, timeout_s: float = 30.0) -> None:
     """An operator's resume: unicornd resumes the node in Slurm and lets it rejoin (after its check)."""
-    await request(client, keys, {"op": "resume", "node": node}, timeout_s=timeout_s)
+    await request(client, keys, {"op": "resume", "node": node}, timeout_s=timeout_s, operator=True)
 
 
 async def stop_task(

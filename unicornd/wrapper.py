@@ -36,7 +36,7 @@ from typing import Final
 
 import redis.asyncio as aioredis
 
-from unicorn_core import redis_io
+from unicorn_core import acl, redis_io
 from unicorn_core.config import Config, read_toml
 from unicorn_core.errors import ConfigError, InvalidArgument, UnicornError
 from unicorn_core.keys import RedisKeys
@@ -304,7 +304,7 @@ class _Waiter:
         self.opts = opts
         self.say = say
         self.keys = RedisKeys(cfg.redis.key_prefix)
-        self.client = redis_io.connect(cfg.redis, client_name=f"unicornctl-wait-{task_id}")
+        self.client = redis_io.connect(acl.caller_config(cfg.redis), client_name=f"unicornctl-wait-{task_id}")
         self.phase = WaitPhase.WATCHING
         self.view: TaskView | None = None
         self.meter = ProgressMeter(opts.progress_interval_s)
@@ -451,7 +451,7 @@ async def register_or_attach(cfg: Config, task: TaskRecord, *, timeout_s: float)
     rerun), in which case nothing is sent. Raises AlreadyEnded, RequestRefused, NoDaemon,
     RedisCallError."""
     keys = RedisKeys(cfg.redis.key_prefix)
-    client = redis_io.connect(cfg.redis, client_name=f"unicornctl-register-{task.task_id}")
+    client = redis_io.connect(acl.caller_config(cfg.redis), client_name=f"unicornctl-register-{task.task_id}")
     try:
         snap = await read_snapshot(client, keys)
         known = snap.tasks.get(task.task_id) if snap is not None else None

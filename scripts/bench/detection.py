@@ -99,7 +99,7 @@ class Bench:
             [str(DEV), "--state-dir", str(self.state), *a], check=True, capture_output=True, text=True
         ).stdout
 
-    async def on_message(self, msg: Message, now: float, _entry_id: str) -> None:
+    async def on_message(self, msg: Message, now: float, _entry_id: str, _stream: str) -> None:
         if isinstance(msg, Heartbeat):
             self.heartbeats[msg.node] = msg
         found = self.detector.on_message(msg, now)
@@ -352,7 +352,7 @@ class Bench:
             if time.monotonic() > deadline:
                 raise RuntimeError("holder job did not start")
             await asyncio.sleep(0.2)
-        ingest = StreamIngest(self.client, self.keys.events(), "bench", self.on_message)
+        ingest = StreamIngest(self.client, self.keys.events(self.job_id), "bench", self.on_message)
         tasks = [asyncio.create_task(ingest.run()), asyncio.create_task(self.checker())]
         out: dict[str, Any] = {
             "machine": os.uname().nodename,

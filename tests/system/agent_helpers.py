@@ -54,7 +54,7 @@ class AgentRun:
     def poll(self) -> list[tuple[float, Message]]:
         """New events and command results since the last poll, with the monotonic read time."""
         fresh: list[tuple[float, Message]] = []
-        for stream in (self.keys.events(), self.keys.command_results()):
+        for stream in (self.keys.events(self.job_id), self.keys.command_results(self.job_id)):
             last = self._last.get(stream)
             entries = self.client.xrange(stream, min=f"({last}" if last else "-")
             now = time.monotonic()

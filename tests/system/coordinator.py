@@ -134,7 +134,7 @@ class Coordinator:
         self._run(lambda c: register_task(c, self.keys, task))  # type: ignore[arg-type]
 
     def resume(self, node: str) -> None:
-        self._run(lambda c: request(c, self.keys, {"op": "resume", "node": node}))  # type: ignore[arg-type]
+        self._run(lambda c: request(c, self.keys, {"op": "resume", "node": node}, operator=True))  # type: ignore[arg-type]
 
     def hold_job(self, name: str, nodes: str) -> tuple[int, tuple[str, ...]]:
         """A batch job holding ``nodes`` (what the sbatch wrapper will be), running."""

@@ -45,7 +45,7 @@ async def test_unreachable_server_is_a_typed_timely_error() -> None:
 async def test_stream_carries_protocol_and_garbage_is_counted(cluster: DevCluster) -> None:
     keys = RedisKeys(prefix=f"t{os.getpid()}")
     r = redis_io.connect(cfg(cluster))
-    stream = keys.events()
+    stream = keys.events(7)
     await r.xgroup_create(stream, COORDINATOR_GROUP, id="0", mkstream=True)
     hb = Heartbeat(
         job_id=7, node="n1", wall_time_s=time.time(), agent_pid=42, pids=[43, 44], iteration=5, seq=1

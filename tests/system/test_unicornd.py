@@ -178,7 +178,7 @@ def test_sev3_is_retried_in_place(cluster: DevCluster, tmp_path: Path) -> None:
                 evidence="RuntimeError: Connection reset by peer (injected by the test)",
             )
             with c.client() as r:
-                r.xadd(c.keys.events(), {PAYLOAD_FIELD: encode(report)})
+                r.xadd(c.keys.events(report.job_id), {PAYLOAD_FIELD: encode(report)})
             snap = c.wait(
                 lambda s: any(i.stage is LadderStage.CLOSED for i in s.incidents.values()),
                 "the retry closed",
@@ -233,7 +233,7 @@ def test_kill9_during_recovery_loses_nothing(cluster: DevCluster, tmp_path: Path
         with c.client() as r:
             done = [m.decode() for m in r.smembers(c.keys.actions_done())]
             checked_ms = time.time() * 1000
-            pending = r.xpending_range(c.keys.events(), "unicornd", min="-", max="+", count=1000)
+            pending = r.xpending_range(c.keys.events(a.job_id or 0), "unicornd", min="-", max="+", count=1000)
         drains = [a for a in done if "/drain/" in a]
         assert drains == [next(a for a in done if "/drain/n4" in a)], done  # drained exactly once
         # Every event was handled and acknowledged, those pending at the kill included: what is

@@ -26,7 +26,10 @@ from unicorn_core.config import (
 from unicorn_core.errors import ConfigError
 from unicorn_core.paths import etc_dir
 
-REDIS_KEYS = "connect_timeout_s, key_prefix, password_file, socket_timeout_s, url"
+REDIS_KEYS = (
+    "agent_acl, connect_timeout_s, key_prefix, operator_password_file, password_file, "
+    "socket_timeout_s, url, user_password_file"
+)
 SECTIONS = ", ".join(sorted(f.name for f in dataclasses.fields(Config)))
 
 

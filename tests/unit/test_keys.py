@@ -15,9 +15,9 @@ from unicorn_core.keys import COORDINATOR_GROUP, RedisKeys
 
 def test_default_names() -> None:
     keys = RedisKeys()
-    assert keys.events() == "unicorn:events"
+    assert keys.events(42) == "unicorn:events:42"
     assert keys.agent_commands(42, "gpu-a01") == "unicorn:cmd:42:gpu-a01"
-    assert keys.command_results() == "unicorn:cmd-results"
+    assert keys.command_results(42) == "unicorn:cmd-results:42"
     assert keys.heartbeat(42, "node.12") == "unicorn:hb:42:node.12"
     assert keys.daemon_liveness() == "unicorn:unicornd:alive"
     assert keys.task("t_1") == "unicorn:task:t_1"
@@ -29,12 +29,16 @@ def test_default_names() -> None:
     assert keys.state() == "unicorn:state"
     assert keys.actions_pending() == "unicorn:actions:pending"
     assert keys.control() == "unicorn:control"
+    assert keys.operator_control() == "unicorn:ops"
+    assert keys.reply(keys.control(), "17-0") == "unicorn:control:reply:17-0"
+    assert keys.reply(keys.operator_control(), "17-3") == "unicorn:ops:reply:17-3"
+    assert keys.agent_password(42) == "unicorn:secret:agent:42"
     assert COORDINATOR_GROUP == "unicornd"
 
 
 def test_prefix_applies_to_every_key() -> None:
     keys = RedisKeys("test-7.a")
-    assert keys.events() == "test-7.a:events"
+    assert keys.events(3) == "test-7.a:events:3"
     assert keys.heartbeat(0, "n1") == "test-7.a:hb:0:n1"
 
 
@@ -85,8 +89,6 @@ calls = st.one_of(
     st.tuples(
         st.sampled_from(
             [
-                "events",
-                "command_results",
                 "daemon_liveness",
                 "tasks",
                 "plan_current",
@@ -95,10 +97,12 @@ calls = st.one_of(
                 "state",
                 "actions_pending",
                 "control",
+                "operator_control",
             ]
         ),
         st.just(()),
     ),
+    st.tuples(st.sampled_from(["events", "command_results", "agent_password"]), st.tuples(job_ids)),
     st.tuples(st.sampled_from(["agent_commands", "heartbeat"]), st.tuples(job_ids, names)),
     st.tuples(st.sampled_from(["task", "node"]), st.tuples(names)),
 )
@@ -124,6 +128,9 @@ def test_calls_strategy_covers_every_method() -> None:
         "state",
         "actions_pending",
         "control",
+        "operator_control",
+        "agent_password",
+        "reply",
         "agent_commands",
         "heartbeat",
         "task",
@@ -157,8 +164,6 @@ def test_distinct_keys_over_a_grid_of_look_alike_inputs() -> None:
         inputs += [
             (prefix, (method, ()))
             for method in [
-                "events",
-                "command_results",
                 "daemon_liveness",
                 "tasks",
                 "plan_current",
@@ -167,7 +172,13 @@ def test_distinct_keys_over_a_grid_of_look_alike_inputs() -> None:
                 "state",
                 "actions_pending",
                 "control",
+                "operator_control",
             ]
+        ]
+        inputs += [
+            (prefix, (method, (job_id,)))
+            for method in ["events", "command_results", "agent_password"]
+            for job_id in job_ids_
         ]
         inputs += [(prefix, (method, (part,))) for method in ["task", "node"] for part in parts]
         inputs += [
@@ -178,3 +189,12 @@ def test_distinct_keys_over_a_grid_of_look_alike_inputs() -> None:
         ]
     produced = {key_for(prefix, call) for prefix, call in inputs}
     assert len(produced) == len(inputs)
+
+
+def test_reply_keys_only_for_control_streams_and_entry_ids() -> None:
+    keys = RedisKeys()
+    with pytest.raises(InvalidArgument, match="control streams"):
+        keys.reply(keys.state(), "1-0")
+    for bad in ["", "1", "1-x", "1-0:x", "*"]:
+        with pytest.raises(InvalidArgument, match="entry id"):
+            keys.reply(keys.control(), bad)

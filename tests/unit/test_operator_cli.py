@@ -49,6 +49,7 @@ from unicornd.cli import (
 )
 from unicornd.daemon import Daemon
 from unicornd.decide import on_node_join, on_operator_drain
+from unicornd.registry import RequestRefused, request
 from unicornd.state import NodeHealth, Snapshot
 from unicornd.store import snapshot_from_json, snapshot_to_json
 
@@ -310,6 +311,12 @@ async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> No
         assert not slurm.calls
         code, out, err = await _ctl(redis_url, "drain", "n7", "--reason", "x", "--yes")
         assert code == EXIT_UNKNOWN_NODE and "unknown node 'n7'" in err
+        # A drain sent on the users' stream (a client bypassing unicornctl) is refused by
+        # unicornd itself: only the operators' stream, which Redis lets only operators
+        # write, carries drains.
+        with pytest.raises(RequestRefused, match="operator's request"):
+            await request(client, keys, {"op": "drain", "node": "n2", "reason": "x"}, timeout_s=10)
+        assert not slurm.calls and daemon.snap.nodes["n2"].health is NodeHealth.HEALTHY
 
         code, out, err = await _ctl(redis_url, "drain", "n2", "--reason", "fan failing", "--yes")
         assert code == 0, err

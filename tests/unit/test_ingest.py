@@ -1,0 +1,70 @@
+"""The coordinator's stream reader against a real redis-server: a changing set of streams,
+acknowledgement after handling, and replay of what a killed reader had not acknowledged."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from unicorn_core.keys import COORDINATOR_GROUP, PAYLOAD_FIELD, RedisKeys
+from unicorn_core.protocol import Heartbeat, Message, encode
+from unicornd.ingest import StreamIngest
+
+KEYS = RedisKeys("t")
+
+
+def _hb(job: int, seq: int) -> bytes:
+    return encode(
+        Heartbeat(job_id=job, node="n1", wall_time_s=1.0, agent_pid=1, pids=[], iteration=seq, seq=seq)
+    )
+
+
+async def test_streams_come_and_go_and_unacked_entries_are_replayed(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    streams = [KEYS.events(1)]
+    seen: list[tuple[str, int]] = []
+    fail_on: set[int] = set()
+
+    async def handler(msg: Message, _now: float, _eid: str, stream: str) -> None:
+        assert isinstance(msg, Heartbeat)
+        if msg.seq in fail_on:
+            raise RuntimeError("handler crashed")
+        seen.append((stream, msg.seq))
+
+    ingest = StreamIngest(client, lambda: streams, "c1", handler)
+    await client.xadd(KEYS.events(1), {PAYLOAD_FIELD: _hb(1, 1)})
+    await client.xadd(KEYS.events(2), {PAYLOAD_FIELD: _hb(2, 2)})  # not read yet: not listed
+    assert await ingest.step(10) == 1 and seen == [(KEYS.events(1), 1)]
+    streams.append(KEYS.events(2))  # a new job: its stream is opened and read from its start
+    await ingest.step(10)
+    assert seen[-1] == (KEYS.events(2), 2)
+    await client.xadd(KEYS.events(2), {PAYLOAD_FIELD: b"garbage"})  # counted, acknowledged
+    await ingest.step(10)
+    assert sum(ingest.decoder.failures.values()) == 1
+
+    # The handler dies mid-entry: the entry stays pending and a new reader replays it.
+    fail_on.add(3)
+    await client.xadd(KEYS.events(1), {PAYLOAD_FIELD: _hb(1, 3)})
+    with pytest.raises(RuntimeError, match="handler crashed"):
+        await ingest.step(10)
+    assert (await client.xpending(KEYS.events(1), COORDINATOR_GROUP))["pending"] == 1
+    fail_on.clear()
+    again = StreamIngest(client, lambda: streams, "c1", handler)
+    await again.step(10)
+    assert seen[-1] == (KEYS.events(1), 3)
+    for s in streams:
+        assert (await client.xpending(s, COORDINATOR_GROUP))["pending"] == 0
+
+    # A stream deleted under the reader (its job's user and streams were cleaned up) is
+    # recreated with its group when listed again, and no stream at all just waits.
+    await client.delete(KEYS.events(2))
+    await again.step(10)
+    await client.xadd(KEYS.events(2), {PAYLOAD_FIELD: _hb(2, 4)})
+    for _ in range(3):
+        await again.step(10)
+    assert seen[-1] == (KEYS.events(2), 4)
+    streams.clear()
+    assert await asyncio.wait_for(again.step(10), 5) == 0
+    await client.aclose()
