@@ -10,8 +10,10 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+import redis
 
 from launcher.probe import find_agents
 from tests.conftest import REPO, DevCluster, private_cluster
@@ -23,7 +25,10 @@ from tests.system.coordinator import (
     train_log,
     trainer_command,
 )
-from unicornd.state import TaskState
+from unicorn_core import acl
+from unicorn_core.keys import PAYLOAD_FIELD
+from unicornd.cli import EXIT_NOT_OPERATOR
+from unicornd.state import NodeHealth, TaskState
 
 pytestmark = pytest.mark.system
 
@@ -74,8 +79,8 @@ def sbatch(
     )
 
 
-def submit(c: Coordinator, tmp: Path, slurm: tuple[str, ...], unicorn: tuple[str, ...]) -> int:
-    out = sbatch(c, tmp, slurm, unicorn)
+def submit(c: Coordinator, tmp: Path, slurm: tuple[str, ...], unicorn: tuple[str, ...], **env: str) -> int:
+    out = sbatch(c, tmp, slurm, unicorn, **env)
     assert out.returncode == 0, out.stderr
     return int(out.stdout.strip().split(";")[0])
 
@@ -150,12 +155,38 @@ def test_short_run_finishes_with_exit_0(cluster: DevCluster, tmp_path: Path) -> 
         assert [it for it, _ in iterations(log)][-1] == 6, log
 
 
+def roles(tmp: Path) -> dict[str, str]:
+    """unicornd's settings for the operator and user Redis roles (password files in ``tmp``)."""
+    (tmp / "operator.pass").write_text("operator-secret\n")
+    (tmp / "user.pass").write_text("user-secret\n")
+    return {
+        "UNICORN_REDIS__OPERATOR_PASSWORD_FILE": str(tmp / "operator.pass"),
+        "UNICORN_REDIS__USER_PASSWORD_FILE": str(tmp / "user.pass"),
+    }
+
+
+def as_user(c: Coordinator, tmp: Path) -> dict[str, str]:
+    """Environment overrides of a cluster user: no readable coordinator password, only the user's."""
+    parts = urlsplit(c.env["UNICORN_REDIS__URL"])
+    bare = urlunsplit((parts.scheme, f"{parts.hostname}:{parts.port}", parts.path, "", ""))
+    return {
+        "UNICORN_REDIS__URL": bare,
+        "UNICORN_REDIS__PASSWORD_FILE": str(tmp / "not-readable-by-users"),
+        "UNICORN_REDIS__OPERATOR_PASSWORD_FILE": str(tmp / "not-readable-by-users"),
+    }
+
+
 def test_submit_trains_and_scancel_stops_cleanly(cluster: DevCluster, tmp_path: Path) -> None:
+    """Submitted, followed and cancelled by a plain user (Redis user ``<prefix>-user``);
+    the job's agents run under their own Redis user, confined to the job's keys."""
     cmd = trainer_command(tmp_path / "ckpt")
-    with coordinator(cluster, tmp_path, **isolated(tmp_path)) as c:
+    with coordinator(cluster, tmp_path, **isolated(tmp_path), **roles(tmp_path)) as c:
+        user = as_user(c, tmp_path)
+        user_env = {**c.env, **user}
         job = submit(
             c, tmp_path, ("-N", "2", "-J", "wrapped"),
             ("--model", str(model_file(tmp_path)), "--weight", "1.5", "--name", "w", "--", *cmd),
+            **user,
         )  # fmt: skip
         task_id = f"w.{job}"
         in_squeue = ["wrapped", "RUNNING"]
@@ -177,12 +208,39 @@ def test_submit_trains_and_scancel_stops_cleanly(cluster: DevCluster, tmp_path: 
             capture_output=True,
             text=True,
             timeout=60,
-            env=c.env,
+            env=user_env,
             check=False,
         )
         assert shown.returncode == 0, shown.stderr
         (doc,) = [t for t in json.loads(shown.stdout)["unicorn"]["tasks"] if t["task_id"] == task_id]
         assert (doc["job_id"], doc["weight"], doc["nodes"]) == (job, 1.5, ["n1", "n2"]), doc
+        # The user is root here, so unicornctl's own operator check passes; Redis refuses.
+        drain = subprocess.run(
+            [str(UNICORNCTL), "drain", "n1", "--reason", "x", "--yes"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=user_env,
+            check=False,
+        )
+        assert drain.returncode == EXIT_NOT_OPERATOR and "not an operator" in drain.stderr, drain.stderr
+        assert c.snapshot().nodes["n1"].health is NodeHealth.HEALTHY  # type: ignore[union-attr]
+
+        # The agents' Redis user: their job's streams only.
+        with c.client() as r:
+            password = r.get(c.keys.agent_password(job))
+            assert password is not None
+            assert acl.agent_user(c.keys, job) in r.acl_users()
+            agent = redis.Redis.from_url(
+                acl.url_with_user(
+                    user_env["UNICORN_REDIS__URL"], acl.agent_user(c.keys, job), password.decode()
+                )
+            )
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                agent.xadd(c.keys.events(job + 1), {PAYLOAD_FIELD: b"forged"})
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                agent.xadd(c.keys.operator_control(), {PAYLOAD_FIELD: b"forged"})
+            assert r.xlen(c.keys.events(job)) > 0 and not r.exists(c.keys.events(job + 1))
 
         # The job's output: progress lines and where each node's training log is.
         until(
@@ -205,4 +263,11 @@ def test_submit_trains_and_scancel_stops_cleanly(cluster: DevCluster, tmp_path: 
         )
         out = output(tmp_path, job)
         assert "SIGTERM: asking unicornd to stop the task" in out, out
+        with c.client() as r:  # the job is gone: so are its agents' Redis user and password
+            until(
+                lambda: acl.agent_user(c.keys, job) not in r.acl_users(),
+                "user gone",
+                15,
+            )
+            assert not r.exists(c.keys.agent_password(job))
         assert "stopping after iteration" in "".join(p.read_text() for p in logs)  # saved on SIGTERM
