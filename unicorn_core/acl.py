@@ -133,6 +133,23 @@ def operator_rules(keys: RedisKeys, password: str) -> list[str]:
     ]
 
 
+def coordinator_rules(keys: RedisKeys, password: str) -> list[str]:
+    """Rules for unicornd's own Redis user: every key under the prefix, no dangerous commands
+    but the ACL ones it needs to manage the agents' users. An administrator applies them once
+    (``scripts/install`` writes them out); unicornd never changes its own user."""
+    return [
+        "reset",
+        "on",
+        _digest(password),
+        f"~{keys.prefix}:*",
+        "+@all",
+        "-@dangerous",
+        "+acl|setuser",
+        "+acl|deluser",
+        "+acl|users",
+    ]
+
+
 def new_password() -> str:
     """A random password for an agent user (192 bits, URL-safe)."""
     return secrets.token_urlsafe(24)

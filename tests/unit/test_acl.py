@@ -188,3 +188,20 @@ def test_agent_user_names_round_trip_and_bad_input_is_refused() -> None:
         acl.agent_rules(KEYS, 1, "")
     rules = acl.agent_rules(KEYS, 1, "pw")
     assert rules[0] == "reset" and "pw" not in " ".join(rules)  # only the digest travels
+
+
+async def test_the_coordinator_user_manages_agent_users_and_nothing_dangerous(redis_url: str) -> None:
+    await _setup(redis_url, "unicornd", acl.coordinator_rules(KEYS, "coord-pw"))
+    coord = aioredis.Redis.from_url(acl.url_with_user(redis_url, "unicornd", "coord-pw"))
+    try:
+        await acl.set_user(coord, acl.agent_user(KEYS, 5), acl.agent_rules(KEYS, 5, "pw"))
+        assert "t-agent-5" in await acl.users(coord)
+        await acl.delete_user(coord, "t-agent-5")
+        assert "t-agent-5" not in await acl.users(coord)
+        await coord.set(KEYS.state(), b"{}")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await coord.set("other-installation:state", b"x")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await coord.flushall()
+    finally:
+        await coord.aclose()

@@ -79,10 +79,19 @@ def test_install_places_the_tree_and_is_idempotent(tmp_path: Path) -> None:
         key, _, value = line.partition("=")
         if key in ("PlugStackConfig", "HealthCheckProgram"):
             assert Path(value).is_file() and str(root) in value
+    secrets = {n: root / "etc/unicorn" / f"redis-{n}.pass" for n in ("unicornd", "operator", "user")}
+    modes = {n: p.stat().st_mode & 0o777 for n, p in secrets.items()}
+    assert modes == {"unicornd": 0o600, "operator": 0o640, "user": 0o644}
+    values = {n: p.read_text() for n, p in secrets.items()}
+    assert len(set(values.values())) == 3 and all(len(v.strip()) >= 32 for v in values.values())
+    acl_line = (root / "etc/unicorn/redis-unicornd.acl").read_text()
+    assert acl_line.startswith("user unicornd reset on #") and "~unicorn:* +@all -@dangerous" in acl_line
+    assert values["unicornd"].strip() not in acl_line  # only the digest
     second = install(root)
     assert second.returncode == 0, second.stderr
     ours = [line for line in second.stdout.splitlines() if line.startswith(("installed /", "unchanged /"))]
     assert ours and all(line.startswith("unchanged") for line in ours), second.stdout
+    assert {n: p.read_text() for n, p in secrets.items()} == values  # never rotated by a rerun
 
 
 def test_an_existing_config_is_never_overwritten(tmp_path: Path) -> None:

@@ -23,10 +23,11 @@ from typing import cast
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 from click.testing import CliRunner
 from coord_world import apply, of_kind, task, world
 
-from unicorn_core import redis_io
+from unicorn_core import acl, redis_io
 from unicorn_core.config import Config, load_config
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.keys import RedisKeys
@@ -297,7 +298,17 @@ async def _ctl(url: str, *args: str) -> tuple[int, str, str]:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the caller must be an operator (root) here")
 async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> None:
-    cfg = load_config(None, env={"UNICORN_REDIS__URL": redis_url, "UNICORN_REDIS__KEY_PREFIX": PREFIX})
+    # unicornd runs as the Redis user scripts/install tells administrators to create.
+    admin = aioredis.Redis.from_url(redis_url)
+    await acl.set_user(admin, "unicornd", acl.coordinator_rules(RedisKeys(PREFIX), "coord-pw"))
+    await admin.aclose()
+    cfg = load_config(
+        None,
+        env={
+            "UNICORN_REDIS__URL": acl.url_with_user(redis_url, "unicornd", "coord-pw"),
+            "UNICORN_REDIS__KEY_PREFIX": PREFIX,
+        },
+    )
     slurm = ScriptedSlurm(["n1", "n2"])
     client = redis_io.connect(cfg.redis, client_name="test-unicornd")
     daemon = Daemon(cfg, cast(SlurmBackend, slurm), client)
