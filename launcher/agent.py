@@ -51,7 +51,8 @@ from launcher.outbox import Outbox
 from launcher.supervisor import ExitInfo, Supervisor, process_state
 from unicorn_core import protocol, redis_io
 from unicorn_core.config import Config, load_config
-from unicorn_core.errors import ConfigError, RedisCallError, UnicornError
+from unicorn_core.errors import ConfigError, InvalidArgument, RedisCallError, UnicornError
+from unicorn_core.jobenv import JobEnvironment
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import configure_logging, get_logger
 from unicorn_core.paths import agent_run_dir
@@ -82,6 +83,15 @@ _SOCKET_PATH_MAX: Final = 100
 _DATAGRAMS_PER_WAKEUP: Final = 256
 _COMMAND_BLOCK_MS: Final = 500
 _HANG_CHECK_S: Final = 0.02
+
+
+def _usable_here(job_env: JobEnvironment) -> JobEnvironment:
+    """``job_env``, with this process's working directory when the job's does not exist on
+    this node (no shared filesystem there): training still starts, and the log says so."""
+    if Path(job_env.cwd).is_dir():
+        return job_env
+    log.warning("job_cwd_missing", cwd=job_env.cwd, using=str(Path.cwd()))
+    return dataclasses.replace(job_env, cwd=str(Path.cwd()))
 
 
 @dataclass
@@ -117,6 +127,7 @@ class Agent:
         self.node = node
         self.run_dir = run_dir
         self.argv = list(argv)
+        self.job_env: JobEnvironment | None = None
         # The training and checkpoint processes never talk to Redis: they do not get the
         # job's Redis credentials (which unicornd hands the agent in its environment).
         self.base_env = {
@@ -193,6 +204,7 @@ class Agent:
             tasks.append(asyncio.create_task(self._ckpt_process(), name="ckpt"))
         log.info("agent_started", job_id=self.job_id, node=self.node, run_dir=str(self.run_dir))
         try:
+            self.job_env = await self._job_environment()
             if self.argv:
                 await self._start_training(self.argv, {})
             await self._stop.wait()
@@ -258,13 +270,39 @@ class Agent:
                     proc.kill()
                     await proc.wait()
 
+    async def _job_environment(self, timeout_s: float = 10.0) -> JobEnvironment | None:
+        """The job's exported variables and working directory, stored by unicornd at
+        registration (None: none stored, e.g. a task registered without the wrapper).
+
+        Retried while Redis does not answer, for at most ``timeout_s``: training started
+        with the wrong environment is worse than a later start; after that it starts in
+        this agent's own environment (logged).
+        """
+        assert self._client is not None
+        key = self.keys.job_env(self.job_id)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                raw = await redis_io.call(("GET", key), self._client.get(key))
+                return None if raw is None else _usable_here(JobEnvironment.from_json(cast(bytes, raw)))
+            except InvalidArgument as e:
+                log.error("job_environment_invalid", error=str(e))
+                return None
+            except RedisCallError as e:
+                if time.monotonic() > deadline:
+                    log.error("job_environment_unavailable", error=str(e))
+                    return None
+                await asyncio.sleep(0.5)
+
     # --- training processes -----------------------------------------------------------
 
     async def _start_training(self, argv: Sequence[str], extra_env: dict[str, str]) -> None:
         assert self._sock_path is not None
         self._generation += 1
+        job_env = self.job_env
         env = {
             **self.base_env,
+            **(job_env.env if job_env is not None else {}),
             **(self.ckpt.rank_env() if self.ckpt is not None else {}),
             **extra_env,
             ENV_SOCKET: str(self._sock_path),
@@ -282,6 +320,7 @@ class Agent:
             on_line=self._on_line,
             on_exit=lambda info: self._on_exit(info, generation),
             grace_s=self.grace_s,
+            cwd=job_env.cwd if job_env is not None else None,
         )
         self.supervisor = sup
         await sup.start()

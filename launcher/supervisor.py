@@ -209,11 +209,13 @@ class Supervisor:
         on_line: Callable[[str], None],
         on_exit: Callable[[ExitInfo], None],
         grace_s: float = 5.0,
+        cwd: str | None = None,
     ) -> None:
         if not argv:
             raise ValueError("empty training command")
         self.argv = list(argv)
         self.env = dict(env)
+        self.cwd = cwd
         self.log_path = log_path
         self._on_line = on_line
         self._on_exit = on_exit
@@ -244,6 +246,7 @@ class Supervisor:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 env=self.env,
+                cwd=self.cwd,
                 start_new_session=True,
                 limit=1 << 20,
             )

@@ -9,8 +9,9 @@ user                          may
 unicornd's own (``[redis]``)  everything under the prefix, and ``ACL SETUSER/DELUSER``
 ``<prefix>-agent-<job>``      the agents of one Slurm job: write their heartbeats and their
                               job's ``events``/``cmd-results`` streams, read and delete
-                              their own commands. Nothing else: not another job's streams,
-                              not the state, not the control streams.
+                              their own commands, read their job's environment. Nothing
+                              else: not another job's streams, not the state, not the
+                              control streams.
 ``<prefix>-operator``         read the status keys; write ``control`` and ``ops`` (drain,
                               resume, register, stop)
 ``<prefix>-user``             read the status keys; write ``control`` (register and stop
@@ -47,8 +48,9 @@ _CONNECT: Final = ("+ping", "+client|setname", "+select")
 """What redis-py sends on connect (AUTH and HELLO are always allowed; its CLIENT SETINFO
 may be refused, which redis-py ignores, and is unknown before Redis 7.2 anyway)."""
 
-AGENT_COMMANDS: Final = ("+set", "+del", "+xadd", "+xread", "+xdel", *_CONNECT)
-"""An agent's whole command set: heartbeat SET/DEL, event XADD, command XREAD/XDEL."""
+AGENT_COMMANDS: Final = ("+get", "+set", "+del", "+xadd", "+xread", "+xdel", *_CONNECT)
+"""An agent's whole command set: job environment GET, heartbeat SET/DEL, event XADD,
+command XREAD/XDEL."""
 
 _READER_COMMANDS: Final = ("+@read", "-@dangerous", "+xadd", *_CONNECT)
 
@@ -114,6 +116,7 @@ def agent_rules(keys: RedisKeys, job_id: int, password: str) -> list[str]:
         f"~{p}:cmd:{job_id}:*",
         f"%W~{keys.events(job_id)}",
         f"%W~{keys.command_results(job_id)}",
+        f"%R~{keys.job_env(job_id)}",
         *AGENT_COMMANDS,
     ]
 

@@ -25,6 +25,7 @@ Key                            Redis type   Written by            Read by
 ``operator_control()``         stream       operators' CLI        unicornd (group)
 ``reply(stream, entry)``       string, TTL  unicornd              the requester
 ``agent_password(job)``        string       unicornd              unicornd
+``job_env(job)``               string       unicornd              the agents of job
 =============================  ===========  ====================  ==========================
 
 ``events(job)`` carries Heartbeat, ProcessExit, ExceptionReport, IterationTiming,
@@ -160,6 +161,11 @@ class RedisKeys:
         if re.fullmatch(r"[0-9]+-[0-9]+", entry_id) is None:
             raise InvalidArgument(f"invalid stream entry id {entry_id!r}")
         return f"{stream}:reply:{entry_id}"
+
+    def job_env(self, job_id: int) -> str:
+        """String: the training command's environment and working directory (JSON,
+        :class:`unicorn_core.jobenv.JobEnvironment`); read by the job's agents only."""
+        return self._key("env", _job_id(job_id))
 
     def agent_password(self, job_id: int) -> str:
         """String: the password of the Redis user of ``job_id``'s agents (coordinator only)."""

@@ -42,6 +42,7 @@ from plan.objective import FailureModel
 from unicorn_core import acl, protocol, redis_io
 from unicorn_core.config import Config
 from unicorn_core.errors import CommandFailed, InvalidArgument, ProtocolError, UnicornError
+from unicorn_core.jobenv import JobEnvironment
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import get_logger
 from unicorn_core.protocol import (
@@ -305,7 +306,12 @@ class Daemon:
             if job is None or job in held:
                 continue
             await acl.delete_user(self.client, user)
-            gone = (self.keys.agent_password(job), self.keys.events(job), self.keys.command_results(job))
+            gone = (
+                self.keys.agent_password(job),
+                self.keys.job_env(job),
+                self.keys.events(job),
+                self.keys.command_results(job),
+            )
             await redis_io.call(("DEL", *gone), self.client.delete(*gone))
             log.info("agent_user_deleted", job_id=job, user=user)
 
@@ -480,7 +486,20 @@ class Daemon:
             )
         if op == "register":
             task = TaskRecord.from_dict(req.get("task"))
-            await self.decide(decide.on_task_arrived, task, now)
+            raw_env = req.get("environment")
+            environment = None if raw_env is None else JobEnvironment.from_dict(raw_env)
+            if environment is not None and task.job_id is not None:
+                # Before the decision, so the agents it launches find it; out of the snapshot,
+                # which every user may read (the variables may hold the user's tokens).
+                key = self.keys.job_env(task.job_id)
+                await redis_io.call(("SET", key), self.client.set(key, environment.to_json()))
+            try:
+                await self.decide(decide.on_task_arrived, task, now)
+            except BaseException:
+                if environment is not None and task.job_id is not None:
+                    key = self.keys.job_env(task.job_id)
+                    await redis_io.call(("DEL", key), self.client.delete(key))
+                raise
         elif op == "resume":
             node = str(req.get("node", ""))
             if node not in self.snap.nodes:

@@ -22,6 +22,7 @@ import redis.exceptions
 
 from unicorn_core import redis_io
 from unicorn_core.errors import InvalidArgument, RedisCallError, UnicornError
+from unicorn_core.jobenv import JobEnvironment
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicornd.state import TaskRecord
 
@@ -78,12 +79,24 @@ async def request(
 
 
 async def register_task(
-    client: aioredis.Redis, keys: RedisKeys, task: TaskRecord, *, timeout_s: float = 30.0
+    client: aioredis.Redis,
+    keys: RedisKeys,
+    task: TaskRecord,
+    *,
+    timeout_s: float = 30.0,
+    environment: JobEnvironment | None = None,
 ) -> None:
-    """Register ``task`` (state pending; ``job_id`` and ``nodes`` from its Slurm job)."""
+    """Register ``task`` (state pending; ``job_id`` and ``nodes`` from its Slurm job).
+
+    ``environment``: what the training command inherits (the job's exported variables and
+    working directory); None = the agents' own (unicornd's) environment.
+    """
     if task.job_id is None:
         raise InvalidArgument(f"task {task.task_id}: a task needs the Slurm job that holds its nodes")
-    await request(client, keys, {"op": "register", "task": task.to_dict()}, timeout_s=timeout_s)
+    doc: dict[str, Any] = {"op": "register", "task": task.to_dict()}
+    if environment is not None:
+        doc["environment"] = environment.to_dict()
+    await request(client, keys, doc, timeout_s=timeout_s)
 
 
 async def resume_node(client: aioredis.Redis, keys: RedisKeys, node: str, *, timeout_s: float = 30.0) -> None:

@@ -27,6 +27,7 @@ from click.core import ParameterSource
 from unicorn_core import acl, redis_io
 from unicorn_core.config import Config, load_config
 from unicorn_core.errors import ConfigError, UnicornError
+from unicorn_core.jobenv import capture
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import configure_logging
 from unicorn_core.slurm.hostlist import compress, expand
@@ -144,7 +145,8 @@ def task_register(  # noqa: PLR0917 - click passes options positionally
 
     Everything is checked before anything is sent (exit 2, nothing registered): weight,
     GPUs, the model file, the command. The command's program is resolved to an absolute
-    path, because the agents run it with unicornd's environment, not the job's. Exit 1
+    path; the training runs in this directory with this environment's exported variables
+    (but Slurm's, unicorn's and the batch step's GPUs). Exit 1
     when unicornd refuses or does not answer. A job rerun after a requeue finds its task
     registered and attaches to it (exit 0, nothing sent).
     """
@@ -171,7 +173,10 @@ def task_register(  # noqa: PLR0917 - click passes options positionally
         return
     cfg = _config(ctx)
     try:
-        attached = asyncio.run(wrapper.register_or_attach(cfg, task, timeout_s=timeout_s))
+        environment = capture(os.environ, str(Path.cwd()))
+        attached = asyncio.run(
+            wrapper.register_or_attach(cfg, task, timeout_s=timeout_s, environment=environment)
+        )
     except UnicornError as e:
         raise click.ClickException(f"task {task_id} not registered: {e}") from None
     what = "already registered (the job was requeued); attaching to it" if attached else "registered"

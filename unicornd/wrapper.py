@@ -15,8 +15,10 @@ agents are gone; a SIGTERM that comes from a requeue (unicorn resizes jobs that 
 leaves the task alone, and the job's next run attaches to it again.
 
 The training command runs under unicorn-agent on every node, started by unicornd
-(``srun --overlap``), so with unicornd's environment, not the job's: ``register``
-resolves the program to an absolute path here, where the user's PATH is known.
+(``srun --overlap``). ``register`` resolves the program to an absolute path here, and
+sends the job's exported variables and working directory along
+(:mod:`unicorn_core.jobenv`): the agents start the training with them, as ``srun``'s
+default ``--export=ALL`` would.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import redis.asyncio as aioredis
 from unicorn_core import acl, redis_io
 from unicorn_core.config import Config, read_toml
 from unicorn_core.errors import ConfigError, InvalidArgument, UnicornError
+from unicorn_core.jobenv import JobEnvironment
 from unicorn_core.keys import RedisKeys
 from unicorn_core.model import ModelSpec
 from unicorn_core.paths import agent_run_dir
@@ -446,7 +449,9 @@ class AlreadyEnded(UnicornError):
     """The task of this job already ended; a rerun of the job cannot continue it."""
 
 
-async def register_or_attach(cfg: Config, task: TaskRecord, *, timeout_s: float) -> bool:
+async def register_or_attach(
+    cfg: Config, task: TaskRecord, *, timeout_s: float, environment: JobEnvironment | None = None
+) -> bool:
     """Register ``task``; True when it was already registered for this job (a requeued job's
     rerun), in which case nothing is sent. Raises AlreadyEnded, RequestRefused, NoDaemon,
     RedisCallError."""
@@ -459,7 +464,7 @@ async def register_or_attach(cfg: Config, task: TaskRecord, *, timeout_s: float)
             if known.state not in PLANNED_STATES:
                 raise AlreadyEnded(f"task {task.task_id} of job {task.job_id} already {known.state.value}")
             return True
-        await register_task(client, keys, task, timeout_s=timeout_s)
+        await register_task(client, keys, task, timeout_s=timeout_s, environment=environment)
         return False
     finally:
         await client.aclose()

@@ -176,6 +176,20 @@ def as_user(c: Coordinator, tmp: Path) -> dict[str, str]:
     }
 
 
+def training_processes(job: int) -> list[tuple[dict[str, str], Path]]:
+    """(environment, working directory) of every rank of ``job`` on this machine."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            raw = (entry / "environ").read_bytes()
+            env = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
+            if env.get("UNICORN_JOB_ID") == str(job) and "RANK" in env:
+                found.append((env, (entry / "cwd").resolve()))
+        except OSError:
+            continue  # not ours, or exited while we looked
+    return found
+
+
 def test_submit_trains_and_scancel_stops_cleanly(cluster: DevCluster, tmp_path: Path) -> None:
     """Submitted, followed and cancelled by a plain user (Redis user ``<prefix>-user``);
     the job's agents run under their own Redis user, confined to the job's keys."""
@@ -186,7 +200,7 @@ def test_submit_trains_and_scancel_stops_cleanly(cluster: DevCluster, tmp_path: 
         job = submit(
             c, tmp_path, ("-N", "2", "-J", "wrapped"),
             ("--model", str(model_file(tmp_path)), "--weight", "1.5", "--name", "w", "--", *cmd),
-            **user,
+            **user, TRAINING_MARKER="exported at sbatch", CUDA_VISIBLE_DEVICES="batch-step-only",
         )  # fmt: skip
         task_id = f"w.{job}"
         in_squeue = ["wrapped", "RUNNING"]
@@ -214,6 +228,14 @@ def test_submit_trains_and_scancel_stops_cleanly(cluster: DevCluster, tmp_path: 
         assert shown.returncode == 0, shown.stderr
         (doc,) = [t for t in json.loads(shown.stdout)["unicorn"]["tasks"] if t["task_id"] == task_id]
         assert (doc["job_id"], doc["weight"], doc["nodes"]) == (job, 1.5, ["n1", "n2"]), doc
+        # The ranks run with the job's exported variables, in the directory sbatch ran in,
+        # without the batch step's own variables; and they never see Redis credentials.
+        ranks = training_processes(job)
+        assert len(ranks) == 2, ranks
+        for env, cwd in ranks:
+            assert env["TRAINING_MARKER"] == "exported at sbatch" and cwd == tmp_path.resolve()
+            assert env.get("CUDA_VISIBLE_DEVICES") != "batch-step-only"
+            assert "UNICORN_REDIS__URL" not in env and env["SLURM_JOB_ID"] == str(job)
         # The user is root here, so unicornctl's own operator check passes; Redis refuses.
         drain = subprocess.run(
             [str(UNICORNCTL), "drain", "n1", "--reason", "x", "--yes"],

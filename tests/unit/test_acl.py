@@ -73,7 +73,7 @@ async def test_an_agent_user_writes_only_its_own_job(redis_url: str) -> None:
         lambda: agent.get(KEYS.agent_password(8)),
         lambda: agent.xrange(KEYS.events(7)),  # write-only: an agent cannot read back events
         lambda: agent.execute_command("ACL", "SETUSER", "t-agent-7", "+@all"),
-        lambda: agent.flushall(),
+        agent.flushall,
     ]
     for call in forbidden:
         assert "no permissions" in _denied(call)

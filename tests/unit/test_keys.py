@@ -33,6 +33,7 @@ def test_default_names() -> None:
     assert keys.reply(keys.control(), "17-0") == "unicorn:control:reply:17-0"
     assert keys.reply(keys.operator_control(), "17-3") == "unicorn:ops:reply:17-3"
     assert keys.agent_password(42) == "unicorn:secret:agent:42"
+    assert keys.job_env(42) == "unicorn:env:42"
     assert COORDINATOR_GROUP == "unicornd"
 
 
@@ -102,7 +103,9 @@ calls = st.one_of(
         ),
         st.just(()),
     ),
-    st.tuples(st.sampled_from(["events", "command_results", "agent_password"]), st.tuples(job_ids)),
+    st.tuples(
+        st.sampled_from(["events", "command_results", "agent_password", "job_env"]), st.tuples(job_ids)
+    ),
     st.tuples(st.sampled_from(["agent_commands", "heartbeat"]), st.tuples(job_ids, names)),
     st.tuples(st.sampled_from(["task", "node"]), st.tuples(names)),
 )
@@ -130,6 +133,7 @@ def test_calls_strategy_covers_every_method() -> None:
         "control",
         "operator_control",
         "agent_password",
+        "job_env",
         "reply",
         "agent_commands",
         "heartbeat",
@@ -177,7 +181,7 @@ def test_distinct_keys_over_a_grid_of_look_alike_inputs() -> None:
         ]
         inputs += [
             (prefix, (method, (job_id,)))
-            for method in ["events", "command_results", "agent_password"]
+            for method in ["events", "command_results", "agent_password", "job_env"]
             for job_id in job_ids_
         ]
         inputs += [(prefix, (method, (part,))) for method in ["task", "node"] for part in parts]

@@ -51,7 +51,7 @@ from unicornd.cli import (
 from unicornd.daemon import Daemon
 from unicornd.decide import on_node_join, on_operator_drain
 from unicornd.registry import RequestRefused, request
-from unicornd.state import NodeHealth, Snapshot
+from unicornd.state import NodeHealth, Snapshot, TaskState
 from unicornd.store import snapshot_from_json, snapshot_to_json
 
 T0 = 1_700_000_000.0
@@ -328,6 +328,12 @@ async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> No
         with pytest.raises(RequestRefused, match="operator's request"):
             await request(client, keys, {"op": "drain", "node": "n2", "reason": "x"}, timeout_s=10)
         assert not slurm.calls and daemon.snap.nodes["n2"].health is NodeHealth.HEALTHY
+        # A registration whose job environment is malformed is refused and changes nothing.
+        pending = replace(two_tasks().tasks["a"], state=TaskState.PENDING, nodes=(), layout=None)
+        bad = {"op": "register", "task": pending.to_dict(), "environment": {"cwd": "rel", "env": {}}}
+        with pytest.raises(RequestRefused, match="absolute path"):
+            await request(client, keys, bad, timeout_s=10)
+        assert "a" not in daemon.snap.tasks and not await client.exists(keys.job_env(pending.job_id or 0))
 
         code, out, err = await _ctl(redis_url, "drain", "n2", "--reason", "fan failing", "--yes")
         assert code == 0, err
