@@ -235,6 +235,15 @@ class SlurmConfig(Section):
             "empty; the dev cluster points it at its own slurm.conf."
         ),
     )
+    munge_socket: str = field(
+        default="",
+        metadata=_meta(
+            "Path of munged's socket, for the MUNGE credential that signs each task "
+            "registration (unicornd accepts a registration only from the job's owner, root or "
+            "the SlurmUser); empty = munge's default socket. Default: empty; the dev cluster "
+            "points it at its own munged."
+        ),
+    )
     operators_group: str = field(
         default="",
         metadata=_meta(

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -39,7 +40,7 @@ import redis.asyncio as aioredis
 from detect import Classifier, load_classifier
 from plan.hardware import gpu_spec
 from plan.objective import FailureModel
-from unicorn_core import acl, protocol, redis_io
+from unicorn_core import acl, munge, protocol, redis_io
 from unicorn_core.config import Config
 from unicorn_core.errors import CommandFailed, InvalidArgument, ProtocolError, UnicornError
 from unicorn_core.jobenv import JobEnvironment
@@ -78,6 +79,7 @@ from unicornd.detector import Detector, JobFinding
 from unicornd.ingest import StreamIngest
 from unicornd.launch import agent_argv, bin_dir, renderer
 from unicornd.metrics import SnapshotMetrics, start_metrics_server
+from unicornd.registry import registration_digest
 from unicornd.replan import PLANNED_STATES, plan_for, plan_transition
 from unicornd.state import NodeHealth, NodeRecord, Policy, Snapshot, TaskRecord, TaskState
 from unicornd.store import Store, prune
@@ -475,6 +477,25 @@ class Daemon:
             ),
         )
 
+    async def _authenticate_registration(self, req: Mapping[str, Any], task: TaskRecord) -> None:
+        """The registration was signed (MUNGE) for exactly this request by the owner of the
+        task's job, root, or unicornd's own user (the SlurmUser). Without this, anyone who
+        may write the control stream could run a command inside another user's job."""
+        signed = await munge.verify(str(req.get("credential", "")), socket=self.cfg.slurm.munge_socket)
+        if signed.payload != registration_digest(req):
+            raise munge.NotAuthenticated("the MUNGE credential signs another request")
+        if signed.uid in (0, os.getuid()):
+            return
+        job = await self.slurm.get_job(task.job_id or 0)
+        try:
+            owner = pwd.getpwnam(job.user).pw_uid
+        except KeyError:
+            owner = int(job.user) if job.user.isdigit() else -1
+        if signed.uid != owner:
+            raise munge.NotAuthenticated(
+                f"job {job.job_id} belongs to {job.user}; the request was signed by uid {signed.uid}"
+            )
+
     async def _control(self, req: dict[str, Any], *, operator: bool) -> None:
         """One request; ``operator``: it came on the operators' stream (only they can write it)."""
         op = req["op"]
@@ -488,6 +509,7 @@ class Daemon:
             task = TaskRecord.from_dict(req.get("task"))
             raw_env = req.get("environment")
             environment = None if raw_env is None else JobEnvironment.from_dict(raw_env)
+            await self._authenticate_registration(req, task)
             if environment is not None and task.job_id is not None:
                 # Before the decision, so the agents it launches find it; out of the snapshot,
                 # which every user may read (the variables may hold the user's tokens).

@@ -20,7 +20,7 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from unicorn_core import redis_io
+from unicorn_core import munge, redis_io
 from unicorn_core.errors import InvalidArgument, RedisCallError, UnicornError
 from unicorn_core.jobenv import JobEnvironment
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
@@ -85,18 +85,27 @@ async def register_task(
     *,
     timeout_s: float = 30.0,
     environment: JobEnvironment | None = None,
+    munge_socket: str = "",
 ) -> None:
     """Register ``task`` (state pending; ``job_id`` and ``nodes`` from its Slurm job).
 
     ``environment``: what the training command inherits (the job's exported variables and
-    working directory); None = the agents' own (unicornd's) environment.
+    working directory); None = the agents' own (unicornd's) environment. The request is
+    signed with the caller's MUNGE credential (:func:`registration_digest`): unicornd takes
+    it only from the job's owner, root or the SlurmUser.
     """
     if task.job_id is None:
         raise InvalidArgument(f"task {task.task_id}: a task needs the Slurm job that holds its nodes")
     doc: dict[str, Any] = {"op": "register", "task": task.to_dict()}
     if environment is not None:
         doc["environment"] = environment.to_dict()
+    doc["credential"] = await munge.sign(registration_digest(doc), socket=munge_socket)
     await request(client, keys, doc, timeout_s=timeout_s)
+
+
+def registration_digest(doc: Mapping[str, Any]) -> str:
+    """What a registration's credential signs: its task and environment."""
+    return munge.digest({"task": doc.get("task"), "environment": doc.get("environment")})
 
 
 async def resume_node(client: aioredis.Redis, keys: RedisKeys, node: str, *, timeout_s: float = 30.0) -> None:

@@ -464,7 +464,14 @@ async def register_or_attach(
             if known.state not in PLANNED_STATES:
                 raise AlreadyEnded(f"task {task.task_id} of job {task.job_id} already {known.state.value}")
             return True
-        await register_task(client, keys, task, timeout_s=timeout_s, environment=environment)
+        await register_task(
+            client,
+            keys,
+            task,
+            timeout_s=timeout_s,
+            environment=environment,
+            munge_socket=cfg.slurm.munge_socket,
+        )
         return False
     finally:
         await client.aclose()

@@ -131,7 +131,8 @@ class Coordinator:
         asyncio.run(go())
 
     def register(self, task: TaskRecord) -> None:
-        self._run(lambda c: register_task(c, self.keys, task))  # type: ignore[arg-type]
+        socket = self.env.get("UNICORN_SLURM__MUNGE_SOCKET", "")
+        self._run(lambda c: register_task(c, self.keys, task, munge_socket=socket))  # type: ignore[arg-type]
 
     def resume(self, node: str) -> None:
         self._run(lambda c: request(c, self.keys, {"op": "resume", "node": node}, operator=True))  # type: ignore[arg-type]

@@ -3,13 +3,18 @@ unicornd, real agents and torchrun training; scancel, a short run, bad options."
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import re
+import stat
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -25,9 +30,10 @@ from tests.system.coordinator import (
     train_log,
     trainer_command,
 )
-from unicorn_core import acl
+from unicorn_core import acl, munge
 from unicorn_core.keys import PAYLOAD_FIELD
 from unicornd.cli import EXIT_NOT_OPERATOR
+from unicornd.registry import RequestRefused, registration_digest, request
 from unicornd.state import NodeHealth, TaskState
 
 pytestmark = pytest.mark.system
@@ -176,14 +182,33 @@ def as_user(c: Coordinator, tmp: Path) -> dict[str, str]:
     }
 
 
-def training_processes(job: int) -> list[tuple[dict[str, str], Path]]:
-    """(environment, working directory) of every rank of ``job`` on this machine."""
+@contextlib.contextmanager
+def traversable(folder: Path) -> Iterator[None]:
+    """Let every user traverse (o+x) ``folder`` and its parents for a while, as on a real
+    cluster where munged's socket is reachable by all."""
+    changed = []
+    for path in [folder, *folder.parents]:
+        mode = path.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            path.chmod(mode | stat.S_IXOTH)
+            changed.append((path, mode))
+    try:
+        yield
+    finally:
+        for path, mode in changed:
+            path.chmod(mode)
+
+
+def training_processes(cluster: DevCluster, job: int) -> list[tuple[dict[str, str], Path]]:
+    """(environment, working directory) of every rank of ``job`` of ``cluster`` (other
+    clusters on this machine have their own job ``job``)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             raw = (entry / "environ").read_bytes()
             env = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
-            if env.get("UNICORN_JOB_ID") == str(job) and "RANK" in env:
+            ours = env.get("SLURM_CONF") == cluster.slurm_conf
+            if ours and env.get("UNICORN_JOB_ID") == str(job) and "RANK" in env:
                 found.append((env, (entry / "cwd").resolve()))
         except OSError:
             continue  # not ours, or exited while we looked
@@ -230,8 +255,8 @@ def test_submit_trains_and_scancel_stops_cleanly(cluster: DevCluster, tmp_path: 
         assert (doc["job_id"], doc["weight"], doc["nodes"]) == (job, 1.5, ["n1", "n2"]), doc
         # The ranks run with the job's exported variables, in the directory sbatch ran in,
         # without the batch step's own variables; and they never see Redis credentials.
-        ranks = training_processes(job)
-        assert len(ranks) == 2, ranks
+        ranks = training_processes(cluster, job)
+        assert {env["RANK"] for env, _ in ranks} == {"0", "1"}, ranks  # (and the ranks' children)
         for env, cwd in ranks:
             assert env["TRAINING_MARKER"] == "exported at sbatch" and cwd == tmp_path.resolve()
             assert env.get("CUDA_VISIBLE_DEVICES") != "batch-step-only"
@@ -247,6 +272,30 @@ def test_submit_trains_and_scancel_stops_cleanly(cluster: DevCluster, tmp_path: 
         )
         assert drain.returncode == EXIT_NOT_OPERATOR and "not an operator" in drain.stderr, drain.stderr
         assert c.snapshot().nodes["n1"].health is NodeHealth.HEALTHY  # type: ignore[union-attr]
+
+        # Registering a task for this job is refused unless the job's owner (root here)
+        # signed that very request with MUNGE: another user's, none, or a replayed one.
+        forged = replace(snap.tasks[task_id], task_id=f"evil.{job}", name=f"evil.{job}",
+                         state=TaskState.PENDING, layout=None, command=("/bin/true",))  # fmt: skip
+        doc: dict[str, Any] = {"op": "register", "task": forged.to_dict()}
+        munge_socket = c.env["UNICORN_SLURM__MUNGE_SOCKET"]
+        as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        with traversable(Path(munge_socket).parent):  # pytest's tmp folders are root's only
+            nobody = subprocess.run(
+                [*as_nobody, "munge", f"--socket={munge_socket}"], input=registration_digest(doc),
+                capture_output=True, text=True, timeout=30, check=True,
+            ).stdout.strip()  # fmt: skip
+        root = asyncio.run(munge.sign(registration_digest(doc), socket=munge_socket))
+        refusals = {
+            "belongs to root; the request was signed by uid 65534": {**doc, "credential": nobody},
+            "no MUNGE credential": doc,
+            "signs another request": {**doc, "task": {**doc["task"], "weight": 2.0}, "credential": root},
+            "Replayed credential": {**doc, "credential": root},  # root's, already used just above
+        }
+        for why, request_doc in refusals.items():
+            with pytest.raises(RequestRefused, match=why):
+                c._run(lambda cl, d=request_doc: request(cl, c.keys, d, timeout_s=10))  # type: ignore[misc]
+        assert f"evil.{job}" not in c.snapshot().tasks  # type: ignore[union-attr]
 
         # The agents' Redis user: their job's streams only.
         with c.client() as r:
