@@ -133,6 +133,7 @@ class Daemon:
         # before a task ends, so the snapshot's last iteration is never more than 1 s behind.
         self._unrecorded: dict[str, tuple[int, float, str]] = {}
         self._quiet_jobs: set[int] = set()
+        self._forgotten_jobs: set[int] = set()
         self._probes: dict[tuple[int, str], asyncio.Task[None]] = {}
         self.alerts = AlertSink(cfg.alerts)
         self.metrics = SnapshotMetrics(gpu=gpu_spec(cfg.plan.gpu))
@@ -264,8 +265,11 @@ class Daemon:
     # --- agents' streams and Redis users ------------------------------------------------
 
     def _event_streams(self) -> list[str]:
-        """The events stream of every job a known task holds (its agents write only there)."""
-        jobs = sorted({t.job_id for t in self.snap.tasks.values() if t.job_id is not None})
+        """The events stream of every job a known task holds (its agents write only there),
+        but those of jobs whose agents are gone for good (:meth:`_forget_agent_users`)."""
+        jobs = sorted(
+            {t.job_id for t in self.snap.tasks.values() if t.job_id is not None} - self._forgotten_jobs
+        )
         return [self.keys.events(j) for j in jobs]
 
     async def _apply_roles(self) -> None:
@@ -279,6 +283,7 @@ class Daemon:
         whose password is made once per job and kept under a key only unicornd reads, so a
         later relaunch of some of the job's agents does not lock out the others.
         """
+        self._forgotten_jobs.discard(job_id)
         if not self.cfg.redis.agent_acl:
             return {}
         key = self.keys.agent_password(job_id)
@@ -307,6 +312,7 @@ class Daemon:
             job = acl.agent_job(self.keys, user)
             if job is None or job in held:
                 continue
+            self._forgotten_jobs.add(job)  # stop reading its stream before it is deleted
             await acl.delete_user(self.client, user)
             gone = (
                 self.keys.agent_password(job),

@@ -141,8 +141,9 @@ class StreamIngest:
         try:
             return await self._handle(await self._read(dict.fromkeys(streams, ">"), block_ms))
         except RedisCallError as e:
-            if isinstance(e.__cause__, redis.exceptions.ResponseError) and "NOGROUP" in str(e):
-                self._ready.clear()  # a stream was deleted under us: recreate groups
+            gone = ("NOGROUP", "UNBLOCKED")  # a stream was deleted before or while we waited on it
+            if isinstance(e.__cause__, redis.exceptions.ResponseError) and any(g in str(e) for g in gone):
+                self._ready.clear()  # reopen what is still listed
                 return 0
             raise
 

@@ -65,6 +65,11 @@ async def test_streams_come_and_go_and_unacked_entries_are_replayed(redis_url: s
     for _ in range(3):
         await again.step(10)
     assert seen[-1] == (KEYS.events(2), 4)
+    # ... also while the reader is blocked on it (Redis answers UNBLOCKED).
+    blocked = asyncio.create_task(again.step(3000))
+    await asyncio.sleep(0.3)
+    await client.delete(KEYS.events(2))
+    assert await asyncio.wait_for(blocked, 5) == 0
     streams.clear()
     assert await asyncio.wait_for(again.step(10), 5) == 0
     await client.aclose()
