@@ -1,15 +1,16 @@
 """The main job on the built-in local cluster: self-healing training, end to end.
 
 Run by ``scripts/demo`` (after ``scripts/bootstrap``). It starts its own local cluster
-(4 nodes x 1 fake GPU, state in ``.dev-cluster-demo/``), starts unicornd, submits two
-training tasks of the built-in trainer with different weights, kills a node of the first
-one midway, and prints what unicornd did: the incident timeline, the new plan, and the
-loss curve continuing at the new layout. Then the node is revived and resumed by the
-operator, rejoins, and is used again. Everything it started is stopped at the end.
-
-Until the sbatch wrapper exists (issue "User and operator surface"), each task's Slurm
-job is a plain batch job holding its nodes, registered with unicornd through its
-control stream, which is what the wrapper will do.
+(4 nodes x 1 fake GPU, state in ``.dev-cluster-demo/``), starts unicornd, and submits two
+training tasks of the built-in trainer the way a user does, through the sbatch wrapper
+(``sbatch ... etc/unicorn-job.sbatch --model FILE ... -- COMMAND``): one with the
+wrapper's ``--weight``, one with sbatch's ``--unicorn-weight`` (the SPANK plugin). It kills
+a node of the first one midway and prints what unicornd did: the incident timeline, the
+new plan, and the loss curve continuing at the new layout. Then the node is revived and
+resumed by the operator, rejoins, and is used again. Both tasks train to their last
+iteration; the demo checks that their jobs ended COMPLETED with exit code 0 and that the
+loss continued from checkpoints, and exits 1 otherwise. Everything it started is stopped
+at the end.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,38 +34,86 @@ sys.path.insert(0, str(REPO))
 
 from unicorn_core import redis_io  # noqa: E402
 from unicorn_core.config import RedisConfig  # noqa: E402
-from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys  # noqa: E402
+from unicorn_core.keys import RedisKeys  # noqa: E402
 from unicorn_core.model import ModelSpec  # noqa: E402
-from unicorn_core.paths import AGENT_RUN_ROOT, agent_run_dir  # noqa: E402
-from unicornd.registry import register_task, request  # noqa: E402
-from unicornd.state import NodeHealth, Policy, Snapshot, TaskRecord, TaskState  # noqa: E402
+from unicorn_core.paths import AGENT_RUN_ROOT  # noqa: E402
+from unicornd.state import NodeHealth, Policy, Snapshot, TaskState  # noqa: E402
 from unicornd.store import snapshot_from_json  # noqa: E402
 
 STATE = REPO / ".dev-cluster-demo"
+RUN = STATE / "demo"  # this run's files: the model file, the jobs' output, checkpoints
+SHM = Path("/dev/shm/unicorn-ckpt-demo")  # the memory tier of this demo only (job ids repeat)
 DEV = [str(REPO / "scripts" / "dev-cluster"), "--state-dir", str(STATE)]
 BIN = Path(sys.executable).parent
+WRAPPER = REPO / "etc" / "unicorn-job.sbatch"
+PREFIX = "demo"  # Redis key prefix: this demo's unicornd, tasks and per-rank logs
+ITERATIONS = 150
+# What the planner sees: GPT-3 1.3B's shape (etc/tasks/gpt3-1.3b.toml), with a global batch of
+# 12 so every data-parallel size up to 4 divides it (the built-in trainer runs that batch).
 MODEL = ModelSpec(layers=24, hidden=2048, heads=16, sequence=2048, vocabulary=50257, global_batch=12)
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*lm loss: ([0-9.E+-]+)")
+LAUNCH = re.compile(r"\[unicorn-train\] layout (\S+) .*resumed_from=(\S+)")
+ENDED = frozenset(
+    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+     "DEADLINE"}
+)  # fmt: skip
 
 
 def say(text: str) -> None:
     print(f"\n\033[1m== {text}\033[0m", flush=True)
 
 
-def sh(*argv: str, env: dict[str, str]) -> str:
-    return subprocess.run(argv, check=True, capture_output=True, text=True, env=env).stdout
+def sh(*argv: str, env: dict[str, str], cwd: Path | None = None) -> str:
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{shlex.join(argv)} exited {out.returncode}: {out.stderr.strip()}")
+    return out.stdout
+
+
+def short(arg: str) -> str:
+    """An argument as the user would type it, from the repository root."""
+    return arg.replace(f"{REPO}/", "")
+
+
+@dataclass
+class Job:
+    """One submitted task: its Slurm job, its unicorn task id, its output file, how it ended."""
+
+    name: str
+    job_id: int
+    output: Path
+    end: dict[str, str] | None = None  # `scontrol show job` once it ended (kept MinJobAge = 60 s)
+
+    @property
+    def task_id(self) -> str:
+        return f"{self.name}.{self.job_id}"
 
 
 class Demo:
     def __init__(self) -> None:
+        self.started = time.monotonic()
         subprocess.run([*DEV, "down"], capture_output=True, check=False)
-        shutil.rmtree(AGENT_RUN_ROOT / "demo", ignore_errors=True)  # agents' logs of an earlier demo
+        shutil.rmtree(AGENT_RUN_ROOT / PREFIX, ignore_errors=True)  # agents' logs of an earlier demo
+        shutil.rmtree(RUN, ignore_errors=True)
+        shutil.rmtree(SHM, ignore_errors=True)
         subprocess.run([*DEV, "up", "--nodes", "4", "--gpus-per-node", "1"], check=True)
+        RUN.mkdir(parents=True)
         dev_env = subprocess.run([*DEV, "env", "--json"], check=True, capture_output=True, text=True).stdout
-        self.env = {**os.environ, **json.loads(dev_env)}
-        self.env["UNICORN_REDIS__KEY_PREFIX"] = "demo"
-        self.env["UNICORN_DETECT__HANG_FACTOR"] = "3"  # 4 trainer ranks share 2 cores here
-        self.keys = RedisKeys("demo")
+        self.env = {
+            **os.environ,
+            **json.loads(dev_env),
+            "UNICORN_REDIS__KEY_PREFIX": PREFIX,
+            "UNICORN_DETECT__HANG_FACTOR": "3",  # 4 trainer ranks share 2 cores here
+            "UNICORN_CKPT__SHM_DIR": str(SHM),
+            "UNICORN_CKPT__LOCAL_DIR": str(RUN / "ckpt-local"),
+            # Replication ports of its own: agents of the system tests' clusters, beside this
+            # one, listen on the default ports of the same job ids.
+            "UNICORN_CKPT__PEER_PORT_BASE": "28000",
+            # What the wrapper runs in the job (sbatch exports this environment to it).
+            "UNICORNCTL": str(BIN / "unicornctl"),
+            "UNICORN_WAIT_OPTIONS": "--progress-interval-s 10",
+        }
+        self.keys = RedisKeys(PREFIX)
         self.log = (STATE / "unicornd.log").open("ab")
         self.daemon = subprocess.Popen(
             [str(BIN / "unicornd")],
@@ -71,23 +122,24 @@ class Demo:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        self.jobs: dict[str, int] = {}
+        self.jobs: dict[str, Job] = {}
+        self.model = RUN / "model.toml"
+        self.model.write_text(
+            "# GPT-3 1.3B's shape with a global batch of 12 (see scripts/demo.py)\n[model]\n"
+            + "".join(f"{f} = {getattr(MODEL, f)}\n" for f in ("layers", "hidden", "heads", "sequence",
+                                                              "vocabulary", "global_batch"))
+        )  # fmt: skip
+        self.launches_before_kill = 0
+        self.ends_read_s = 0.0
 
-    def call(self, fn: Callable[..., object], *args: object) -> None:
-        async def go() -> None:
-            client = redis_io.connect(RedisConfig(url=self.env["UNICORN_REDIS__URL"]))
-            try:
-                await fn(client, self.keys, *args)  # type: ignore[misc]
-            finally:
-                await client.aclose()
-
-        asyncio.run(go())
+    # --- reading unicornd's state --------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
         async def go() -> bytes | None:
             client = redis_io.connect(RedisConfig(url=self.env["UNICORN_REDIS__URL"]))
             try:
-                return await client.get(self.keys.state())  # type: ignore[no-any-return]
+                raw = await client.get(self.keys.state())
+                return raw.encode() if isinstance(raw, str) else raw
             finally:
                 await client.aclose()
 
@@ -100,6 +152,7 @@ class Demo:
         while time.monotonic() < deadline:
             if self.daemon.poll() is not None:
                 raise SystemExit(f"unicornd exited {self.daemon.returncode}; see {STATE / 'unicornd.log'}")
+            self.record_ends()
             try:
                 snap = self.snapshot()
                 if pred(snap):
@@ -107,117 +160,247 @@ class Demo:
             except AssertionError:
                 pass
             time.sleep(0.5)
-        raise SystemExit(f"timed out waiting for {what}; see {STATE / 'unicornd.log'}")
+        raise SystemExit(f"timed out waiting for {what}; see {STATE / 'unicornd.log'} and {RUN}/*.out")
 
-    def submit(self, name: str, nodes: str, weight: float) -> None:
-        out = sh("sbatch", "--parsable", "-N2", "-w", nodes, "--no-kill", "-J", name, "-o", "/dev/null",
-                 "--wrap", "sleep 100000", env=self.env)  # fmt: skip
-        job = int(out.strip().split(";")[0])
-        self.jobs[name] = job
-        while sh("squeue", "-h", "-j", str(job), "-o", "%T", env=self.env).strip() != "RUNNING":
-            time.sleep(0.1)
-        ckpt = STATE / f"ckpt-{name}-{job}"
+    def ctl(self, *args: str) -> str:
+        """``unicornctl ARGS`` as an operator types it, its output indented."""
+        print(f"$ unicornctl {' '.join(args)}")
+        out = subprocess.run([str(BIN / "unicornctl"), *args], capture_output=True, text=True, env=self.env,
+                             check=False)  # fmt: skip
+        shown = out.stdout if out.returncode == 0 else out.stdout + out.stderr  # stderr: its logs
+        for line in shown.rstrip().splitlines():
+            print(f"  {line}")
+        return out.stdout
+
+    # --- Slurm ------------------------------------------------------------------------------
+
+    def job_fields(self, job_id: int) -> dict[str, str]:
+        """``scontrol show job`` as key=value ({} once Slurm has forgotten the job)."""
+        out = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True,
+                             env=self.env, check=False).stdout  # fmt: skip
+        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+    def record_ends(self) -> None:
+        """Note how each job ended while Slurm still knows it (no slurmdbd here, so no sacct)."""
+        if time.monotonic() - self.ends_read_s < 2:
+            return
+        self.ends_read_s = time.monotonic()
+        for job in self.jobs.values():
+            if job.end is None:
+                fields = self.job_fields(job.job_id)
+                if fields.get("JobState") in ENDED:
+                    job.end = fields
+
+    def submit(self, name: str, slurm: tuple[str, ...], unicorn: tuple[str, ...]) -> Job:
+        ckpt = RUN / f"ckpt-{name}"
         command = (
-            sys.executable, "-m", "launcher.train", "--iterations=100000", "--layers=12", "--hidden=32",
-            "--heads=4", "--seq=16", "--vocab=64", f"--save-dir={ckpt}", f"--load={ckpt}",
+            sys.executable, "-m", "launcher.train", f"--iterations={ITERATIONS}", "--layers=12",
+            "--hidden=32", "--heads=4", "--seq=16", "--vocab=64", f"--save-dir={ckpt}", f"--load={ckpt}",
             "--save-interval=5", "--log-interval=5",
         )  # fmt: skip
-        task = TaskRecord(task_id=name, name=name, model=MODEL, command=command, weight=weight, min_gpus=1,
-                          job_id=job, nodes=tuple(nodes.split(",")))  # fmt: skip
-        self.call(register_task, task)
-        print(f"task {name}: job {job} on {nodes}, weight {weight}")
+        # --max-gpus 2: each task keeps to its two nodes' worth, so the first to finish does
+        # not hand its nodes to the other in the demo's last seconds.
+        argv = (
+            "sbatch", "-N", "2", "-J", name, "-o", str(RUN / f"{name}-%j.out"), *slurm, str(WRAPPER),
+            "--model", str(self.model), "--max-gpus", "2", *unicorn, "--", *command,
+        )  # fmt: skip
+        shown = [short(a) for a in argv[: argv.index("--") + 5]]
+        print(f"$ {shlex.join(shown)} ...")
+        out = sh(argv[0], "--parsable", *argv[1:], env=self.env, cwd=RUN)
+        job_id = int(out.strip().split(";")[0])
+        job = Job(name, job_id, RUN / f"{name}-{job_id}.out")
+        self.jobs[name] = job
+        print(f"  job {job_id}: task {job.task_id}, output in {short(str(job.output))}")
+        return job
 
-    def show(self, snap: Snapshot) -> None:
-        for t in sorted(snap.tasks.values(), key=lambda t: t.task_id):
-            layout = t.layout.describe() if t.layout else "-"
-            print(f"  task {t.task_id}: {t.state.value:<9} {layout:<22} on {','.join(t.nodes) or '-':<12} "
-                  f"iteration {t.last_iteration}")  # fmt: skip
-        for n in sorted(snap.nodes.values(), key=lambda n: n.name):
-            print(f"  node {n.name}: {n.health.value:<9} {n.reason[:70]}")
+    def spank_weight(self) -> bool:
+        """Whether this cluster's sbatch has the SPANK plugin's --unicorn-weight (needs gcc)."""
+        help_text = subprocess.run(["sbatch", "--help"], capture_output=True, text=True, env=self.env,
+                                   check=False).stdout  # fmt: skip
+        return "--unicorn-weight" in help_text
 
-    def incidents(self) -> None:
-        async def go() -> list[tuple[bytes, dict[bytes, bytes]]]:
-            client = redis_io.connect(RedisConfig(url=self.env["UNICORN_REDIS__URL"]))
-            try:
-                return await client.xrange(self.keys.incidents())  # type: ignore[no-any-return]
-            finally:
-                await client.aclose()
+    # --- training logs ------------------------------------------------------------------------
 
-        snap = self.snapshot()
-        for inc in sorted(snap.incidents.values(), key=lambda i: i.opened_s):
-            t0 = inc.opened_s
-            steps = " -> ".join(f"{e.stage.value} (+{e.t_s - t0:.1f}s)" for e in inc.timeline)
-            print(f"  {inc.incident_id} {inc.status.value} {inc.severity.value} on {inc.node}: {steps}")
-        for _, fields in asyncio.run(go()):
-            doc = json.loads(fields[PAYLOAD_FIELD.encode()])
-            if doc.get("kind") == "operator":
-                print(f"  operator notified: {doc['why']}")
+    def train_logs(self, job: Job) -> dict[str, str]:
+        """Each node's training output (every rank on that node), by node."""
+        root = AGENT_RUN_ROOT / PREFIX / str(job.job_id)
+        return {p.parent.name: p.read_text(errors="replace") for p in sorted(root.glob("*/train.log"))}
 
-    def losses(self, name: str) -> None:
-        job = self.jobs[name]
-        for node in ("n1", "n2"):
-            log = agent_run_dir("demo", job, node) / "train.log"
-            if not log.exists():
-                continue
-            text = log.read_text(errors="replace")
-            points = [(int(m.group(1)), float(m.group(2))) for m in LOSS.finditer(text)]
-            resumed = re.findall(r"layout (\S+) .*resumed_from=(\S+)", text)
-            for layout, start in resumed:
-                print(f"  {node}: launch at {layout}, resumed from iteration {start}")
-            if points:
-                print("  loss " + ", ".join(f"{i}:{v:.3f}" for i, v in points[-12:]))
+    def curve(self, job: Job) -> tuple[list[tuple[str, str]], dict[int, float]]:
+        """The task's launches (layout, resumed from) and its loss by iteration, all nodes merged."""
+        launches: list[tuple[str, str]] = []
+        points: dict[int, float] = {}
+        for text in self.train_logs(job).values():
+            launches += LAUNCH.findall(text)
+            points |= {int(i): float(v) for i, v in LOSS.findall(text)}
+        return launches, points
 
-    def run(self) -> None:
-        say("two training tasks, weights 1.0 and 1.2, 2 nodes each")
-        self.submit("a", "n1,n2", 1.0)
-        self.submit("b", "n3,n4", 1.2)
+    def losses(self, job: Job, mark: int | None = None) -> None:
+        launches, points = self.curve(job)
+        for layout, start in launches:
+            origin = "from scratch" if start in {"None", "0"} else f"resumed from iteration {start}"
+            print(f"  {job.task_id}: launch at {layout}, {origin}")
+        if not points:
+            return
+        its = sorted(points)
+        step = max(1, len(its) // 12)
+        near = [i for i in its if mark is not None and abs(i - mark) <= 5]  # around the kill
+        shown = sorted({*its[::step], its[-1], *near})
+        print(f"  {job.task_id} loss " + ", ".join(f"{i}:{points[i]:.3f}" for i in shown))
+
+    # --- the story ----------------------------------------------------------------------------
+
+    def run(self) -> bool:
+        spank = self.spank_weight()
+        say("two training tasks through the sbatch wrapper, 2 nodes each, weights 1.0 and 1.2")
+        a = self.submit("a", (), ("--weight", "1.0"))
+        if spank:
+            b = self.submit("b", ("--unicorn-weight=1.2",), ())
+        else:
+            print("  (sbatch has no --unicorn-weight here: the SPANK plugin was not built; using --weight)")
+            b = self.submit("b", (), ("--weight", "1.2"))
 
         def both_training(s: Snapshot) -> bool:
-            ok = [t.state is TaskState.RUNNING and (t.last_iteration or 0) >= 8 for t in s.tasks.values()]
+            ok = [
+                t.state is TaskState.RUNNING and (t.last_iteration or 0) >= 8
+                for t in (s.tasks.get(a.task_id), s.tasks.get(b.task_id))
+                if t is not None
+            ]
             return len(ok) == 2 and all(ok)
 
-        snap = self.wait(both_training, "both training")
-        self.show(snap)
-        say("kill node n2 (slurmd, agent and ranks: SIGKILL)")
+        snap = self.wait(both_training, "both tasks training")
+        self.ctl("tasks")
+        # A node of task a that is not its batch host (that one runs the wrapper's batch script).
+        batch_host = self.job_fields(a.job_id).get("BatchHost")
+        victim = [n for n in snap.tasks[a.task_id].nodes if n != batch_host][-1]
+        say(f"kill node {victim} of task {a.task_id} (slurmd, agent and ranks: SIGKILL)")
+        mark = snap.tasks[a.task_id].last_iteration or 0
+        self.launches_before_kill = len(self.curve(a)[0])
         t0 = time.monotonic()
-        subprocess.run([*DEV, "kill-node", "n2"], check=True)
-        mark = snap.tasks["a"].last_iteration or 0
-        snap = self.wait(lambda s: "n2" not in s.tasks["a"].nodes and s.tasks["a"].state is TaskState.RUNNING
-                         and (s.tasks["a"].last_iteration or 0) > mark, "task a resumed")  # fmt: skip
-        print(f"task a training again {time.monotonic() - t0:.1f} s after the kill")
-        self.show(snap)
-        self.incidents()
-        self.losses("a")
-        say("the node comes back; the operator resumes it; a replan uses it again")
-        subprocess.run([*DEV, "revive-node", "n2"], check=True)
+        subprocess.run([*DEV, "kill-node", victim], check=True)
+
+        def resumed(s: Snapshot) -> bool:
+            t = s.tasks[a.task_id]
+            return victim not in t.nodes and t.state is TaskState.RUNNING and (t.last_iteration or 0) > mark
+
+        snap = self.wait(resumed, f"task {a.task_id} resumed")
+        print(f"task {a.task_id} training again {time.monotonic() - t0:.1f} s after the kill "
+              f"(it had reported iteration {mark})")  # fmt: skip
+        self.ctl("status")
+        self.ctl("incidents", "--all")
+        self.losses(a, mark)
+
+        say(f"the node comes back; the operator resumes it; a replan gives {victim} back to {a.task_id}")
+        subprocess.run([*DEV, "revive-node", victim], check=True)
         time.sleep(2)
-        self.call(lambda c, k: request(c, k, {"op": "resume", "node": "n2"}))
-        snap = self.wait(lambda s: s.nodes["n2"].health is NodeHealth.HEALTHY and "n2" in s.tasks["a"].nodes
-                         and s.tasks["a"].state is TaskState.RUNNING, "n2 used again")  # fmt: skip
-        self.show(snap)
-        self.losses("a")
+        self.ctl("resume", victim, "--yes")
+
+        def used_again(s: Snapshot) -> bool:
+            t = s.tasks[a.task_id]
+            if t.state is TaskState.FINISHED:
+                raise SystemExit(f"task {a.task_id} finished before {victim} was used again")
+            return (s.nodes[victim].health is NodeHealth.HEALTHY and victim in t.nodes
+                    and t.state is TaskState.RUNNING)  # fmt: skip
+
+        self.wait(used_again, f"{victim} used again")
+        self.ctl("tasks")
+
+        say(f"both tasks train to iteration {ITERATIONS}; each job ends with its training's result")
+        last_line = time.monotonic()
+
+        def ended(s: Snapshot) -> bool:
+            nonlocal last_line
+            if time.monotonic() - last_line > 15:
+                last_line = time.monotonic()
+                now = [f"{t.task_id} {t.state.value}, iteration {t.last_iteration}" for t in s.tasks.values()]
+                print("  " + "; ".join(sorted(now)))
+            return all(j.end is not None for j in self.jobs.values())
+
+        self.wait(ended, "both jobs to end", timeout_s=900)
+        for job, last in ((a, None), (b, 4)):  # a's whole story; b's end
+            lines = job.output.read_text(errors="replace").splitlines()
+            what = "" if last is None else f", last {last} lines"
+            print(f"\n{short(str(job.output))} (the job's output{what}):")
+            for line in lines[-last if last else 0 :]:
+                print(f"  {line if len(line) <= 150 else line[:149] + '…'}")
+        print()
+        self.ctl("incidents", "--all")
+        print()
+        self.ctl("status")
+        say("loss curves (per-rank logs, every node of each job merged)")
+        self.losses(a, mark)
+        self.losses(b)
+        return self.verdict(mark)
+
+    def verdict(self, mark: int) -> bool:
+        """Print each task's result; True when both trained to the end through the failure."""
+        say("result")
+        snap = self.snapshot()
+        failures = []
+        for job in self.jobs.values():
+            end = job.end or {}
+            state, code = end.get("JobState", "?"), end.get("ExitCode", "?")
+            task = snap.tasks.get(job.task_id)
+            launches, points = self.curve(job)
+            result = f"{task.state.value} at iteration {task.last_iteration}" if task else "unknown"
+            print(
+                f"  job {job.job_id} ({job.task_id}): {state}, exit code {code}, requeued "
+                f"{end.get('Restarts', '?')} time(s); task {result}, {len(launches)} launch(es)"
+            )
+            if (state, code) != ("COMPLETED", "0:0"):
+                failures.append(f"job {job.job_id} ended {state} with exit code {code}")
+            if task is None or task.state is not TaskState.FINISHED or task.last_iteration != ITERATIONS:
+                failures.append(f"task {job.task_id} did not finish at iteration {ITERATIONS}")
+            if f"task finished at iteration {ITERATIONS}" not in job.output.read_text(errors="replace"):
+                failures.append(f"{short(str(job.output))} does not say the task finished")
+            if max(points, default=0) != ITERATIONS:
+                failures.append(f"{job.task_id}'s logs end at iteration {max(points, default=0)}")
+        a = self.jobs["a"]
+        after = self.curve(a)[0][self.launches_before_kill :]
+        if not after:
+            failures.append(f"no launch of {a.task_id} after the kill in its logs")
+        for layout, start in after:
+            if not start.isdigit() or int(start) < mark - 5:  # --save-interval=5, and JIT saves
+                failures.append(f"{a.task_id} relaunched at {layout} from iteration {start}, not near {mark}")
+        for why in failures:
+            print(f"  FAILED: {why}")
+        return not failures
 
     def close(self) -> None:
+        # While unicornd still runs: scancel makes the wrapper stop its task cleanly.
+        active = [j.job_id for j in self.jobs.values() if j.end is None]
+        for job_id in active:
+            subprocess.run(["scancel", str(job_id)], env=self.env, check=False)
+        deadline = time.monotonic() + 20
+        while active and time.monotonic() < deadline:
+            out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=self.env,
+                                 check=False).stdout.split()  # fmt: skip
+            active = [j for j in active if str(j) in out]
+            time.sleep(0.5)
         if self.daemon.poll() is None:
             self.daemon.send_signal(signal.SIGTERM)
             try:
                 self.daemon.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.daemon.kill()
-        for job in self.jobs.values():
-            subprocess.run(["scancel", str(job)], env=self.env, check=False)
-        time.sleep(2)
+        self.log.close()
         subprocess.run([*DEV, "down"], capture_output=True, check=False)
+        shutil.rmtree(SHM, ignore_errors=True)
 
 
-def main() -> None:
+def main() -> int:
     demo = Demo()
     try:
-        demo.run()
-        say("done: both tasks trained through a node failure; cluster stopped")
+        ok = demo.run()
     finally:
         demo.close()
+    took = time.monotonic() - demo.started
+    if ok:
+        say(f"done in {took:.0f} s: both tasks trained to the end through a node failure; cluster stopped")
+        return 0
+    say(f"the demo FAILED after {took:.0f} s (see above; logs in {short(str(STATE))}/); cluster stopped")
+    return 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
