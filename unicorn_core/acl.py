@@ -231,6 +231,12 @@ def caller_config(cfg: RedisConfig) -> RedisConfig:
     raise ConfigError("no readable Redis credentials: " + "; ".join(tried))
 
 
+def connect_caller(cfg: RedisConfig, *, client_name: str) -> aioredis.Redis:
+    """:func:`redis_io.connect` as the caller's most privileged readable user
+    (:func:`caller_config`): every client a person runs (unicornctl, the sbatch wrapper)."""
+    return redis_io.connect(caller_config(cfg), client_name=client_name)
+
+
 async def apply_roles(client: aioredis.Redis, cfg: RedisConfig) -> list[str]:
     """(Re)create ``<prefix>-operator`` and ``<prefix>-user`` from their password files
     (those configured); returns the users set. Run by unicornd at start."""

@@ -66,7 +66,7 @@ class ClusterStatus:
 
 async def gather_status(cfg: Config) -> ClusterStatus:
     slurm = await make_backend(cfg.slurm)
-    client = redis_io.connect(acl.caller_config(cfg.redis), client_name="unicornctl")
+    client = acl.connect_caller(cfg.redis, client_name="unicornctl")
     try:
         nodes, jobs = await asyncio.gather(slurm.list_nodes(), slurm.list_jobs())
         keys = RedisKeys(cfg.redis.key_prefix)
@@ -371,7 +371,7 @@ class _NoStateError(click.ClickException):
 async def read_snapshot(cfg: Config) -> Snapshot | None:
     """unicornd's persisted snapshot; None when there is none. Raises ``RedisCallError``
     (unreachable, auth), ``ProtocolError`` (not a snapshot this version wrote)."""
-    client = redis_io.connect(acl.caller_config(cfg.redis), client_name="unicornctl")
+    client = acl.connect_caller(cfg.redis, client_name="unicornctl")
     try:
         return await store.read_snapshot(client, RedisKeys(cfg.redis.key_prefix))
     finally:
@@ -800,7 +800,7 @@ def render_outlook(o: Outlook, title: str) -> str:
 
 async def daemon_alive(cfg: Config) -> bool:
     """unicornd's liveness key exists (it refreshes it every few seconds while running)."""
-    client = redis_io.connect(acl.caller_config(cfg.redis), client_name="unicornctl")
+    client = acl.connect_caller(cfg.redis, client_name="unicornctl")
     keys = RedisKeys(cfg.redis.key_prefix)
     try:
         return bool(await redis_io.call(("EXISTS",), client.exists(keys.daemon_liveness())))
@@ -809,7 +809,7 @@ async def daemon_alive(cfg: Config) -> bool:
 
 
 async def _send_operator(cfg: Config, doc: dict[str, Any]) -> None:
-    client = redis_io.connect(acl.caller_config(cfg.redis), client_name="unicornctl")
+    client = acl.connect_caller(cfg.redis, client_name="unicornctl")
     try:
         await request(
             client, RedisKeys(cfg.redis.key_prefix), doc, timeout_s=REQUEST_TIMEOUT_S, operator=True

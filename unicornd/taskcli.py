@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from unicorn_core import acl, redis_io
+from unicorn_core import acl
 from unicorn_core.config import Config, load_config
 from unicorn_core.errors import ConfigError, UnicornError
 from unicorn_core.jobenv import capture
@@ -251,7 +251,7 @@ def task_stop(ctx: click.Context, task_id: str, why: str, timeout_s: float) -> N
     cfg = _config(ctx)
 
     async def go() -> None:
-        client = redis_io.connect(acl.caller_config(cfg.redis), client_name="unicornctl")
+        client = acl.connect_caller(cfg.redis, client_name="unicornctl")
         try:
             await stop_task(client, RedisKeys(cfg.redis.key_prefix), task_id, why, timeout_s=timeout_s)
         finally:

@@ -307,7 +307,7 @@ class _Waiter:
         self.opts = opts
         self.say = say
         self.keys = RedisKeys(cfg.redis.key_prefix)
-        self.client = redis_io.connect(acl.caller_config(cfg.redis), client_name=f"unicornctl-wait-{task_id}")
+        self.client = acl.connect_caller(cfg.redis, client_name=f"unicornctl-wait-{task_id}")
         self.phase = WaitPhase.WATCHING
         self.view: TaskView | None = None
         self.meter = ProgressMeter(opts.progress_interval_s)
@@ -456,7 +456,7 @@ async def register_or_attach(
     rerun), in which case nothing is sent. Raises AlreadyEnded, RequestRefused, NoDaemon,
     RedisCallError."""
     keys = RedisKeys(cfg.redis.key_prefix)
-    client = redis_io.connect(acl.caller_config(cfg.redis), client_name=f"unicornctl-register-{task.task_id}")
+    client = acl.connect_caller(cfg.redis, client_name=f"unicornctl-register-{task.task_id}")
     try:
         snap = await read_snapshot(client, keys)
         known = snap.tasks.get(task.task_id) if snap is not None else None
