@@ -516,17 +516,17 @@ class Daemon:
             raw_env = req.get("environment")
             environment = None if raw_env is None else JobEnvironment.from_dict(raw_env)
             await self._authenticate_registration(req, task)
-            if environment is not None and task.job_id is not None:
-                # Before the decision, so the agents it launches find it; out of the snapshot,
-                # which every user may read (the variables may hold the user's tokens).
-                key = self.keys.job_env(task.job_id)
-                await redis_io.call(("SET", key), self.client.set(key, environment.to_json()))
+            if environment is None or task.job_id is None:
+                await self.decide(decide.on_task_arrived, task, now)
+                return
+            # Stored before the decision, so the agents it launches find it; out of the
+            # snapshot, which every user may read (the variables may hold the user's tokens).
+            key = self.keys.job_env(task.job_id)
+            await redis_io.call(("SET", key), self.client.set(key, environment.to_json()))
             try:
                 await self.decide(decide.on_task_arrived, task, now)
             except BaseException:
-                if environment is not None and task.job_id is not None:
-                    key = self.keys.job_env(task.job_id)
-                    await redis_io.call(("DEL", key), self.client.delete(key))
+                await redis_io.call(("DEL", key), self.client.delete(key))
                 raise
         elif op == "resume":
             node = str(req.get("node", ""))
