@@ -195,6 +195,18 @@ class _Draft:
         else:
             self.incidents[record.incident_id] = record
 
+    def stop_agent(self, action_id: str, job_id: int, node: str) -> None:
+        """Order the agent of ``job_id`` on ``node`` to stop (ranks save and exit)."""
+        self.act(
+            SendCommand(
+                action_id=action_id,
+                job_id=job_id,
+                node=node,
+                action=AgentAction.STOP,
+                deadline_s=self.policy.command_deadline_s,
+            )
+        )
+
     def act(self, action: Action) -> None:
         if all(a.action_id != action.action_id for a in self.actions):
             self.actions.append(action)
@@ -329,15 +341,7 @@ def _stop_task(draft: _Draft, task: TaskRecord, inc: Incident, why: str) -> None
     if task.job_id is not None:
         for node in task.nodes:
             if draft.node(node).health is NodeHealth.HEALTHY:
-                draft.act(
-                    SendCommand(
-                        action_id=f"{inc.incident_id}/stop/{node}",
-                        job_id=task.job_id,
-                        node=node,
-                        action=AgentAction.STOP,
-                        deadline_s=draft.policy.command_deadline_s,
-                    )
-                )
+                draft.stop_agent(f"{inc.incident_id}/stop/{node}", task.job_id, node)
     why = f"task {task.task_id} stopped: {why}"
     draft.act(NotifyOperator(f"{inc.incident_id}/notify/stopped", inc.incident_id, why))
     draft.notes.append(f"{inc.incident_id}: {why}")
@@ -887,15 +891,7 @@ def on_task_stop(snapshot: Snapshot, task_id: str, now_s: float, *, why: str) ->
         if rec.task_id == task_id:
             draft.put(replace(rec, task_id=None))
         if task.job_id is not None:
-            draft.act(
-                SendCommand(
-                    action_id=f"task/{task_id}/stop/{name}",
-                    job_id=task.job_id,
-                    node=name,
-                    action=AgentAction.STOP,
-                    deadline_s=draft.policy.command_deadline_s,
-                )
-            )
+            draft.stop_agent(f"task/{task_id}/stop/{name}", task.job_id, name)
     inc = snapshot.open_incident(task_id)
     if inc is not None:
         draft.put(replace(inc.moved(_L.CLOSED, now_s), note=f"task stopped: {why}"))
