@@ -277,6 +277,13 @@ class MemoryStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        wanted: dict[int, set[str]] = {}
+        for item in plan.items:
+            rank, name = self.storage_data[item.storage_index]
+            wanted.setdefault(rank, set()).add(name)
+        for rank, names in wanted.items():  # every entry this rank reads, hashed in parallel
+            shard = self._open(rank)
+            shard.verify_entries(shard.index(name) for name in names)
         for item in plan.items:
             rank, name = self.storage_data[item.storage_index]
             shard = self._open(rank)

@@ -13,7 +13,7 @@ import torch
 from ckpt.errors import ShardUnavailable, SnapshotBusy
 from ckpt.persist import Persister
 from ckpt.restore import Restorer
-from ckpt.shard import OpenShard, seal_shard
+from ckpt.shard import VERIFY_THREADS, OpenShard, seal_shard
 from ckpt.snapshot import SnapshotWriter
 from ckpt.tier import Retention, Tier, TierDir
 from tests.ckpt.conftest import assert_same, training_state
@@ -69,6 +69,27 @@ def test_a_corrupt_byte_in_memory_is_detected(shm_root: Path) -> None:
         f.write(b"\x7f")
     with OpenShard(handle.paths) as shard, pytest.raises(ShardUnavailable, match=r"corrupt.*checksum"):
         shard.verify()
+
+
+@pytest.mark.skipif(VERIFY_THREADS < 2, reason="one checksum thread: the serial path is the one tested above")
+def test_parallel_verification_reports_the_first_corrupt_entry(shm_root: Path) -> None:
+    """Large shards are hashed on several threads; a mismatch still names the first bad
+    entry in entry order, and the entries verified before it stay verified."""
+    state = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(6)}  # 4 MiB each, 24 MiB
+    handle = SnapshotWriter(shm_root, "job", 0, 1).snapshot(state, 1)
+    handle.seal()
+    with OpenShard(handle.paths) as shard:
+        bad = [shard.entry("w2"), shard.entry("w4")]
+    with handle.paths.bin.open("r+b") as f:
+        for entry in bad:
+            f.seek(entry.offset + 123)
+            f.write(b"\x7f")
+    with OpenShard(handle.paths) as shard:
+        with pytest.raises(ShardUnavailable, match=r"corrupt.*entry w2 checksum"):
+            shard.verify()
+        assert_same(shard.value("w1", copy=True, verify=True), state["w1"])  # a good entry still reads
+        with pytest.raises(ShardUnavailable, match="entry w4"):
+            shard.value("w4", verify=True)
 
 
 def test_kill_9_after_snapshot_agent_persists_and_restart_restores_from_memory(
