@@ -14,6 +14,10 @@ source tree):
 - ``healthcheck.sh`` and its ``healthcheck.conf`` -> ``HealthCheckProgram`` and
   ``HealthCheckInterval``. Slurm runs the program with no arguments and an almost empty
   environment, so everything it needs is in the conf file beside it.
+- ``epilog.sh`` and its ``epilog.conf`` -> ``Epilog``: frees a finished job's checkpoint
+  memory tier (``<shm_dir>/snap|peer/*.<job>``) on each of its nodes, keeps it for a
+  requeued job's next run. A site that already has an Epilog calls unicorn's from its
+  own instead of taking the ``Epilog=`` line.
 
 A piece whose prerequisites are missing (no gcc or spank.h, no job_submit_lua.so, no
 unicornctl, interval 0) is skipped and named in :attr:`PluginInstall.skipped`: the
@@ -38,6 +42,7 @@ SOURCE_DIR = Path(__file__).resolve().parent
 SPANK_SOURCE = SOURCE_DIR / "unicorn_spank.c"
 LUA_SOURCE = SOURCE_DIR / "job_submit.lua"
 HEALTHCHECK_SOURCE = SOURCE_DIR / "healthcheck.sh"
+EPILOG_SOURCE = SOURCE_DIR / "epilog.sh"
 SPANK_HEADER = Path("/usr/include/slurm/spank.h")
 CFLAGS = ("-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-std=gnu11")
 # Where Debian, RPM and source builds put Slurm's plugins (job_submit_lua.so among them).
@@ -84,6 +89,35 @@ class HealthCheckSettings:
         for value in (str(self.unicornctl), *self.node_check_args):
             if "\n" in value:
                 raise PluginError(f"health check setting contains a newline: {value!r}")
+
+
+@dataclass(frozen=True)
+class EpilogSettings:
+    """What ``epilog.sh`` needs, written to ``epilog.conf``.
+
+    ``shm_dirs``: every ``[ckpt] shm_dir`` used on the nodes (absolute paths; the folders
+    named after the ending job under their ``snap/`` and ``peer/`` are removed).
+    """
+
+    shm_dirs: tuple[Path, ...]
+    slurm_conf: Path | None = None
+    log_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        for path in (*self.shm_dirs, self.slurm_conf, self.log_file):
+            if path is not None and (not Path(path).is_absolute() or "\n" in str(path)):
+                raise PluginError(f"epilog setting {str(path)!r} must be an absolute path on one line")
+
+
+def render_epilog_conf(settings: EpilogSettings, scontrol: Path, timeout_bin: Path) -> str:
+    """``KEY=VALUE`` lines read by epilog.sh (literal values, never evaluated)."""
+    lines = [GENERATED, f"SCONTROL={scontrol}", f"TIMEOUT={timeout_bin}"]
+    lines += [f"SHM_DIR={path}" for path in settings.shm_dirs]
+    if settings.slurm_conf is not None:
+        lines.append(f"SLURM_CONF={settings.slurm_conf}")
+    if settings.log_file is not None:
+        lines.append(f"LOG_FILE={settings.log_file}")
+    return "\n".join(lines) + "\n"
 
 
 @dataclass(frozen=True)
@@ -177,17 +211,23 @@ def render_healthcheck_conf(settings: HealthCheckSettings, scontrol: Path, timeo
     return "\n".join(lines) + "\n"
 
 
-def install_plugins(conf_dir: Path, dest: Path, health: HealthCheckSettings | None) -> PluginInstall:
+def install_plugins(
+    conf_dir: Path,
+    dest: Path,
+    health: HealthCheckSettings | None,
+    epilog: EpilogSettings | None = None,
+) -> PluginInstall:
     """Build and place every plugin whose prerequisites exist; see the module docstring.
 
     ``conf_dir`` is slurm.conf's folder (plugstack.conf and job_submit.lua go there),
-    ``dest`` the folder for built files and the health check. ``health`` None skips
-    the HealthCheckProgram.
+    ``dest`` the folder for built files, the health check and the epilog. ``health``
+    None skips the HealthCheckProgram, ``epilog`` None the Epilog.
     """
     conf: list[str] = []
     installed: list[str] = []
     skipped: list[str] = []
-    for target in (conf_dir / "plugstack.conf", conf_dir / "job_submit.lua", dest / "healthcheck.conf"):
+    owned = (conf_dir / "plugstack.conf", conf_dir / "job_submit.lua", dest / "healthcheck.conf")
+    for target in (*owned, dest / "epilog.conf", dest / "epilog.sh"):
         check_owned(target)  # before anything is built or written
     conf_dir.mkdir(parents=True, exist_ok=True)
     dest.mkdir(parents=True, exist_ok=True)
@@ -229,15 +269,40 @@ def install_plugins(conf_dir: Path, dest: Path, health: HealthCheckSettings | No
             health.fault_dir.mkdir(parents=True, exist_ok=True)
         conf += [f"HealthCheckProgram={program}", f"HealthCheckInterval={health.interval_s}"]
         installed.append(f"HealthCheckProgram {program} every {health.interval_s} s")
+
+    placed = install_epilog(dest, epilog, scontrol, timeout_bin)
+    if isinstance(placed, str):
+        skipped.append(placed)
+    else:
+        program, frees = placed
+        conf.append(f"Epilog={program}")
+        installed.append(f"Epilog {program} (frees {frees})")
     return PluginInstall(tuple(conf), tuple(installed), tuple(skipped))
+
+
+def install_epilog(
+    dest: Path, epilog: EpilogSettings | None, scontrol: str | None, timeout_bin: str | None
+) -> tuple[Path, str] | str:
+    """Place ``epilog.sh`` and its conf in ``dest``: (the program, the folders it frees), or
+    why it was skipped."""
+    if epilog is None or not epilog.shm_dirs:
+        return "Epilog: no checkpoint memory tier to free ([ckpt] shm_dir empty)"
+    if scontrol is None or timeout_bin is None:
+        return "Epilog: scontrol or timeout not on PATH"
+    program = dest / "epilog.sh"
+    write_owned(dest / "epilog.conf", render_epilog_conf(epilog, Path(scontrol), Path(timeout_bin)))
+    write_owned(program, EPILOG_SOURCE.read_text())
+    program.chmod(0o755)
+    return program, ", ".join(map(str, epilog.shm_dirs))
 
 
 def install_dev_cluster(
     state_dir: Path, *, health_check_interval_s: int, log: Callable[[str], None]
 ) -> list[str]:
     """The dev cluster's choices: files under ``<state>/plugins``, the repo's .venv unicornctl,
-    GPU fault injection from ``<state>/faults/<node>.jsonl`` (a test cluster), a log in
-    ``<state>/log/healthcheck.log``. Returns the slurm.conf lines and logs what it did.
+    GPU fault injection from ``<state>/faults/<node>.jsonl`` (a test cluster), logs in
+    ``<state>/log/healthcheck.log`` and ``epilog.log``, the memory tier ``<state>/shm``.
+    Returns the slurm.conf lines and logs what it did.
     """
     repo = SOURCE_DIR.parent
     health = HealthCheckSettings(
@@ -247,7 +312,12 @@ def install_dev_cluster(
         fault_dir=state_dir / "faults",
         log_file=state_dir / "log" / "healthcheck.log",
     )
-    result = install_plugins(state_dir / "etc", state_dir / "plugins", health)
+    epilog = EpilogSettings(
+        shm_dirs=(state_dir / "shm",),
+        slurm_conf=state_dir / "etc" / "slurm.conf",
+        log_file=state_dir / "log" / "epilog.log",
+    )
+    result = install_plugins(state_dir / "etc", state_dir / "plugins", health, epilog)
     if result.installed:
         log(f"slurm plugins: {'; '.join(result.installed)}")
     for what in result.skipped:

@@ -1,9 +1,9 @@
-"""slurm_plugins/: the SPANK plugin, job_submit.lua and the HealthCheckProgram.
+"""slurm_plugins/: the SPANK plugin, job_submit.lua, the HealthCheckProgram and the Epilog.
 
 System tests run on a private 3-node dev cluster with a 2 s HealthCheckInterval: jobs
 run on n1, the health-check tests inject GPU faults into n2 and n3 and restore them.
-The script-level tests of healthcheck.sh (fake unicornctl and scontrol) and the
-bounds check need no cluster.
+The script-level tests of healthcheck.sh and epilog.sh (fake unicornctl and scontrol)
+and the bounds check need no cluster.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from slurm_plugins.install import (
+    EPILOG_SOURCE,
     HEALTHCHECK_SOURCE,
     LUA_SOURCE,
     SPANK_HEADER,
@@ -365,6 +366,103 @@ def test_bounds_are_the_same_in_c_lua_and_python() -> None:
     max_gpus = constant(r"#define UNICORN_MAX_MIN_GPUS (\d+)L", c_src)
     assert constant(r"local MAX_MIN_GPUS = (\d+)", lua_src) == max_gpus
     assert os.access(HEALTHCHECK_SOURCE, os.X_OK)  # installed by copying, mode included
+
+
+# ------------------------------------------------------------------------ Epilog
+
+
+def memory_tier(shm: Path, job: str) -> list[Path]:
+    """What ranks and agents of ``job`` leave in a memory tier (scoped and unscoped names)."""
+    folders = [shm / "snap" / f"e2e1x0.{job}" / "it-000000000003", shm / "peer" / job / "it-000000000003"]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        (folder / "shard-00000.bin").write_bytes(b"x" * 4096)
+    return [f.parent for f in folders]
+
+
+@pytest.mark.system
+def test_epilog_frees_the_memory_tier_of_an_ended_job(pcluster: DevCluster) -> None:
+    """A real job on n1 snapshots into the cluster's memory tier; once it ends, slurmd's
+    Epilog has removed its folders and logged it, and left another job's alone."""
+    shm = Path(pcluster.env["UNICORN_CKPT__SHM_DIR"])
+    other = memory_tier(shm, "999999")
+    script = (
+        'mkdir -p "$SHM/snap/e2e1x0.$SLURM_JOB_ID/it-000000000001" "$SHM/peer/$SLURM_JOB_ID"\n'
+        'head -c 1M /dev/zero > "$SHM/snap/e2e1x0.$SLURM_JOB_ID/it-000000000001/shard-00000.bin"\n'
+    )
+    res = sbatch(pcluster, "--nodelist=n1", f"--export=ALL,SHM={shm}", "--wrap", script)
+    assert res.returncode == 0, res.stderr
+    job = res.stdout.strip().split(";")[0]
+    log = pcluster.state_dir / "log" / "epilog.log"
+    wait_until(lambda: log.exists() and f"job {job}: removed" in log.read_text(), "the epilog of the job")
+    assert not (shm / "snap" / f"e2e1x0.{job}").exists() and not (shm / "peer" / job).exists()
+    assert all(f.is_dir() for f in other)
+    for folder in other:
+        shutil.rmtree(folder)
+
+
+def run_epilog(conf: Path, job: str) -> subprocess.CompletedProcess[str]:
+    """As slurmd runs it: no arguments, SLURM_JOB_ID in the environment."""
+    return subprocess.run(
+        ["/bin/bash", str(EPILOG_SOURCE)],
+        env={"SLURM_JOB_ID": job, "UNICORN_EPILOG_CONF": str(conf)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+def epilog_conf(tmp_path: Path, job_state: str, extra: str = "") -> Path:
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f'#!/bin/bash\necho "JobId=$4 JobName=x JobState={job_state} Reason=None"\n')
+    scontrol.chmod(0o755)
+    conf = tmp_path / "epilog.conf"
+    conf.write_text(
+        f"SCONTROL={scontrol}\nTIMEOUT=/usr/bin/timeout\nSHM_DIR={tmp_path}/shm\n"
+        f"SHM_DIR={tmp_path}/absent\nLOG_FILE={tmp_path}/epilog.log\n{extra}"
+    )
+    return conf
+
+
+def test_epilog_script_removes_only_the_ended_jobs_folders(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    mine = memory_tier(shm, "12")
+    others = memory_tier(shm, "112") + memory_tier(shm, "120")
+    outside = tmp_path / "outside.12"
+    outside.mkdir()
+    (shm / "snap" / "link.12").symlink_to(outside)  # never followed
+    res = run_epilog(epilog_conf(tmp_path, "COMPLETING"), "12")
+    assert res.returncode == 0, res.stderr
+    assert not any(f.exists() for f in mine)
+    assert all(f.is_dir() for f in others) and outside.is_dir() and (shm / "snap" / "link.12").is_symlink()
+    assert "unicorn-epilog job 12: removed" in (tmp_path / "epilog.log").read_text()
+
+
+@pytest.mark.parametrize("state", ["PENDING", "REQUEUED", "REQUEUE_HOLD"])
+def test_epilog_script_keeps_a_requeued_jobs_memory_tier(tmp_path: Path, state: str) -> None:
+    mine = memory_tier(tmp_path / "shm", "12")
+    res = run_epilog(epilog_conf(tmp_path, state), "12")
+    assert res.returncode == 0 and f"requeued ({state}): memory tier kept" in res.stderr, res.stderr
+    assert all(f.is_dir() for f in mine)
+
+
+@pytest.mark.parametrize(
+    ("job", "extra", "said"),
+    [
+        ("", "", "SLURM_JOB_ID '' is not a job id"),
+        ("12; rm -rf /", "", "is not a job id"),
+        ("12", "COLOR=blue\n", "unknown key 'COLOR'"),
+    ],
+)
+def test_epilog_script_removes_nothing_on_bad_input_and_never_fails(
+    tmp_path: Path, job: str, extra: str, said: str
+) -> None:
+    """Slurm drains a node whose Epilog fails: every problem is logged, the exit stays 0."""
+    mine = memory_tier(tmp_path / "shm", "12")
+    res = run_epilog(epilog_conf(tmp_path, "COMPLETING", extra), job)
+    assert res.returncode == 0 and said in res.stderr, res.stderr
+    assert all(f.is_dir() for f in mine)
 
 
 # ------------------------------------------------------------------------ install

@@ -79,6 +79,11 @@ def test_install_places_the_tree_and_is_idempotent(tmp_path: Path) -> None:
         key, _, value = line.partition("=")
         if key in ("PlugStackConfig", "HealthCheckProgram"):
             assert Path(value).is_file() and str(root) in value
+    if shutil.which("scontrol") and shutil.which("timeout"):  # the Epilog frees the default memory tier
+        epilog = root / "usr/local/lib/unicorn/epilog.sh"
+        assert f"Epilog={epilog}" in include and epilog.stat().st_mode & 0o111
+        conf = (epilog.parent / "epilog.conf").read_text().splitlines()
+        assert "SHM_DIR=/dev/shm/unicorn-ckpt" in conf, conf
     secrets = {n: root / "etc/unicorn" / f"redis-{n}.pass" for n in ("unicornd", "operator", "user")}
     modes = {n: p.stat().st_mode & 0o777 for n, p in secrets.items()}
     assert modes == {"unicornd": 0o600, "operator": 0o640, "user": 0o644}
@@ -105,6 +110,25 @@ def test_an_existing_config_is_never_overwritten(tmp_path: Path) -> None:
     assert f"kept {config} (edited; not overwritten)" in res.stdout
     default = root / "usr/local/share/unicorn/unicorn.toml.default"
     assert default.read_text() == (REPO / "etc/unicorn.toml").read_text()
+
+
+def test_epilog_follows_the_installed_memory_tier(tmp_path: Path) -> None:
+    """The Epilog frees what ``[ckpt] shm_dir`` names; none without a memory tier; a
+    relative path is refused. The script's default matches the config's."""
+    from unicorn_core.config import CkptConfig
+
+    text = INSTALL.read_text()
+    assert f'DEFAULT_SHM_DIR = "{CkptConfig().shm_dir}"' in text
+    config = tmp_path / "root/etc/unicorn/unicorn.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text('[ckpt]\nshm_dir = ""\n')
+    res = install(tmp_path / "root")
+    assert res.returncode == 0, res.stderr
+    assert "skipped Epilog: no checkpoint memory tier" in res.stdout
+    assert not (tmp_path / "root/usr/local/lib/unicorn/epilog.sh").exists()
+    config.write_text('[ckpt]\nshm_dir = "shm"\n')
+    res = install(tmp_path / "root")
+    assert res.returncode != 0 and "[ckpt] shm_dir must be an absolute path" in res.stderr
 
 
 def test_every_sbatch_wrapper_in_etc_is_installed(tmp_path: Path) -> None:
