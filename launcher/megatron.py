@@ -23,6 +23,11 @@ How a user's Megatron-LM job runs under unicorn:
 - **Just-in-time save.** With ``--exit-signal-handler``, Megatron catches SIGTERM, saves
   a checkpoint at the end of the current iteration on every rank and exits; the agent
   therefore stops ranks with SIGTERM and a grace period before SIGKILL.
+- **Memory tier.** With ``memory_tier``, ranks run the script under
+  ``python -m launcher.mcore_ckpt`` (:mod:`launcher.mcore_ckpt`): megatron-core's
+  registry then hands Megatron-LM unicorn's torch_dist strategies, so its saves (the
+  ``--exit-signal-handler`` one included) go to shared memory and the node agent seals,
+  persists and replicates them; loads come back nearest first, resharded.
 - **Resharding.** ``--ckpt-format torch_dist`` (``--use-dist-ckpt`` in releases before
   it) saves a distributed checkpoint that Megatron reshards on load, so the relaunch
   at a new TP/PP/DP resumes from it; the global batch stays fixed and Megatron derives
@@ -47,6 +52,8 @@ from unicorn_core.layout import Layout
 from unicorn_core.model import ModelSpec
 from unicorn_core.protocol import ExceptionReport, IterationPhase, IterationTiming
 
+MEMORY_TIER_RUNNER: Final = "launcher.mcore_ckpt"
+"""The module a rank runs the Megatron-LM script under to checkpoint into the tiers."""
 _HEAD: Final = re.compile(r"^\s*(?:\[[^\]]*\]\s*)?iteration\s+(\d+)\s*/\s*(\d+)\s*\|(.*)$")
 _FIELD: Final = re.compile(r"^\s*([A-Za-z][A-Za-z0-9 ()/_-]*?)\s*:\s*(\S+)\s*$")
 
@@ -198,14 +205,18 @@ def pretrain_command(
     layout: Layout,
     model: ModelSpec | None,
     checkpointing: MegatronCheckpointing,
+    memory_tier: bool = False,
 ) -> list[str]:
     """Full argv of one node: torchrun, the script, the user's arguments, then the layout's.
 
     The checkpoint directory must be given (``save_dir`` and ``load_dir``): a relaunch
-    without ``--load`` would silently start from scratch.
+    without ``--load`` would silently start from scratch. ``memory_tier``: each rank runs
+    the script under ``python -m launcher.mcore_ckpt`` (torchrun's ``-m``), which puts
+    Megatron's torch_dist checkpoints into unicorn's tiers, memory first.
     """
     if checkpointing.save_dir is None or checkpointing.load_dir is None:
         raise InvalidArgument(
             "a job under unicorn needs both --save and --load (the relaunch resumes from them)"
         )
-    return [*torchrun, script, *user_args, *megatron_args(layout, model, checkpointing)]
+    runner = ["-m", MEMORY_TIER_RUNNER] if memory_tier else []
+    return [*torchrun, *runner, script, *user_args, *megatron_args(layout, model, checkpointing)]

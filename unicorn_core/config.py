@@ -745,8 +745,11 @@ class CkptConfig(Section):
         metadata=_meta(
             "Host-memory tier: ranks copy their snapshots under <shm_dir>/snap and the agent "
             "keeps its ring predecessors' copies under <shm_dir>/peer. A tmpfs so a snapshot "
-            "costs a memory copy and survives the rank's crash. Empty = no memory tier "
-            "(the trainer saves only to --save-dir). Default: /dev/shm/unicorn-ckpt."
+            "costs a memory copy and survives the rank's crash. Best a tmpfs of its own "
+            "mounted huge=within_size (or huge=advise): restores then map 2 MiB pages, ~3x "
+            "faster than /dev/shm's 4 KiB ones. The Slurm Epilog frees a job's folders when "
+            "it ends. Empty = no memory tier (the trainer saves only to --save-dir). "
+            "Default: /dev/shm/unicorn-ckpt."
         ),
     )
     local_dir: str = field(

@@ -127,28 +127,39 @@ class MemoryCheckpoints:
                 at_least is not None and iteration < at_least
             ):
                 continue
-            shards, sources, reason = self._open_all(iteration)
-            if not _all_ranks(shards is not None):
-                _close(shards)
-                skipped.append(f"iteration {iteration}: {reason or 'another rank lacks a verified shard'}")
+            try:
+                shards, sources = self.open_version(iteration)
+            except RestoreFailed as exc:
+                skipped.append(f"iteration {iteration}: {exc}")
                 continue
-            assert shards is not None
             reader = MemoryStorageReader([self.snap], iteration, shards=shards)
             try:
                 state_dict_loader.load(state, storage_reader=reader)
             finally:
                 reader.close()
-            return Restored(iteration, _merge_sources(sources), tuple(skipped))
+            return Restored(iteration, sources, tuple(skipped))
         return None
 
-    def _tiers(self) -> Iterator[TierDir]:
+    def open_version(self, iteration: int) -> tuple[dict[int, OpenShard], dict[int, str]]:
+        """A verified copy of every saved shard of ``iteration``, nearest first, on every rank,
+        and where each came from (over all ranks). Collective. ``RestoreFailed`` on every
+        rank when any rank lacks one; the caller closes the shards (``MemoryStorageReader``)."""
+        shards, sources, reason = self._open_all(iteration)
+        if not _all_ranks(shards is not None):
+            _close(shards)
+            raise RestoreFailed(reason or "another rank lacks a verified shard", None)
+        assert shards is not None
+        return shards, _merge_sources(sources)
+
+    def tiers(self) -> Iterator[TierDir]:
+        """This node's tier folders, nearest first (shm, peer backups, local, remote)."""
         yield self.snap
         yield from self.backups
         yield from (t for t in (self.local, self.remote) if t is not None)
 
     def _candidates(self) -> list[int]:
         """Every iteration some rank sees in its tiers, newest first (the same list on every rank)."""
-        mine = sorted({i for tier in self._tiers() for i in tier.iterations()})
+        mine = sorted({i for tier in self.tiers() for i in tier.iterations()})
         if not dist.is_initialized():
             return mine[::-1]
         gathered: list[list[int] | None] = [None] * dist.get_world_size()

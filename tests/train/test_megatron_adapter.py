@@ -165,6 +165,10 @@ def test_pretrain_command_puts_layout_last_and_requires_checkpoints() -> None:
         "--save", "/ckpt", "--save-interval", "50", "--load", "/ckpt", "--ckpt-format", "torch_dist",
         "--exit-signal-handler",
     ]  # fmt: skip
+    in_memory = pretrain_command(
+        torchrun, "pretrain_gpt.py", [], layout=layout, model=None, checkpointing=ck, memory_tier=True
+    )
+    assert in_memory[len(torchrun) : len(torchrun) + 3] == ["-m", "launcher.mcore_ckpt", "pretrain_gpt.py"]
     with pytest.raises(InvalidArgument, match="both --save and --load"):
         pretrain_command(
             torchrun,

@@ -3,6 +3,11 @@
 ``train``: train ``--steps`` at ``--tp/--pp`` (DP = world / (tp*pp)) and save a
 dist_checkpointing (torch_dist) checkpoint; ``eval``: load it at this run's layout.
 Both then print ``EVAL_LOSS <value>`` on the last rank: the loss of a fixed batch.
+
+``--memory``: as Megatron-LM under unicorn (``python -m launcher.mcore_ckpt``): the
+memory-tier strategies are installed from the ``UNICORN_CKPT_*`` environment, the save
+takes Megatron-LM's ``get_default_save_sharded_strategy('torch_dist')`` and the load
+megatron-core's default (chosen by the checkpoint's metadata.json).
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ cpu_shim.install()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.core import dist_checkpointing, parallel_state  # type: ignore[import-untyped]  # noqa: E402
+from megatron.core.dist_checkpointing.serialization import (  # type: ignore[import-untyped]  # noqa: E402
+    get_default_save_sharded_strategy,
+)
 from megatron.core.models.gpt import GPTModel  # type: ignore[import-untyped]  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # type: ignore[import-untyped]  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # type: ignore[import-untyped]  # noqa: E402
@@ -57,7 +65,12 @@ def main() -> None:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--ckpt", required=True)
+    p.add_argument("--memory", action="store_true")
     a = p.parse_args()
+    if a.memory:
+        from launcher.mcore_ckpt import install_from_env
+
+        assert install_from_env(), "--memory needs UNICORN_CKPT_SNAP_DIR and UNICORN_CKPT_JOB"
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(a.tp, a.pp)
     model_parallel_cuda_manual_seed(1234)
@@ -99,7 +112,8 @@ def main() -> None:
         if dist.get_rank() == 0:
             Path(a.ckpt).mkdir(parents=True, exist_ok=True)  # megatron saves into an existing folder
         dist.barrier()
-        dist_checkpointing.save(model.sharded_state_dict(prefix=""), a.ckpt)
+        strategy = get_default_save_sharded_strategy("torch_dist") if a.memory else None
+        dist_checkpointing.save(model.sharded_state_dict(prefix=""), a.ckpt, strategy)
     else:
         state = dist_checkpointing.load(model.sharded_state_dict(prefix=""), a.ckpt)
         model.load_state_dict(state)
