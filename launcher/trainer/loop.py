@@ -219,7 +219,22 @@ def _train(cfg: TrainConfig, clock: StartupClock, rank: int, device: torch.devic
         print(f"[unicorn-train] done at iteration {iteration} (last saved {last_saved})", flush=True)
     if trainer.memory is not None:
         trainer.memory.close()
+    _leave_together(rank)
     return 0
+
+
+def _leave_together(rank: int, timeout_s: float = 10.0) -> None:
+    """Wait for every rank before the group is destroyed: a gloo rank that destroys it while
+    a peer's last messages are still in flight can abort ("terminate called without an
+    active exception", seen at the end of TP runs). Bounded: a peer that never comes costs
+    at most ``timeout_s`` (gloo's monitored barrier), and only a warning."""
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
+        else:
+            dist.barrier()
+    except RuntimeError as exc:
+        print(f"[unicorn-train] rank {rank}: peers did not finish together: {exc}", file=sys.stderr)
 
 
 def _loop(cfg: TrainConfig, trainer: _Trainer, rank: int, done: int) -> tuple[int, int]:
