@@ -66,7 +66,7 @@ from ckpt.dcp import MemoryStorageReader, MemoryStorageWriter
 from ckpt.errors import InvalidArgument
 from launcher import ckptagent
 from launcher.trainer.config import SnapshotOptions, parse_peers
-from launcher.trainer.snapshots import MemoryCheckpoints
+from launcher.trainer.snapshots import MemoryCheckpoints, tier_dirs
 from unicorn_core.logs import get_logger
 
 BACKEND: Final = "unicorn_mem"
@@ -105,9 +105,9 @@ class _Tiers:
         return self._memory
 
     def reader(self, iteration: int) -> MemoryStorageReader:
-        """A reader over this node's tiers only (no peers, no collective): for metadata."""
-        memory = self.memory()
-        return MemoryStorageReader(list(memory.tiers()), iteration)
+        """A reader over this node's tiers only, for metadata: no peers and no collective,
+        because megatron-core may ask for metadata on one rank alone."""
+        return MemoryStorageReader(tier_dirs(self.opts), iteration)
 
 
 class MemorySaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]

@@ -202,8 +202,10 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self._drain)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGQUIT, self._stop.set)
-        await self._load()
+        # Roles first: the committed state is what clients wait for, and a client that
+        # sees it must be able to log in as its role (a job's wrapper registering at once).
         await self._apply_roles()
+        await self._load()
         events = StreamIngest(self.client, self._event_streams, self.consumer, self._on_event)
         control = StreamIngest(
             self.client,

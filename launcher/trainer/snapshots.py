@@ -66,6 +66,17 @@ class Restored:
         return text + (f"; skipped: {' | '.join(self.skipped)}" if self.skipped else "")
 
 
+def tier_dirs(opts: SnapshotOptions) -> tuple[TierDir, ...]:
+    """This node's tier folders for ``opts``, nearest first: shm, peer backups, local, remote."""
+    folders = [
+        (opts.snap_dir, Tier.SHM),
+        (opts.backup_dir, Tier.PEER),
+        (opts.local_dir, Tier.LOCAL),
+        (opts.remote_dir, Tier.REMOTE),
+    ]
+    return tuple(TierDir(Path(path), opts.job, tier) for path, tier in folders if path)
+
+
 class MemoryCheckpoints:
     """One rank's view of the tiers in ``opts``. Construct on every rank together (collective)."""
 
@@ -73,11 +84,11 @@ class MemoryCheckpoints:
         self.opts = opts
         self.rank = rank
         self.world_size = world_size
-        job = opts.job
-        self.snap = TierDir(Path(opts.snap_dir), job, Tier.SHM)
-        self.backups = tuple(TierDir(Path(d), job, Tier.PEER) for d in (opts.backup_dir,) if d is not None)
-        self.local = TierDir(Path(opts.local_dir), job, Tier.LOCAL) if opts.local_dir else None
-        self.remote = TierDir(Path(opts.remote_dir), job, Tier.REMOTE) if opts.remote_dir else None
+        tiers = tier_dirs(opts)
+        self.snap = tiers[0]
+        self.backups = tuple(t for t in tiers if t.tier is Tier.PEER)
+        self.local = next((t for t in tiers if t.tier is Tier.LOCAL), None)
+        self.remote = next((t for t in tiers if t.tier is Tier.REMOTE), None)
         self.peers = tuple(PeerAddress(p.node, p.host, p.port) for p in opts.peers)
         # Created at the first save, i.e. after any restore: a restore may fetch a peer's
         # copy of shard R into shm, and a writer that had already adopted shard R's file

@@ -161,6 +161,9 @@ def coordinator(cluster: DevCluster, tmp: Path, **env: str) -> Iterator[Coordina
     c.start()
     jobs_before = set(cluster.slurm("squeue", "-h", "-o", "%i").stdout.split())
     try:
+        # Ready once its first state is committed (Redis roles exist by then): a job whose
+        # wrapper registers before that would fail to log in as the user role.
+        c.wait(lambda _: True, "unicornd to commit its first state", 60)
         yield c
     finally:
         c.stop(signal.SIGINT)
