@@ -110,14 +110,16 @@ class EpilogSettings:
 
 
 def render_epilog_conf(settings: EpilogSettings, scontrol: Path, timeout_bin: Path) -> str:
-    """``KEY=VALUE`` lines read by epilog.sh (literal values, never evaluated)."""
-    lines = [GENERATED, f"SCONTROL={scontrol}", f"TIMEOUT={timeout_bin}"]
-    lines += [f"SHM_DIR={path}" for path in settings.shm_dirs]
-    if settings.slurm_conf is not None:
-        lines.append(f"SLURM_CONF={settings.slurm_conf}")
-    if settings.log_file is not None:
-        lines.append(f"LOG_FILE={settings.log_file}")
-    return "\n".join(lines) + "\n"
+    """What epilog.sh reads (see its header)."""
+    return render_conf(
+        [
+            ("SCONTROL", scontrol),
+            ("TIMEOUT", timeout_bin),
+            *(("SHM_DIR", path) for path in settings.shm_dirs),
+            ("SLURM_CONF", settings.slurm_conf),
+            ("LOG_FILE", settings.log_file),
+        ]
+    )
 
 
 @dataclass(frozen=True)
@@ -192,23 +194,35 @@ def write_owned(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def render_conf(pairs: list[tuple[str, object | None]]) -> str:
+    """``KEY=VALUE`` lines a plugin script reads literally (never evaluated); ``None``
+    values are left out, a key may repeat."""
+    return "\n".join([GENERATED, *(f"{key}={value}" for key, value in pairs if value is not None)]) + "\n"
+
+
 def render_healthcheck_conf(settings: HealthCheckSettings, scontrol: Path, timeout_bin: Path) -> str:
-    """``KEY=VALUE`` lines read by healthcheck.sh (no shell evaluation: values are literal)."""
-    lines = [
-        GENERATED,
-        f"UNICORNCTL={settings.unicornctl}",
-        f"SCONTROL={scontrol}",
-        f"TIMEOUT={timeout_bin}",
-        f"TIMEOUT_S={settings.timeout_s}",
-    ]
-    if settings.slurm_conf is not None:
-        lines.append(f"SLURM_CONF={settings.slurm_conf}")
-    lines += [f"NODE_CHECK_ARG={arg}" for arg in settings.node_check_args]
-    if settings.fault_dir is not None:
-        lines.append(f"FAULT_DIR={settings.fault_dir}")
-    if settings.log_file is not None:
-        lines.append(f"LOG_FILE={settings.log_file}")
-    return "\n".join(lines) + "\n"
+    """What healthcheck.sh reads (see its header)."""
+    return render_conf(
+        [
+            ("UNICORNCTL", settings.unicornctl),
+            ("SCONTROL", scontrol),
+            ("TIMEOUT", timeout_bin),
+            ("TIMEOUT_S", settings.timeout_s),
+            ("SLURM_CONF", settings.slurm_conf),
+            *(("NODE_CHECK_ARG", arg) for arg in settings.node_check_args),
+            ("FAULT_DIR", settings.fault_dir),
+            ("LOG_FILE", settings.log_file),
+        ]
+    )
+
+
+def place_script(dest: Path, source: Path, conf_name: str, conf_text: str) -> Path:
+    """Write a plugin script's conf, then the script itself (executable), into ``dest``."""
+    write_owned(dest / conf_name, conf_text)
+    program = dest / source.name
+    write_owned(program, source.read_text())
+    program.chmod(0o755)
+    return program
 
 
 def install_plugins(
@@ -259,12 +273,12 @@ def install_plugins(
     elif scontrol is None or timeout_bin is None:
         skipped.append("HealthCheckProgram: scontrol or timeout not on PATH")
     else:
-        program = dest / "healthcheck.sh"
-        write_owned(
-            dest / "healthcheck.conf", render_healthcheck_conf(health, Path(scontrol), Path(timeout_bin))
+        program = place_script(
+            dest,
+            HEALTHCHECK_SOURCE,
+            "healthcheck.conf",
+            render_healthcheck_conf(health, Path(scontrol), Path(timeout_bin)),
         )
-        write_owned(program, HEALTHCHECK_SOURCE.read_text())
-        program.chmod(0o755)
         if health.fault_dir is not None:
             health.fault_dir.mkdir(parents=True, exist_ok=True)
         conf += [f"HealthCheckProgram={program}", f"HealthCheckInterval={health.interval_s}"]
@@ -289,10 +303,8 @@ def install_epilog(
         return "Epilog: no checkpoint memory tier to free ([ckpt] shm_dir empty)"
     if scontrol is None or timeout_bin is None:
         return "Epilog: scontrol or timeout not on PATH"
-    program = dest / "epilog.sh"
-    write_owned(dest / "epilog.conf", render_epilog_conf(epilog, Path(scontrol), Path(timeout_bin)))
-    write_owned(program, EPILOG_SOURCE.read_text())
-    program.chmod(0o755)
+    conf_text = render_epilog_conf(epilog, Path(scontrol), Path(timeout_bin))
+    program = place_script(dest, EPILOG_SOURCE, "epilog.conf", conf_text)
     return program, ", ".join(map(str, epilog.shm_dirs))
 
 

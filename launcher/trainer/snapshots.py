@@ -84,11 +84,11 @@ class MemoryCheckpoints:
         self.opts = opts
         self.rank = rank
         self.world_size = world_size
-        tiers = tier_dirs(opts)
-        self.snap = tiers[0]
-        self.backups = tuple(t for t in tiers if t.tier is Tier.PEER)
-        self.local = next((t for t in tiers if t.tier is Tier.LOCAL), None)
-        self.remote = next((t for t in tiers if t.tier is Tier.REMOTE), None)
+        self._tiers = tier_dirs(opts)
+        self.snap = self._tiers[0]
+        self.backups = tuple(t for t in self._tiers if t.tier is Tier.PEER)
+        self.local = next((t for t in self._tiers if t.tier is Tier.LOCAL), None)
+        self.remote = next((t for t in self._tiers if t.tier is Tier.REMOTE), None)
         self.peers = tuple(PeerAddress(p.node, p.host, p.port) for p in opts.peers)
         # Created at the first save, i.e. after any restore: a restore may fetch a peer's
         # copy of shard R into shm, and a writer that had already adopted shard R's file
@@ -163,10 +163,8 @@ class MemoryCheckpoints:
         return shards, _merge_sources(sources)
 
     def tiers(self) -> Iterator[TierDir]:
-        """This node's tier folders, nearest first (shm, peer backups, local, remote)."""
-        yield self.snap
-        yield from self.backups
-        yield from (t for t in (self.local, self.remote) if t is not None)
+        """This node's tier folders, nearest first (:func:`tier_dirs`)."""
+        yield from self._tiers
 
     def _candidates(self) -> list[int]:
         """Every iteration some rank sees in its tiers, newest first (the same list on every rank)."""

@@ -288,16 +288,16 @@ def fake_tools(tmp_path: Path, unicornctl_body: str, timeout_s: int = 10) -> tup
     return conf, calls
 
 
-def run_healthcheck(conf: Path, node: str = "n7") -> subprocess.CompletedProcess[str]:
-    """As slurmd runs it: no arguments, only SLURMD_NODENAME in the environment."""
+def run_as_slurmd(script: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """A plugin script as slurmd runs it: no arguments, only ``env`` in the environment."""
     return subprocess.run(
-        ["/bin/bash", str(HEALTHCHECK_SOURCE)],
-        env={"SLURMD_NODENAME": node, "UNICORN_HEALTHCHECK_CONF": str(conf)},
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
+        ["/bin/bash", str(script)], env=env, capture_output=True, text=True, timeout=30, check=False
     )
+
+
+def run_healthcheck(conf: Path, node: str = "n7") -> subprocess.CompletedProcess[str]:
+    """As slurmd runs it: only SLURMD_NODENAME set."""
+    return run_as_slurmd(HEALTHCHECK_SOURCE, {"SLURMD_NODENAME": node, "UNICORN_HEALTHCHECK_CONF": str(conf)})
 
 
 def test_healthcheck_script_drains_on_an_unhealthy_verdict(tmp_path: Path) -> None:
@@ -402,15 +402,8 @@ def test_epilog_frees_the_memory_tier_of_an_ended_job(pcluster: DevCluster) -> N
 
 
 def run_epilog(conf: Path, job: str) -> subprocess.CompletedProcess[str]:
-    """As slurmd runs it: no arguments, SLURM_JOB_ID in the environment."""
-    return subprocess.run(
-        ["/bin/bash", str(EPILOG_SOURCE)],
-        env={"SLURM_JOB_ID": job, "UNICORN_EPILOG_CONF": str(conf)},
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    """As slurmd runs it: SLURM_JOB_ID set."""
+    return run_as_slurmd(EPILOG_SOURCE, {"SLURM_JOB_ID": job, "UNICORN_EPILOG_CONF": str(conf)})
 
 
 def epilog_conf(tmp_path: Path, job_state: str, extra: str = "") -> Path:
