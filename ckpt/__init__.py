@@ -9,7 +9,8 @@ Who calls what:
   from memory);
 - the node agent (everything asynchronous, so it survives a rank's crash):
   :func:`ckpt.shard.seal_shard` (checksums), :class:`ckpt.persist.Persister` (local disk
-  and remote, commit protocol, retention), :mod:`ckpt.peer` (ring replication over TCP),
+  and remote, retention), :mod:`ckpt.peer` (ring replication over TCP), both storing
+  shards by the one commit protocol, :func:`ckpt.commit.commit_shard`;
   :func:`ckpt.jit.request_jit` / :func:`ckpt.jit.jit_responses`;
 - the coordinator: :func:`ckpt.tier.latest_common` over what the agents report.
 

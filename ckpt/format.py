@@ -212,14 +212,21 @@ def fsync_dir(directory: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes, *, durable: bool) -> None:
-    """Write ``data`` to ``path`` via a temp file and rename (fsync'd when ``durable``)."""
+    """Write ``data`` to ``path`` via a temp file and rename (fsync'd when ``durable``).
+
+    A failure before the rename removes the temp file: ``path`` is the old or the new file.
+    """
     tmp = tmp_path(path)
-    with tmp.open("wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     if durable:
         fsync_dir(path.parent)
 

@@ -7,26 +7,30 @@ structs, never pickle), followed, for a shard, by exactly ``data_bytes`` raw byt
 - ``Fetch``: a restoring node asks for a shard; the server answers a ``Reply`` (with the
   metadata and size when it has a verified copy), then the bytes.
 
-A receiver writes the bytes to a temp file, renames it, checks every entry's checksum,
-and only then writes the done marker; a copy that fails the check is deleted and the
-sender told why. The sender paces itself with a token bucket so replication does not
-compete with training traffic.
+A receiver (a ``Push`` to the server, or the reply to ``fetch_shard``) stores the shard
+by the one shard commit protocol, :func:`ckpt.commit.commit_shard`: no done marker until
+the copy is complete and every entry's checksum matches; a copy that fails the check is
+deleted and the sender told why. The sender paces itself with a token bucket so
+replication does not compete with training traffic.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Final
 
 import msgspec
 
+from ckpt.commit import commit_shard
 from ckpt.errors import InvalidArgument, ShardUnavailable
-from ckpt.format import DoneMarker, ShardMeta, ShardPaths, ShardState, encode, tmp_path, write_atomic
+from ckpt.format import ShardMeta, ShardState, encode
 from ckpt.shard import OpenShard
 from ckpt.tier import TierDir
 from unicorn_core.logs import get_logger
@@ -143,7 +147,11 @@ async def _send_bytes(
 async def _receive_shard(
     reader: asyncio.StreamReader, meta_bytes: bytes, data_bytes: int, target: TierDir, chunk_bytes: int
 ) -> ShardMeta:
-    """Write a shard arriving on ``reader`` into ``target``; done marker only once verified."""
+    """Commit a shard arriving on ``reader`` into ``target`` (``commit_shard``, in a thread).
+
+    The bytes are read on the event loop, a chunk at a time, and written by the commit's
+    thread, so neither the file I/O nor the verification blocks the loop.
+    """
     try:
         meta = msgspec.json.decode(meta_bytes, type=ShardMeta)
     except msgspec.MsgspecError as exc:
@@ -154,43 +162,36 @@ async def _receive_shard(
             f"shard {meta.job_id}/{meta.iteration}/{meta.rank} ({meta.state}, {meta.data_bytes} B) "
             f"does not fit job {target.job_id} with {data_bytes} B announced",
         )
-    paths = target.shard(meta.iteration, meta.rank)
-    paths.directory.mkdir(parents=True, exist_ok=True)
-    paths.done.unlink(missing_ok=True)
-    tmp = tmp_path(paths.bin)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
+    loop = asyncio.get_running_loop()
+    abandoned = threading.Event()
+    pending: list[concurrent.futures.Future[bytes] | None] = [None]
+
+    def receive(fd: int) -> None:  # in the commit's thread; each read runs on the event loop
         remaining = data_bytes
         while remaining:
-            chunk = await reader.readexactly(min(chunk_bytes, remaining))
-            os.write(fd, chunk)
+            read = asyncio.run_coroutine_threadsafe(reader.readexactly(min(chunk_bytes, remaining)), loop)
+            pending[0] = read
+            if abandoned.is_set():  # checked after publishing the read: the loop cancels it, or we do
+                read.cancel()
+            chunk = memoryview(read.result())
             remaining -= len(chunk)
-        if target.durable:
-            os.fdatasync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    tmp.replace(paths.bin)
-    write_atomic(paths.meta, meta_bytes, durable=target.durable)
+            while chunk:
+                chunk = chunk[os.write(fd, chunk) :]
+
+    commit = asyncio.ensure_future(asyncio.to_thread(commit_shard, target, meta, receive))
     try:
-        await asyncio.to_thread(_verify_unsealed, paths)
-    except ShardUnavailable:
-        for path in (paths.bin, paths.meta):
-            path.unlink(missing_ok=True)
+        await asyncio.shield(commit)
+    except asyncio.CancelledError:
+        # Stop the reads and let the commit remove what it wrote before the caller goes on.
+        abandoned.set()
+        read = pending[0]
+        if read is not None:
+            read.cancel()
+        await asyncio.wait([commit])
+        if not commit.cancelled():
+            commit.exception()  # retrieved: the cancellation is what propagates
         raise
-    write_atomic(
-        paths.done,
-        encode(DoneMarker(digest=meta.shard_digest(), data_bytes=data_bytes)),
-        durable=target.durable,
-    )
     return meta
-
-
-def _verify_unsealed(paths: ShardPaths) -> None:
-    with OpenShard(paths, require_sealed=False) as shard:
-        shard.verify()
 
 
 class PeerServer:

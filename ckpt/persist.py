@@ -1,15 +1,12 @@
 """Persistence tiers: the node agent flushes sealed snapshots to local disk and remote.
 
-Per shard and target tier, in this order (a crash at any point leaves no done marker,
-so the shard does not count, and no version is published without all of them):
-
-1. the old done marker of that shard, if any, is removed;
-2. the bytes are copied to ``shard-R.bin.tmp.<pid>`` by ``sendfile`` in ``chunk_bytes``
-   pieces (kernel to kernel: no buffer is allocated, memory use does not grow with the
-   shard), fdatasync'd, and renamed;
-3. the metadata, then the done marker, are written by temp file + fsync + rename;
-4. ``TierDir.publish`` writes ``VERSION.json`` if every rank of the iteration is done;
-5. the tier's retention evicts the oldest versions.
+Per shard and target tier: the shm copy is verified, then committed to the tier by the
+one shard commit protocol, :func:`ckpt.commit.commit_shard` (a crash at any point leaves
+no done marker, so the shard does not count and no version is published without it),
+its bytes copied by ``sendfile`` in ``chunk_bytes`` pieces (kernel to kernel: no buffer
+is allocated, memory use does not grow with the shard). Then ``TierDir.publish`` writes
+``VERSION.json`` if every rank of the iteration is done, and the tier's retention
+evicts the oldest versions.
 
 The calls are blocking; the agent runs them off its event loop (``asyncio.to_thread``).
 """
@@ -22,8 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from ckpt.commit import commit_shard
 from ckpt.errors import InvalidArgument, ShardUnavailable
-from ckpt.format import DoneMarker, ShardMeta, ShardState, encode, fsync_dir, tmp_path, write_atomic
+from ckpt.format import ShardMeta, ShardState
 from ckpt.shard import OpenShard, seal_shard
 from ckpt.tier import Retention, Tier, TierDir
 from unicorn_core.logs import get_logger
@@ -54,19 +52,15 @@ def write_shard(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     on_chunk: Callable[[int], None] | None = None,
 ) -> ShardMeta:
-    """Copy an open, verified shard into ``target`` following the commit protocol above.
+    """Commit an open, sealed shard into ``target`` (:func:`ckpt.commit.commit_shard`).
 
     ``on_chunk(bytes_written_so_far)`` is called after each chunk (progress, tests).
     """
     if chunk_bytes < 1:
         raise InvalidArgument(f"chunk_bytes must be >= 1, got {chunk_bytes}")
     meta = source.meta
-    paths = target.shard(meta.iteration, meta.rank)
-    paths.directory.mkdir(parents=True, exist_ok=True)
-    paths.done.unlink(missing_ok=True)
-    tmp = tmp_path(paths.bin)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
+
+    def copy(fd: int) -> None:
         written = 0
         while written < meta.data_bytes:
             # sendfile: page cache to page cache in the kernel, no user mapping to fault in.
@@ -76,16 +70,8 @@ def write_shard(
             written += sent
             if on_chunk is not None:
                 on_chunk(written)
-        if target.durable:
-            os.fdatasync(fd)
-    finally:
-        os.close(fd)
-    tmp.replace(paths.bin)
-    write_atomic(paths.meta, encode(meta), durable=target.durable)
-    marker = DoneMarker(digest=meta.shard_digest(), data_bytes=meta.data_bytes)
-    write_atomic(paths.done, encode(marker), durable=target.durable)
-    if target.durable:
-        fsync_dir(paths.directory)
+
+    commit_shard(target, meta, copy)
     return meta
 
 
@@ -120,7 +106,8 @@ class Persister:
         """Seal (if needed), verify, then write ``rank``'s shard of ``iteration`` to every target.
 
         The shard stays share-locked in shm throughout, so the rank cannot reuse its slot
-        mid-copy. A corrupt shm copy raises ``ShardUnavailable('corrupt')`` and writes nothing.
+        mid-copy. A corrupt shm copy raises ``ShardUnavailable('corrupt')`` and writes
+        nothing; a target copy that fails its own verification is deleted, and raises.
         """
         paths = self.shm.shard(iteration, rank)
         with OpenShard(paths, require_sealed=False) as probe:

@@ -1,12 +1,13 @@
 """A tier folder (shm, peer backups, local disk, remote) and its commit protocol.
 
 A shard is *complete* in a tier once its done marker exists (written last, after the
-bytes and metadata are durable). A version is *published* once ``VERSION.json`` exists,
-which :meth:`TierDir.publish` writes only when every rank ``0..world_size-1`` has a done
-marker for that iteration. ``latest_complete`` is the highest published iteration whose
-markers are all still there. Where each node keeps its own shards (local disks), no
-folder ever holds every rank: the coordinator gathers ``complete_iterations(rank)`` from
-the agents and ``latest_common`` picks the highest iteration that every rank holds.
+bytes and metadata are verified and durable: :func:`ckpt.commit.commit_shard`). A
+version is *published* once ``VERSION.json`` exists, which :meth:`TierDir.publish`
+writes only when every rank ``0..world_size-1`` has a done marker for that iteration.
+``latest_complete`` is the highest published iteration whose markers are all still
+there. Where each node keeps its own shards (local disks), no folder ever holds every
+rank: the coordinator gathers ``complete_iterations(rank)`` from the agents and
+``latest_common`` picks the highest iteration that every rank holds.
 """
 
 from __future__ import annotations

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckpt.errors import ShardUnavailable
-from ckpt.peer import PeerServer, TokenBucket, fetch_shard, push_shard, ring_peers
+from ckpt.format import encode
+from ckpt.peer import PeerServer, Reply, TokenBucket, _recv, _send, fetch_shard, push_shard, ring_peers
 from ckpt.shard import OpenShard
 from ckpt.snapshot import SnapshotWriter
 from ckpt.tier import Tier, TierDir
@@ -85,3 +88,34 @@ async def test_a_corrupt_push_is_rejected_and_not_stored(tmp_path: Path, shm_roo
         assert not backup.shard(8, 3).bin.exists()
     finally:
         await server.close()
+
+
+@pytest.mark.parametrize("stall", [True, False], ids=["timeout", "dropped"])
+async def test_a_fetch_cut_off_midway_leaves_no_file(tmp_path: Path, shm_root: Path, stall: bool) -> None:
+    shm = _sealed_shard(shm_root, 8)
+
+    async def half_then_stop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _recv(reader)
+        with OpenShard(shm.shard(8, 3)) as shard:
+            await _send(writer, Reply(ok=True, meta=encode(shard.meta), data_bytes=shard.meta.data_bytes))
+            writer.write(shard.data()[: shard.meta.data_bytes // 2])
+            await writer.drain()
+        if stall:
+            await asyncio.sleep(30)
+        writer.close()
+
+    server = await asyncio.start_server(half_then_stop, "127.0.0.1", 0)
+    host, port = server.sockets[0].getsockname()[:2]
+    target = TierDir(tmp_path / "fetched", "job", Tier.SHM)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ShardUnavailable, match="unreachable"):
+            await fetch_shard(host, port, "job", 8, 3, target=target, chunk_bytes=64 << 10, timeout_s=1.0)
+        assert time.monotonic() - start < 10, "the commit's thread waited for the stalled sender"
+        # The commit's thread has finished and removed its temp file before fetch_shard returned.
+        directory = target.shard(8, 3).directory
+        assert directory.is_dir() and list(directory.iterdir()) == []
+        assert target.done_ranks(8) == set()
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -1,0 +1,213 @@
+"""Sections the compute nodes run by: the node agent, its detection and the checkpoints.
+
+``[agent]`` (heartbeat interval and TTL, where unicorn-agent and torchrun live,
+torchrun's rendezvous), ``[detect]`` (the thresholds for lost heartbeats, hangs and
+slowdowns, and extra classification rules) and ``[ckpt]`` (the checkpoint engine's
+memory, local-disk, remote and peer tiers). The node agent (``launcher/agent.py``), the
+checkpoint agent and the built-in trainer read them; unicornd reads ``[agent]`` and
+``[detect]`` too, to launch the agents and to judge their heartbeats by the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from unicorn_core.config.schema import Section, _meta
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig(Section):
+    """The per-node agent that supervises training processes and reports heartbeats."""
+
+    heartbeat_interval_s: float = field(
+        default=1.0,
+        metadata=_meta(
+            "Seconds between the heartbeats the node agent writes to Redis. Default 1 s: one "
+            "small write per second is cheap and lets a dead node be noticed in seconds.",
+            gt=0,
+        ),
+    )
+    heartbeat_ttl_s: float = field(
+        default=5.0,
+        metadata=_meta(
+            "Seconds a heartbeat key lives in Redis before it expires by itself, so a dead "
+            "agent's last beat does not linger. Must exceed heartbeat_interval_s, or a live "
+            "agent's key would vanish between beats. Default 5 s: five beats.",
+            gt=0,
+        ),
+    )
+    bin_dir: str = field(
+        default="",
+        metadata=_meta(
+            "Directory holding unicorn-agent, torchrun and python on the compute nodes. "
+            "Empty = the directory of the Python running unicornd (one shared virtual "
+            "environment, as on the dev cluster). Default: empty."
+        ),
+    )
+    rendezvous_host: str = field(
+        default="",
+        metadata=_meta(
+            "Address torchrun's nodes meet at. Empty = the first node of the task (its "
+            "Slurm name must resolve). The dev cluster sets 127.0.0.1. Default: empty."
+        ),
+    )
+    rendezvous_port_base: int = field(
+        default=29500,
+        metadata=_meta(
+            "First TCP port for torchrun rendezvous; each launch of a task takes the next "
+            "one of 1000 (so a relaunch never waits for a port in TIME_WAIT). Default 29500.",
+            ge=1024,
+        ),
+    )
+
+    def problems(self) -> list[str]:
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            return [
+                f"heartbeat_ttl_s = {self.heartbeat_ttl_s:g} must be greater than "
+                f"heartbeat_interval_s = {self.heartbeat_interval_s:g} "
+                "(a live agent's heartbeat would expire between beats)"
+            ]
+        return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetectConfig(Section):
+    """Failure detection: lost heartbeats, hangs and slowdowns."""
+
+    heartbeat_timeout_s: float = field(
+        default=1.5,
+        metadata=_meta(
+            "Seconds without a heartbeat after which a node agent counts as lost. Must "
+            "exceed agent.heartbeat_interval_s. Default 1.5 s: with 1 s beats a dead node is "
+            "caught within 2 s (Unicron: 5.6 s) and a beat up to 0.5 s late is tolerated; "
+            "measured without false alarms under CPU contention (BENCHMARKS.md). Silence "
+            "alone never drains a node: unicornd confirms out of band first.",
+            gt=0,
+        ),
+    )
+    hang_factor: float = field(
+        default=2.0,
+        metadata=_meta(
+            "A rank silent for longer than this multiple of the learned mean iteration time "
+            "counts as hung (a ratio, no unit; must be > 1). Default 2 (Unicron uses 3): "
+            "steady training jitters far below 2x, checkpoint steps are excluded or "
+            "announced, and a stuck collective is caught within 2 iterations; measured "
+            "without false alarms in BENCHMARKS.md.",
+            gt=1,
+        ),
+    )
+    max_hang_factor: float = field(
+        default=4.0,
+        metadata=_meta(
+            "Upper bound of the learned hang factor (a ratio, no unit; >= hang_factor). The "
+            "factor in force is 1.25 x the largest iteration-time/mean ratio seen recently, "
+            "kept between hang_factor and this: steady training is judged at hang_factor, "
+            "a noisy one (shared CPUs, data-loading stalls) at up to this. Default 4.",
+            gt=1,
+        ),
+    )
+    warmup_iterations: int = field(
+        default=2,
+        metadata=_meta(
+            "Number of first iterations left out of the learned mean iteration time, because "
+            "they include compilation, allocator and data-loader warm-up. Default 2.",
+            ge=0,
+        ),
+    )
+    rules_file: str = field(
+        default="",
+        metadata=_meta(
+            "Path of a TOML file of extra classification rules ([[rule]] tables, see "
+            "detect/rules.py), tried before the built-in rules; a rule named like a built-in "
+            "replaces it. Empty = built-in rules only. Default: empty."
+        ),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CkptConfig(Section):
+    """The checkpoint engine as the node agent and the built-in trainer run it (``ckpt/``)."""
+
+    shm_dir: str = field(
+        default="/dev/shm/unicorn-ckpt",  # noqa: S108 - the memory tier is a tmpfs by design
+        metadata=_meta(
+            "Host-memory tier: ranks copy their snapshots under <shm_dir>/snap and the agent "
+            "keeps its ring predecessors' copies under <shm_dir>/peer. A tmpfs so a snapshot "
+            "costs a memory copy and survives the rank's crash. Best a tmpfs of its own "
+            "mounted huge=within_size (or huge=advise): restores then map 2 MiB pages, ~3x "
+            "faster than /dev/shm's 4 KiB ones. The Slurm Epilog frees a job's folders when "
+            "it ends. Empty = no memory tier (the trainer saves only to --save-dir). "
+            "Default: /dev/shm/unicorn-ckpt."
+        ),
+    )
+    local_dir: str = field(
+        default="/var/tmp/unicorn-ckpt",  # noqa: S108 - node-local disk, kept across reboots
+        metadata=_meta(
+            "Local-disk tier: the agent persists every sealed snapshot here (survives a "
+            "reboot, not a lost disk). Empty = no local tier. Default: /var/tmp/unicorn-ckpt "
+            "(kept across reboots, unlike /tmp)."
+        ),
+    )
+    remote_dir: str = field(
+        default="",
+        metadata=_meta(
+            "Remote tier: a shared file system path every node mounts; the agent persists "
+            "every sealed snapshot here too. Empty = off. Default: empty (the trainer's "
+            "--save-dir, written with torch.distributed.checkpoint, stays the persistent tier)."
+        ),
+    )
+    keep_versions: int = field(
+        default=3,
+        metadata=_meta(
+            "Iterations kept per tier (local, remote, peer backups), oldest evicted first; "
+            "the latest complete one is never evicted. Default 3: the newest, and two to fall "
+            "back to if it turns out incomplete.",
+            ge=1,
+        ),
+    )
+    peer_factor: int = field(
+        default=1,
+        metadata=_meta(
+            "Number of next nodes of the task (ring order) each agent copies its snapshots "
+            "to; 0 = no replication. Capped at the task's nodes minus one. Default 1 (TRANSOM's "
+            "ring backup): survives the loss of any one node.",
+            ge=0,
+        ),
+    )
+    peer_rate_mib_s: float = field(
+        default=256.0,
+        metadata=_meta(
+            "MiB/s at most that one agent sends to its peers, so replication does not compete "
+            "with training traffic. Default 256 (about 2 Gbit/s, a small share of a training "
+            "network).",
+            gt=0,
+        ),
+    )
+    peer_port_base: int = field(
+        default=31000,
+        metadata=_meta(
+            "First TCP port of the agents' replication servers: the agent of node i (its "
+            "index in the job's node list) of job J listens on base + (97*J + i) % 1000, so "
+            "every agent can compute its peers' ports. Default 31000.",
+            ge=1024,
+            le=64535,
+        ),
+    )
+    peer_host: str = field(
+        default="",
+        metadata=_meta(
+            "Address the replication servers listen on and are reached at. Empty = every "
+            "node's Slurm name (which must resolve), listening on all interfaces. The dev "
+            "cluster sets 127.0.0.1. Default: empty."
+        ),
+    )
+    snapshot_every: int = field(
+        default=10,
+        metadata=_meta(
+            "Iterations between the built-in trainer's memory snapshots (besides the save "
+            "interval and the SIGUSR1/SIGTERM just-in-time saves); 0 = only those. A "
+            "snapshot blocks a rank for about one memory copy, so this can be far shorter "
+            "than a disk save interval. Default 10.",
+            ge=0,
+        ),
+    )
