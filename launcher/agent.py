@@ -495,24 +495,49 @@ class Agent:
                         await redis_io.call(("XDEL", stream), self._client.xdel(stream, entry_id))
 
     async def _handle_command(self, data: bytes) -> None:
+        """Validate one command, run it, and answer it (:class:`CommandResult`), whatever
+        happens: a command that cannot be decoded for this agent is answered when its id
+        can be read, one that fails is answered with the error, and nothing a command does
+        can end the command task (only cancellation does)."""
         msg = self._cmd_decoder.decode(data)
         if not isinstance(msg, AgentCommand) or msg.job_id != self.job_id or msg.node != self.node:
             self.counters.commands_rejected += 1
-            log.warning(
-                "command_rejected", error=str(self._cmd_decoder.last_error or "wrong type or envelope")
-            )
+            why = str(self._cmd_decoder.last_error or "wrong type or envelope")
+            if isinstance(msg, AgentCommand):
+                mine = f"job {self.job_id} on {self.node}"
+                why = f"command for job {msg.job_id} on {msg.node}; this agent is {mine}"
+            log.warning("command_rejected", error=why)
+            command_id = _command_id(data)
+            if command_id:
+                self._emit(
+                    CommandResult(**self._env(), command_id=command_id, ok=False, detail=f"rejected: {why}")
+                )
             return
-        try:
-            ok, detail = await asyncio.wait_for(self._execute(msg), msg.deadline_s)
-        except TimeoutError:
-            ok, detail = False, f"deadline {msg.deadline_s:g}s exceeded"
-        except UnicornError as e:
-            ok, detail = False, str(e)
+        refusal = self._refusal(msg)
+        if refusal is not None:
+            ok, detail = False, f"rejected: {refusal}"
+        else:
+            try:
+                ok, detail = await asyncio.wait_for(self._execute(msg), msg.deadline_s)
+            except TimeoutError:
+                ok, detail = False, f"deadline {msg.deadline_s:g}s exceeded"
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                ok, detail = False, f"{type(e).__name__}: {e}"
         self.counters.commands_done += 1
         log.info("command_done", command_id=msg.command_id, action=msg.action.value, ok=ok, detail=detail)
         self._emit(CommandResult(**self._env(), command_id=msg.command_id, ok=ok, detail=detail[:4096]))
         if ok and msg.action == AgentAction.STOP:
             self._stop.set()
+
+    def _refusal(self, cmd: AgentCommand) -> str | None:
+        """Why ``cmd`` cannot run here (None: it can)."""
+        if cmd.action == AgentAction.RELAUNCH and not cmd.argv:
+            return "relaunch without a training command (argv is empty)"
+        if cmd.action == AgentAction.RESTART_RANKS and not self.argv:
+            return "no training command to restart"
+        return None
 
     async def _execute(self, cmd: AgentCommand) -> tuple[bool, str]:
         sup = self.supervisor
@@ -526,17 +551,17 @@ class Agent:
             self.monitor.expect_slow_step(IterationPhase.CHECKPOINT, time.monotonic())
             return sent > 0, f"SIGUSR1 sent to {sent} process(es)"
         if cmd.action == AgentAction.RESTART_RANKS:
-            if not self.argv:
-                return False, "no training command to restart"
             if sup is not None:
                 await sup.stop(self.grace_s)
             self.launch_id = cmd.command_id  # only once the ranks it replaces are gone
             await self._start_training(self.argv, {})
             return True, "restarted"
-        # RELAUNCH
+        # RELAUNCH: the new command is the task's from now on, even if it fails to start
+        # (a later restart_ranks restarts the new layout, never the old one).
         if sup is not None:
             await sup.stop(self.grace_s)
         self.launch_id = cmd.command_id
+        self.argv = list(cmd.argv)
         await self._start_training(cmd.argv, dict(cmd.env))
         return True, f"relaunched: {' '.join(cmd.argv[:6])}"
 
@@ -589,6 +614,17 @@ class Agent:
             for pid, info in sup.ranks.items()
             if info.rank is not None and pid not in sup.exited and process_state(pid) in ("T", "t")
         ]
+
+
+def _command_id(data: bytes) -> str:
+    """The ``command_id`` of a command that failed validation, if one can be read (so its
+    sender still gets an answer); "" otherwise."""
+    try:
+        doc = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, ValueError):
+        return ""
+    value = doc.get("command_id") if isinstance(doc, dict) else None
+    return value if isinstance(value, str) and 0 < len(value) <= 512 else ""
 
 
 def _describe_exit(info: ExitInfo) -> str:

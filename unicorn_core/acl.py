@@ -90,16 +90,11 @@ def _digest(password: str) -> str:
 
 def _status_keys(keys: RedisKeys) -> list[str]:
     """Read grants for what ``unicornctl status`` and the wrapper read (never secrets)."""
-    p = keys.prefix
     names = [
         keys.state(),
-        keys.tasks(),
-        f"{p}:task:*",
-        f"{p}:node:*",
-        keys.plan_current(),
         keys.incidents(),
         keys.daemon_liveness(),
-        f"{p}:hb:*",
+        f"{keys.prefix}:hb:*",
         f"{keys.control()}:reply:*",
     ]
     return [f"%R~{name}" for name in names]

@@ -13,10 +13,6 @@ Key                            Redis type   Written by            Read by
 ``command_results(job)``       stream       the job's agents      tests, operators
 ``heartbeat(job, node)``       string, TTL  the agent (SET EX)    unicornd (expiry = lost)
 ``daemon_liveness()``          string, TTL  unicornd (SET EX)     ``unicornctl --check``
-``task(task_id)``              hash         unicornd, CLI submit  unicornd, CLI
-``tasks()``                    set          unicornd, CLI submit  unicornd, CLI
-``node(name)``                 hash         unicornd              unicornd, CLI
-``plan_current()``             string       unicornd              ``unicornctl plan``
 ``incidents()``                stream       unicornd              CLI
 ``actions_done()``             set          unicornd executor     unicornd executor
 ``state()``                    string       unicornd              unicornd, CLI
@@ -30,9 +26,8 @@ Key                            Redis type   Written by            Read by
 
 ``events(job)`` carries Heartbeat, ProcessExit, ExceptionReport, IterationTiming,
 GpuHealthEvent and FaultReport; ``agent_commands`` carries AgentCommand; ``command_results`` carries
-CommandResult. ``task`` holds one task's record and ``tasks`` the ids of known tasks;
-``node`` holds one node's health state; ``plan_current`` the plan being applied;
-``actions_done`` the ids of executed actions, so a restarted executor never repeats one.
+CommandResult. ``actions_done`` holds the ids of executed actions, so a restarted
+executor never repeats one.
 ``state`` is the coordinator's whole snapshot (tasks, nodes, incidents, plan generation)
 as one JSON document, written in the same transaction as ``actions_pending`` (the
 actions decided but not yet executed), so a restarted unicornd resumes exactly where it
@@ -67,6 +62,12 @@ def _component(what: str, value: str) -> str:
     return value
 
 
+def check_name(value: str, what: str = "name") -> str:
+    """``value`` when it can be a key component (a Slurm node name, a task id:
+    ``[A-Za-z0-9_.-]+``); InvalidArgument quoting it, as ``what``, otherwise."""
+    return _component(what, value)
+
+
 def _job_id(job_id: int) -> str:
     if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id < 0:
         raise InvalidArgument(f"invalid job id {job_id!r}: must be an int >= 0")
@@ -77,8 +78,8 @@ def _job_id(job_id: int) -> str:
 class RedisKeys:
     """Key names under ``prefix`` (one prefix per unicorn installation sharing a Redis).
 
-    Raises InvalidArgument for a prefix, node name or task id outside
-    ``[A-Za-z0-9_.-]+`` (Slurm names such as ``n1``, ``gpu-a01``, ``node.12`` pass)
+    Raises InvalidArgument for a prefix or node name outside ``[A-Za-z0-9_.-]+``
+    (Slurm names such as ``n1``, ``gpu-a01``, ``node.12`` pass; see :func:`check_name`)
     and for a negative job id.
     """
 
@@ -109,22 +110,6 @@ class RedisKeys:
     def daemon_liveness(self) -> str:
         """String with TTL: present while unicornd is alive."""
         return self._key("unicornd", "alive")
-
-    def task(self, task_id: str) -> str:
-        """Hash: the record of one task."""
-        return self._key("task", _component("task id", task_id))
-
-    def tasks(self) -> str:
-        """Set: ids of all known tasks."""
-        return self._key("tasks")
-
-    def node(self, name: str) -> str:
-        """Hash: health state of one node."""
-        return self._key("node", _component("node", name))
-
-    def plan_current(self) -> str:
-        """String: the plan unicornd is currently applying."""
-        return self._key("plan", "current")
 
     def incidents(self) -> str:
         """Stream: incident log written by unicornd."""

@@ -1,18 +1,29 @@
 """Actions the decision functions ask for, and the :class:`Decision` that carries them.
 
 An action is a frozen value; the executor (the only code that calls Slurm or writes
-agent commands) performs it. Every action has an ``action_id`` derived from what caused
-it (incident id + ladder step, plan generation + task + step, node + join count), never
-from a clock or a counter in memory. So deciding twice on the same snapshot and input
-gives the same ids, and a restarted executor skips every id in its done set
-(``RedisKeys.actions_done()``): no node is drained twice, no restart is sent twice.
+agent commands) performs it and reports an :class:`Outcome`, which is committed and fed
+back to :func:`unicornd.decide.on_outcome`: the executor never decides. Every action
+has an ``action_id`` derived from what caused it (incident id + ladder step, plan
+generation + task + step, node + join count), never from a clock or a counter in
+memory. So deciding twice on the same snapshot and input gives the same ids, and a
+restarted executor skips every id in its done set (``RedisKeys.actions_done()``): no
+node is drained twice, no restart is sent twice.
 
-Order matters: the executor performs a decision's actions in tuple order (a JIT
-checkpoint before the stop, a shrink before the grow that takes the freed node).
+Order matters: the executor performs actions in the order they were committed among
+those that share a resource (:func:`resources`: a job's agents, a node, Slurm's
+allocations), so a JIT checkpoint comes before the stop and a shrink before the grow
+that takes the freed node, while a node check or one job's commands never hold up
+another job's recovery.
+
+Two kinds are *requests to the decision layer*, never executed: :class:`Replan` and
+:class:`RestartAgent`. :func:`unicornd.decide.resolve` replaces them, purely, with the
+planner's transition and with the new agent's :class:`LaunchAgents` before anything is
+committed.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, TypeAlias
@@ -105,6 +116,9 @@ class LaunchAgents:
     job_id: int
     commands: tuple[NodeArgv, ...]
     env: dict[str, str] = field(default_factory=dict)
+    clear_commands: bool = False
+    """Delete the commands queued for the nodes' previous agents first (a new agent on a
+    node whose agent is gone would otherwise run the commands written for the old one)."""
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -114,7 +128,10 @@ class LaunchAgents:
 @dataclass(frozen=True)
 class RestartAgent:
     """Start a new agent for ``job_id`` on ``node``, whose agent is gone while the node is up
-    (the SSH probe said so), with the task's current training argv for that node."""
+    (the SSH probe said so), with the task's current training argv for that node.
+
+    A request to the decision layer: :func:`unicornd.decide.resolve` renders it into a
+    :class:`LaunchAgents` (``clear_commands``) before it is committed."""
 
     kind: ClassVar[str] = "restart_agent"
     action_id: str
@@ -158,7 +175,10 @@ class Requeue:
 
 @dataclass(frozen=True)
 class Replan:
-    """Run the cluster-wide planner on a fresh snapshot, then ``plan_transition``."""
+    """Ask for the cluster-wide planner on the snapshot this decision leaves.
+
+    A request to the decision layer: :func:`unicornd.decide.resolve` replaces it with the
+    transition to the new plan (:func:`unicornd.replan.replan_decision`) before commit."""
 
     kind: ClassVar[str] = "replan"
     action_id: str
@@ -183,6 +203,9 @@ class CloseIncident:
     action_id: str
     incident_id: str
 
+
+REQUESTS: Final = (Replan, RestartAgent)
+"""Action kinds that :func:`unicornd.decide.resolve` replaces before commit."""
 
 Action: TypeAlias = (
     DrainNode
@@ -244,8 +267,10 @@ class Decision:
     """What one decision produced: actions in execution order, and records to persist.
 
     ``tasks``/``nodes``/``incidents`` are upserts (records not listed are unchanged);
-    ``notes`` say why, for the log. unicornd persists the records and the actions
-    together, then runs the actions, then acknowledges the input.
+    ``notes`` say why, for the log. ``cancels``: id prefixes of owed actions this decision
+    voids (not yet started; e.g. the rest of a plan's steps for a job that is requeued
+    instead). unicornd persists the records, the cancellations and the actions together,
+    then runs the actions, then acknowledges the input.
     """
 
     actions: tuple[Action, ...] = ()
@@ -254,6 +279,7 @@ class Decision:
     incidents: tuple[Incident, ...] = ()
     notes: tuple[str, ...] = ()
     plan_generation: int | None = None
+    cancels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         ids = [a.action_id for a in self.actions]
@@ -263,7 +289,28 @@ class Decision:
     @property
     def empty(self) -> bool:
         """No action and no record changed (a duplicate or irrelevant input)."""
-        return not (self.actions or self.tasks or self.nodes or self.incidents)
+        return not (self.actions or self.tasks or self.nodes or self.incidents or self.cancels)
+
+    def then(self, later: Decision) -> Decision:
+        """This decision followed by ``later`` (decided on the snapshot this one leaves):
+        actions in order, records upserted with ``later``'s winning."""
+
+        def merged(a: tuple[Any, ...], b: tuple[Any, ...], key: str) -> tuple[Any, ...]:
+            out = {getattr(r, key): r for r in a}
+            out.update({getattr(r, key): r for r in b})
+            return tuple(out.values())
+
+        return Decision(
+            actions=(*self.actions, *(a for a in later.actions if a.action_id not in self.action_ids())),
+            tasks=merged(self.tasks, later.tasks, "task_id"),
+            nodes=merged(self.nodes, later.nodes, "name"),
+            incidents=merged(self.incidents, later.incidents, "incident_id"),
+            notes=(*self.notes, *later.notes),
+            plan_generation=later.plan_generation
+            if later.plan_generation is not None
+            else self.plan_generation,
+            cancels=(*self.cancels, *later.cancels),
+        )
 
     def action_ids(self) -> tuple[str, ...]:
         return tuple(a.action_id for a in self.actions)
@@ -273,3 +320,59 @@ class Decision:
         return snapshot.apply(
             tasks=self.tasks, nodes=self.nodes, incidents=self.incidents, plan_generation=self.plan_generation
         )
+
+
+ALLOCATION: Final = "slurm-allocation"
+"""The resource every change of Slurm's node allocation holds (drain, resume, shrink, grow,
+requeue): they run one at a time, in commit order, because each may free or take a node
+another one needs."""
+
+
+def resources(action: Action) -> frozenset[str]:
+    """What ``action`` touches: two actions that share a resource run in commit order;
+    actions that share none may run at the same time. A job's agents (``job:J``) are one
+    resource (checkpoint before stop, relaunch after the job's resize); a node's check and
+    drain are ordered on ``node:N``."""
+    if isinstance(action, DrainNode | ResumeNode):
+        return frozenset({ALLOCATION, f"node:{action.node}"})
+    if isinstance(action, CheckNode):
+        return frozenset({f"node:{action.node}"})
+    if isinstance(action, Shrink | Grow | Requeue):
+        return frozenset({ALLOCATION, f"job:{action.job_id}"})
+    if isinstance(action, SendCommand | LaunchAgents | RestartAgent):
+        return frozenset({f"job:{action.job_id}"})
+    return frozenset()
+
+
+class OutcomeStatus(enum.StrEnum):
+    """How an action ended: ``done``; ``failed`` (a typed error: the command's exit code and
+    output, the agent's answer); ``timed_out`` (its deadline passed first); ``unsupported``
+    (Slurm cannot do it here, e.g. growing a job that holds GRES)."""
+
+    DONE = "done"
+    FAILED = "failed"
+    TIMED_OUT = "timed_out"
+    UNSUPPORTED = "unsupported"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of one action, an input to :func:`unicornd.decide.on_outcome`.
+
+    ``action_id`` is the action's (for an agent command: the ``command_id`` the agent
+    echoed). ``kind`` is the action's kind, or ``agent_command`` for an agent's answer
+    (a :class:`SendCommand` is *done* once written; its effect is the agent's answer).
+    ``detail`` carries the error (command, exit code, output) or the agent's text.
+    """
+
+    action_id: str
+    kind: str
+    status: OutcomeStatus
+    detail: str = ""
+    node: str = ""
+
+    AGENT_COMMAND: ClassVar[str] = "agent_command"
+
+    @property
+    def ok(self) -> bool:
+        return self.status is OutcomeStatus.DONE

@@ -8,11 +8,16 @@ clock, so the daemon and tests drive it alike.
 
 A finding is reported once per episode: a lost agent once until it beats again, a
 task hang once until an iteration advances.
+
+What the detector expects follows the committed decisions (:meth:`Detector.follow`):
+agents launched are expected to beat, ranks (re)started have their timing relearned,
+agents stopped or jobs requeued or ended are forgotten. No executor calls in here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from detect import (
     SLOW_STEP_TIMEOUT_S,
@@ -26,6 +31,7 @@ from detect import (
 )
 from unicorn_core.config import AgentConfig, DetectConfig
 from unicorn_core.protocol import (
+    AgentAction,
     ExceptionReport,
     FaultReport,
     GpuHealthEvent,
@@ -36,6 +42,11 @@ from unicorn_core.protocol import (
     ProcessExit,
     SlowStep,
 )
+from unicornd.actions import Decision, LaunchAgents, Requeue, SendCommand
+from unicornd.state import Snapshot, TaskState
+
+_ENDED: Final = frozenset({TaskState.FINISHED, TaskState.FAILED, TaskState.STOPPED})
+_LIVE: Final = frozenset({TaskState.LAUNCHING, TaskState.RUNNING, TaskState.RECOVERING})
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,8 @@ class _JobState:
     monitor: IterationMonitor
     hang_reported: bool = False
     last_iteration: int | None = None
+    rank_nodes: dict[int, str] = field(default_factory=dict)
+    """Which node each rank reported from (a hang names the node of its stopped rank)."""
 
 
 @dataclass
@@ -112,6 +125,36 @@ class Detector:
         """The job's processes were relaunched (maybe at a new layout): relearn its timing."""
         self._jobs.pop(job_id, None)
 
+    def follow(self, before: Snapshot, after: Snapshot, decision: Decision, now_s: float) -> None:
+        """Follow a committed decision (``now_s``: monotonic): see the module docstring."""
+        for action in decision.actions:
+            if isinstance(action, LaunchAgents):
+                self.restart_job(action.job_id)
+                for node in action.nodes:
+                    self.expect_agent(action.job_id, node, now_s)
+            elif isinstance(action, Requeue):
+                self.forget_job(action.job_id)  # its processes are killed on purpose
+            elif isinstance(action, SendCommand):
+                if action.action in (AgentAction.RESTART_RANKS, AgentAction.RELAUNCH):
+                    self.restart_job(action.job_id)
+                elif action.action is AgentAction.STOP:
+                    self.forget_agent(action.job_id, action.node)
+                elif action.action is AgentAction.CHECKPOINT_NOW:
+                    self.expect_checkpoint(action.job_id, now_s)
+        for task in after.tasks.values():
+            old = before.tasks.get(task.task_id)
+            if task.job_id is not None and task.state in _ENDED and (old is None or old.state not in _ENDED):
+                self.forget_job(task.job_id)
+
+    def expect_running(self, snapshot: Snapshot, now_s: float) -> None:
+        """At start: expect the agents of every task that runs (their silence counts, after
+        the initial grace), except jobs being requeued."""
+        for task in snapshot.tasks.values():
+            if task.state in _LIVE and task.job_id is not None and task.requeue is None:
+                for node in task.nodes:
+                    if node not in task.finished_nodes:
+                        self.expect_agent(task.job_id, node, now_s)
+
     def last_iteration(self, job_id: int) -> int | None:
         state = self._jobs.get(job_id)
         return None if state is None else state.last_iteration
@@ -133,6 +176,7 @@ class Detector:
         if isinstance(msg, IterationTiming):
             job = self._job(msg.job_id)
             job.monitor.observe(msg.rank, msg.iteration, msg.duration_s, msg.phase, now_s=now_s)
+            job.rank_nodes[msg.rank] = msg.node
             if job.last_iteration is None or msg.iteration > job.last_iteration:
                 job.last_iteration = msg.iteration
                 job.hang_reported = False
@@ -189,5 +233,6 @@ class Detector:
                 continue
             job.hang_reported = True
             rank = verdict.ranks[0] if verdict.ranks else None
-            out.append(JobFinding(job_id, Finding("", rank, now_s, verdict.classification(), "hang")))
+            node = job.rank_nodes.get(rank, "") if rank is not None else ""
+            out.append(JobFinding(job_id, Finding(node, rank, now_s, verdict.classification(), "hang")))
         return out

@@ -1,7 +1,8 @@
 """Reading agent events from Redis through the coordinator's consumer group.
 
 Entries are read with XREADGROUP and acknowledged (XACK) only after the handler
-returned, so an event being handled when unicornd is killed stays pending and is
+returned and, with unicornd's :class:`AckPolicy`, only once the state they changed is
+committed, so an event being handled when unicornd is killed stays pending and is
 delivered again on restart (pending entries are read first, from id ``0``). The handler
 must therefore be idempotent; the decision layer is (findings are keyed, actions carry
 ids). Undecodable entries are counted, logged once per kind, and acknowledged: they can
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Final, cast
+from typing import Final, Protocol, cast
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -51,11 +52,32 @@ Streams = Callable[[], Sequence[str]]
 """The streams to read now (re-evaluated before every read: agents' streams come and go)."""
 
 
+class AckPolicy(Protocol):
+    """When handled entries may be acknowledged (:class:`unicornd.core.Core` holds back
+    those whose effect is not committed yet)."""
+
+    def handled(self, stream: str, entry_id: str) -> None: ...
+    def ackable(self) -> dict[str, list[str]]: ...
+
+
+class _AckAtOnce:
+    def __init__(self) -> None:
+        self._ready: dict[str, list[str]] = {}
+
+    def handled(self, stream: str, entry_id: str) -> None:
+        self._ready.setdefault(stream, []).append(entry_id)
+
+    def ackable(self) -> dict[str, list[str]]:
+        out, self._ready = self._ready, {}
+        return out
+
+
 class StreamIngest:
     """One consumer, in the coordinator group, of ``stream`` or of every stream ``streams()`` names.
 
     The group is created on a stream the first time it is read, and entries this consumer
-    was handed before a restart but never acknowledged are replayed from it first.
+    was handed before a restart but never acknowledged are replayed from it first. Entries
+    are acknowledged after each batch, as ``acks`` allows (default: every handled one).
     """
 
     def __init__(
@@ -66,6 +88,7 @@ class StreamIngest:
         handler: Handler | None = None,
         *,
         raw_handler: RawHandler | None = None,
+        acks: AckPolicy | None = None,
     ) -> None:
         if (handler is None) == (raw_handler is None):
             raise ValueError("give exactly one of handler and raw_handler")
@@ -74,6 +97,7 @@ class StreamIngest:
         self.consumer = consumer
         self.handler = handler
         self.raw_handler = raw_handler
+        self.acks: AckPolicy = acks or _AckAtOnce()
         self.decoder = SafeDecoder()
         self.handled = 0
         self._ready: set[str] = set()
@@ -111,9 +135,15 @@ class StreamIngest:
                     else:
                         await self.handler(msg, now, eid, stream)
                         self.handled += 1
-                await redis_io.call(("XACK", stream), self.client.xack(stream, COORDINATOR_GROUP, entry_id))
+                self.acks.handled(stream, eid)
                 n += 1
+        await self.ack_ready()
         return n
+
+    async def ack_ready(self) -> None:
+        """Acknowledge what the ack policy allows now."""
+        for stream, ids in self.acks.ackable().items():
+            await redis_io.call(("XACK", stream), self.client.xack(stream, COORDINATOR_GROUP, *ids))
 
     async def _open(self, stream: str) -> None:
         """Create the group on a stream seen for the first time, then replay its pending entries."""
@@ -135,6 +165,7 @@ class StreamIngest:
             if stream not in self._ready:
                 await self._open(stream)
         self._ready.intersection_update(streams)
+        await self.ack_ready()
         if not streams:
             await asyncio.sleep((block_ms or 0) / 1000)
             return 0

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import sys
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TypeAlias
 
 from launcher.render import RdzvBackend, Rendezvous, TorchrunOptions, megatron_args, torchrun_argvs
 from unicorn_core.config import AgentConfig
 from unicorn_core.layout import Layout
-from unicornd.replan import Render
 from unicornd.state import TaskRecord
+
+Render: TypeAlias = Callable[[TaskRecord, Layout, tuple[str, ...]], Mapping[str, Sequence[str]]]
+"""``render(task, layout, nodes)`` -> one training argv per node of ``nodes`` (node-rank order)."""
 
 
 def bin_dir(cfg: AgentConfig) -> Path:
@@ -75,7 +78,8 @@ def render_task(
 
 
 def renderer(cfg: AgentConfig, gpus_per_node: int, generation: int) -> Render:
-    """The ``render`` callable :func:`unicornd.replan.plan_transition` takes, for one plan."""
+    """The ``render`` callable :func:`unicornd.replan.plan_transition` takes, for one plan
+    generation (its rendezvous port and run id derive from it)."""
 
     def render(task: TaskRecord, layout: Layout, nodes: tuple[str, ...]) -> Mapping[str, Sequence[str]]:
         return render_task(task, layout, nodes, cfg=cfg, gpus_per_node=gpus_per_node, generation=generation)

@@ -11,7 +11,10 @@ over all tasks: JIT checkpoint (``checkpoint_now`` to its healthy nodes), ``stop
 healthy nodes it leaves, then shrinks and requeues (they free nodes), then grows, then
 ``relaunch`` on the nodes it keeps and :class:`LaunchAgents` on new ones. A job that
 would exceed ``Policy.max_resizes_per_run`` (Slurm without slurmdbd resizes a job once
-per run), or that is not running, is requeued onto its new nodes instead.
+per run), or that is not running, is requeued onto its new nodes instead; its agents
+are launched when Slurm shows it running again (:class:`~unicornd.state.RequeueWait`).
+A shrink or grow that Slurm refuses comes back as an outcome and turns into the same
+requeue (:func:`unicornd.decide.on_outcome`).
 """
 
 from __future__ import annotations
@@ -19,19 +22,43 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeAlias
+from typing import Final
 
-from plan.hardware import GpuSpec
+from plan.hardware import GpuSpec, gpu_spec
 from plan.objective import FailureModel
 from plan.planner import Assignment, Cluster, Granularity, Plan, PlanRequest, plan_cluster, task_curves
+from unicorn_core.config import Config
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.layout import Layout
 from unicorn_core.protocol import AgentAction
 from unicornd.actions import Action, Decision, Grow, LaunchAgents, NodeArgv, Requeue, SendCommand, Shrink
-from unicornd.state import Incident, LadderStage, NodeHealth, Snapshot, TaskRecord, TaskState
+from unicornd.launch import Render, renderer
+from unicornd.state import Incident, LadderStage, NodeHealth, RequeueWait, Snapshot, TaskRecord, TaskState
 
-Render: TypeAlias = Callable[[TaskRecord, Layout, tuple[str, ...]], Mapping[str, Sequence[str]]]
-"""``render(task, layout, nodes)`` -> one training argv per node of ``nodes`` (node-rank order)."""
+REQUEUE_TIMEOUT_S: Final = 120.0
+"""How long a requeued job may take to run again before its rung fails (Slurm holds a
+requeued job for cred_expire, then the scheduler starts it: seconds on a healthy cluster)."""
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What a replan needs besides the snapshot: the GPU type, the failure model, and how a
+    layout becomes command lines (``render_for(gpus_per_node, generation)``). Built once
+    from the configuration (:meth:`from_config`), by unicornd and by every preview, so
+    both plan with the same inputs."""
+
+    gpu: GpuSpec
+    failure: FailureModel
+    render_for: Callable[[int, int], Render]
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> PlanContext:
+        return cls(
+            gpu=gpu_spec(cfg.plan.gpu),
+            failure=FailureModel(cfg.plan.node_mtbf_h),
+            render_for=lambda gpus, generation: renderer(cfg.agent, gpus, generation),
+        )
+
 
 PLANNED_STATES = frozenset({TaskState.PENDING, TaskState.LAUNCHING, TaskState.RUNNING, TaskState.RECOVERING})
 """Tasks the planner must cover: every task that has not ended or been stopped."""
@@ -53,6 +80,24 @@ def plan_for(snapshot: Snapshot, gpu: GpuSpec, failure: FailureModel) -> Plan | 
     current = tuple(len(t.nodes) for t in tasks)
     faulted = frozenset(t.name for t in tasks if snapshot.open_incident(t.task_id) is not None)
     return plan_cluster(curves, cluster, PlanRequest(current=current, faulted=faulted, failure=failure))
+
+
+def replan_decision(snapshot: Snapshot, ctx: PlanContext, now_s: float) -> tuple[Plan | None, Decision]:
+    """The one replan: the planner's allocation for ``snapshot`` and the transition to it.
+
+    Pure. (None, empty decision) when no task is planned. A plan that cannot be applied
+    (:func:`plan_transition` raises InvalidArgument, e.g. fewer healthy nodes than it
+    needs) gives its plan and a decision that only says why: the input that asked for
+    the replan still stands, and the next replan tries again.
+    """
+    plan = plan_for(snapshot, ctx.gpu, ctx.failure)
+    if plan is None:
+        return None, Decision(notes=("replan: no task to plan",))
+    render = ctx.render_for(snapshot.gpus_per_node, snapshot.plan_generation + 1)
+    try:
+        return plan, plan_transition(snapshot, plan, render, now_s)
+    except InvalidArgument as e:
+        return plan, Decision(notes=(f"replan not applied: {e}",))
 
 
 def _nodes_needed(assignment: Assignment, gpus_per_node: int) -> tuple[int, Layout | None]:
@@ -160,21 +205,12 @@ def plan_transition(snapshot: Snapshot, new_plan: Plan, render: Render, now_s: f
             )
     allocation = _allocate(snapshot, planned, needs)
     phases = _Phases(gen=snapshot.plan_generation + 1)
-    owner: dict[str, str | None] = {}
     for task in planned:
         new_nodes = allocation[task.task_id]
-        owner.update(dict.fromkeys(task.nodes))
-        owner.update(dict.fromkeys(new_nodes, task.task_id))
         _move_task(snapshot, phases, task, new_nodes, layouts[task.task_id], render=render, now_s=now_s)
-    nodes = tuple(
-        replace(snapshot.node(name), task_id=owner[name])
-        for name in sorted(owner)
-        if snapshot.node(name).task_id != owner[name]
-    )
     return Decision(
         actions=phases.actions(),
         tasks=tuple(phases.tasks),
-        nodes=nodes,
         incidents=tuple(phases.incidents),
         notes=tuple(phases.notes),
         plan_generation=phases.gen,
@@ -231,10 +267,11 @@ def _move_task(
     fresh = task.state is TaskState.PENDING
     running = bool(set(task.nodes) & set(new_nodes))
     if not running or task.resizes_this_run + resize_count > pol.max_resizes_per_run:
+        # The agents start once the job runs again (:func:`unicornd.decide.on_job_running`);
+        # until then its processes die on purpose and their exits are not faults.
         phases.resizes.append(Requeue(f"{base}/requeue", task.task_id, job, new_nodes))
-        commands = tuple(NodeArgv(n, argv[n]) for n in new_nodes)
-        phases.launches.append(LaunchAgents(f"{base}/launch", task.task_id, job, commands))
-        new = replace(new, resizes_this_run=0)
+        wait = RequeueWait(f"{base}/requeue", deadline_s=now_s + REQUEUE_TIMEOUT_S)
+        new = replace(new, resizes_this_run=0, requeue=wait)
         how = "requeue"
     else:
         if dropped:

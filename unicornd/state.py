@@ -30,7 +30,7 @@ import msgspec
 from detect.statuses import ErrorStatus, Severity
 from unicorn_core.config import RecoveryConfig
 from unicorn_core.errors import InvalidArgument, ProtocolError
-from unicorn_core.keys import RedisKeys
+from unicorn_core.keys import check_name
 from unicorn_core.layout import Layout
 from unicorn_core.model import ModelSpec
 from unicorn_core.taskspec import TaskSpec
@@ -175,8 +175,6 @@ def transition(old: _E, new: _E) -> _E:
 
 # --- persistence helpers -------------------------------------------------------------
 
-_KEYS: Final = RedisKeys()
-
 
 def _finite(value: float, what: str) -> None:
     if not math.isfinite(value):
@@ -191,7 +189,7 @@ def _non_negative(value: int, what: str) -> None:
 def _name(value: str, what: str) -> None:
     """Node names and task ids become Redis key components: the same rule applies."""
     try:
-        _KEYS.node(value)
+        check_name(value)
     except InvalidArgument:
         raise InvalidArgument(f"{what} {value!r} must match [A-Za-z0-9_.-]+") from None
 
@@ -243,6 +241,23 @@ class _Record:
 
 # --- records -------------------------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class RequeueWait:
+    """A requeue of the task's job is under way (decided by ``action_id``).
+
+    Until the job runs again its processes die on purpose: their exits and silence are
+    not faults. ``done_s``: when the requeue command returned (None: not yet); the job
+    RUNNING at a Slurm poll started after that is the signal to launch its agents.
+    ``deadline_s``: when waiting ends in failure (the rung fails, see
+    :func:`unicornd.decide.on_tick`).
+    """
+
+    action_id: str
+    deadline_s: float
+    done_s: float | None = None
+
+
 FRAMEWORKS: Final = ("unicorn-train", "megatron")
 """``unicorn-train``: the built-in trainer (layout as --tp/--pp/--dp/...); ``megatron``:
 Megatron-LM's pretrain_gpt.py (layout as --tensor-model-parallel-size/...)."""
@@ -263,6 +278,10 @@ class TaskRecord(_Record):
     the launch worked). ``framework`` says how a layout is passed to ``command``
     (:data:`FRAMEWORKS`). ``generation`` is the plan generation of the latest launch (its
     rendezvous port and run id derive from it, so a restarted agent rejoins its peers).
+    ``finished_nodes``: nodes whose agent reported the training's clean exit since the
+    latest (re)start of its ranks (all of them: the task finished). ``requeue``: a requeue
+    of its job is under way (:class:`RequeueWait`). ``nodes`` is the one record of which
+    task uses which node (:meth:`Snapshot.owner`).
     """
 
     task_id: str
@@ -284,6 +303,8 @@ class TaskRecord(_Record):
     launched_s: float | None = None
     framework: str = "unicorn-train"
     generation: int = 0
+    finished_nodes: tuple[str, ...] = ()
+    requeue: RequeueWait | None = None
 
     def __post_init__(self) -> None:
         _name(self.task_id, "task_id")
@@ -327,7 +348,7 @@ class TaskRecord(_Record):
 
 @dataclass(frozen=True)
 class NodeRecord(_Record):
-    """One node: health, why, which task uses it, and its history.
+    """One node: health, why, and its history (which task uses it: :meth:`Snapshot.owner`).
 
     ``failures_s``: times unicorn found it faulty (SEV1 isolations, failed node checks);
     ``drains_s``: times unicorn drained it (the drain limiter counts these across the
@@ -338,7 +359,6 @@ class NodeRecord(_Record):
     name: str
     health: NodeHealth = NodeHealth.HEALTHY
     reason: str = ""
-    task_id: str | None = None
     failures_s: tuple[float, ...] = ()
     drains_s: tuple[float, ...] = ()
     held: bool = False
@@ -346,8 +366,6 @@ class NodeRecord(_Record):
 
     def __post_init__(self) -> None:
         _name(self.name, "node name")
-        if self.task_id is not None:
-            _name(self.task_id, f"node {self.name}: task_id")
         for t in (*self.failures_s, *self.drains_s):
             _finite(t, f"node {self.name}: timestamp")
         _non_negative(self.joins, f"node {self.name}: joins")
@@ -363,10 +381,13 @@ class NodeRecord(_Record):
 
 @dataclass(frozen=True)
 class StageEntry:
-    """One step of an incident's timeline: it entered ``stage`` at ``t_s``."""
+    """One step of an incident's timeline: it entered ``stage`` at ``t_s`` (or, with the
+    same stage as the entry before, something happened there: ``detail`` says what, e.g.
+    the agent's answer to a failed restart)."""
 
     stage: LadderStage
     t_s: float
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -425,6 +446,10 @@ class Incident(_Record):
         stage = transition(self.stage, new)
         return replace(self, stage=stage, timeline=(*self.timeline, StageEntry(stage, now_s)))
 
+    def noted(self, detail: str, now_s: float) -> Incident:
+        """Copy with ``detail`` in the timeline at the current stage (no transition)."""
+        return replace(self, timeline=(*self.timeline, StageEntry(self.stage, now_s, detail[:500])))
+
 
 # --- policy and snapshot -------------------------------------------------------------
 
@@ -463,6 +488,13 @@ class Snapshot:
         for key, inc in self.incidents.items():
             if key != inc.incident_id:
                 raise InvalidArgument(f"incidents: key {key!r} holds incident {inc.incident_id!r}")
+
+    def owner(self, node: str) -> TaskRecord | None:
+        """The task that runs on ``node`` now (not ended), if any."""
+        for task in self.tasks.values():
+            if node in task.nodes:
+                return task
+        return None
 
     def task_of_job(self, job_id: int) -> TaskRecord | None:
         for task in self.tasks.values():

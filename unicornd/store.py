@@ -3,10 +3,11 @@
 One JSON document (``keys.state()``) holds every task, node and incident record and the
 plan generation; ``keys.actions_pending()`` lists the actions decided but not yet
 executed. :meth:`Store.commit` writes both in one MULTI/EXEC, so after a crash the
-snapshot and its owed actions always match. The executor marks an action done and pops
-it in one transaction too (:meth:`Store.finish`), so an action is executed at most once
-unless unicornd dies *during* it, in which case it is retried (actions are idempotent:
-draining a drained node, sending a command with the same id, ...).
+snapshot and its owed actions always match. An action's outcome is committed in the same
+transaction that marks it done and removes it (``finished``), together with the decision
+on that outcome, so an action is executed at most once unless unicornd dies *during* it,
+in which case it is retried (actions are idempotent: draining a drained node, sending a
+command with the same id, ...) and its outcome decided then.
 
 Closed incidents older than :data:`KEEP_CLOSED_S` are dropped from the snapshot (they
 stay in the incidents stream).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Final, cast
 
 import redis.asyncio as aioredis
@@ -23,11 +25,16 @@ import redis.asyncio as aioredis
 from unicorn_core import redis_io
 from unicorn_core.errors import ProtocolError
 from unicorn_core.keys import RedisKeys
-from unicornd.actions import Action, Decision, action_from_dict, action_to_dict
+from unicorn_core.logs import get_logger
+from unicornd.actions import Action, action_from_dict, action_to_dict
 from unicornd.state import Incident, NodeRecord, Policy, Snapshot, TaskRecord
 
+log = get_logger(__name__)
+
 KEEP_CLOSED_S: Final = 24 * 3600.0
-SNAPSHOT_VERSION: Final = 1
+SNAPSHOT_VERSION: Final = 2
+"""2: node records no longer name their task (a task's ``nodes`` is the one record of it),
+tasks carry ``finished_nodes`` and ``requeue``. Version 1 documents are read and upgraded."""
 
 
 def snapshot_to_json(snap: Snapshot) -> str:
@@ -44,12 +51,23 @@ def snapshot_to_json(snap: Snapshot) -> str:
     )
 
 
+def _upgrade(doc: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 document as version 2: node records drop ``task_id``."""
+    nodes = [
+        {k: v for k, v in n.items() if k != "task_id"} if isinstance(n, dict) else n
+        for n in doc.get("nodes", [])
+    ]
+    return {**doc, "v": 2, "nodes": nodes}
+
+
 def snapshot_from_json(text: str | bytes, policy: Policy) -> Snapshot:
     """Raises ProtocolError when the document is not a snapshot this version wrote."""
     try:
         doc = json.loads(text)
     except ValueError as e:
         raise ProtocolError("malformed", f"state: {e}") from e
+    if isinstance(doc, dict) and doc.get("v") == 1:
+        doc = _upgrade(doc)
     if not isinstance(doc, dict) or doc.get("v") != SNAPSHOT_VERSION:
         raise ProtocolError("unknown_version", f"state: expected v={SNAPSHOT_VERSION}")
     tasks = [TaskRecord.from_dict(t) for t in doc.get("tasks", [])]
@@ -65,14 +83,13 @@ def snapshot_from_json(text: str | bytes, policy: Policy) -> Snapshot:
     )
 
 
-async def read_snapshot(
-    client: aioredis.Redis, keys: RedisKeys, policy: Policy | None = None
-) -> Snapshot | None:
-    """The snapshot unicornd last committed under ``keys``; None when there is none (a reader's
-    view: ``unicornctl``, the sbatch wrapper). Raises RedisCallError, or ProtocolError when
-    the document is not a snapshot this version wrote."""
+async def read_snapshot(client: aioredis.Redis, keys: RedisKeys, policy: Policy) -> Snapshot | None:
+    """The snapshot unicornd last committed under ``keys``, with ``policy`` (pass the configured
+    ``[recovery]`` section, so previews decide as unicornd does); None when there is none (a
+    reader's view: ``unicornctl``, the sbatch wrapper). Raises RedisCallError, or
+    ProtocolError when the document is not a snapshot this version wrote."""
     raw = await redis_io.call(("GET", keys.state()), client.get(keys.state()))
-    return None if raw is None else snapshot_from_json(raw, Policy())
+    return None if raw is None else snapshot_from_json(raw, policy)
 
 
 def prune(snap: Snapshot, now_s: float) -> Snapshot:
@@ -87,6 +104,14 @@ def prune(snap: Snapshot, now_s: float) -> Snapshot:
     return Snapshot(snap.tasks, snap.nodes, snap.gpus_per_node, keep, snap.plan_generation, snap.policy)
 
 
+@dataclass(frozen=True)
+class Owed:
+    """One owed action as stored (``raw``: its exact list entry, removed by value)."""
+
+    raw: str
+    action: Action
+
+
 class Store:
     """Reads and writes unicornd's state (see the module docstring)."""
 
@@ -94,6 +119,7 @@ class Store:
         self.client = client
         self.keys = keys
         self.policy = policy
+        self.commits = 0
 
     async def load(self, gpus_per_node: int) -> Snapshot:
         """The persisted snapshot, or an empty one for a fresh installation."""
@@ -102,52 +128,68 @@ class Store:
             return Snapshot(tasks={}, nodes={}, gpus_per_node=gpus_per_node, policy=self.policy)
         return snapshot_from_json(cast(bytes, raw), self.policy)
 
-    async def commit(self, snap: Snapshot, actions: Sequence[Action] = ()) -> None:
-        """Persist ``snap`` and append ``actions`` to the owed list, atomically."""
+    async def commit(
+        self,
+        snap: Snapshot,
+        actions: Sequence[Action] = (),
+        *,
+        cancels: Sequence[str] = (),
+        finished: Owed | None = None,
+    ) -> list[Action]:
+        """Persist ``snap``, void the owed actions whose id starts with one of ``cancels``,
+        append ``actions`` to the owed list and, with ``finished``, record that action as
+        done and remove it: all in one MULTI/EXEC. Returns the voided actions.
+
+        Only unicornd writes these keys, one commit at a time, so reading the owed list
+        before the transaction (for the cancellations) is safe.
+        """
+        voided: list[Owed] = []
+        if cancels:
+            voided = [
+                o
+                for o in await self.owed()
+                if o.action.action_id.startswith(tuple(cancels))
+                and (finished is None or o.raw != finished.raw)
+            ]
         pipe = self.client.pipeline(transaction=True)
         pipe.set(self.keys.state(), snapshot_to_json(snap))
+        for o in voided:
+            pipe.lrem(self.keys.actions_pending(), 1, o.raw)
         if actions:
             pipe.rpush(self.keys.actions_pending(), *(json.dumps(action_to_dict(a)) for a in actions))
+        if finished is not None:
+            pipe.sadd(self.keys.actions_done(), finished.action.action_id)
+            pipe.lrem(self.keys.actions_pending(), 1, finished.raw)
         await redis_io.call(("MULTI", "SET", "RPUSH", self.keys.state()), pipe.execute())
+        self.commits += 1
+        return [o.action for o in voided]
 
-    async def apply(self, snap: Snapshot, decision: Decision) -> Snapshot:
-        """Persist ``decision`` on top of ``snap``; returns the new snapshot."""
-        new = decision.applied_to(snap)
-        await self.commit(new, decision.actions)
-        return new
-
-    async def next_action(self) -> tuple[Action | None, bool]:
-        """(the first owed action, whether it already ran). (None, False) when none is owed."""
-        raw = await redis_io.call(
-            ("LINDEX", self.keys.actions_pending()), self.client.lindex(self.keys.actions_pending(), 0)
-        )
-        if raw is None:
-            return None, False
-        try:
-            action = action_from_dict(json.loads(cast(bytes, raw)))
-        except (ValueError, ProtocolError):
-            await self._pop()
-            raise
-        done = await redis_io.call(
-            ("SISMEMBER", self.keys.actions_done()),
-            self.client.sismember(self.keys.actions_done(), action.action_id),
-        )
-        return action, bool(done)
-
-    async def finish(self, action: Action) -> None:
-        """Record ``action`` as executed and pop it, atomically."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.sadd(self.keys.actions_done(), action.action_id)
-        pipe.lpop(self.keys.actions_pending())
-        await redis_io.call(("MULTI", "SADD", "LPOP", self.keys.actions_done()), pipe.execute())
-
-    async def _pop(self) -> None:
-        await redis_io.call(
-            ("LPOP", self.keys.actions_pending()), self.client.lpop(self.keys.actions_pending())
-        )
-
-    async def pending(self) -> list[dict[str, Any]]:
+    async def owed(self) -> list[Owed]:
+        """Every owed action in commit order. An entry that no longer decodes (written by
+        another version) is removed and logged: it can never run."""
         raw = await redis_io.call(
             ("LRANGE", self.keys.actions_pending()), self.client.lrange(self.keys.actions_pending(), 0, -1)
         )
-        return [json.loads(x) for x in cast(list[bytes], raw)]
+        out: list[Owed] = []
+        for item in cast(list[bytes], raw):
+            try:
+                out.append(Owed(item.decode(), action_from_dict(json.loads(item))))
+            except (ValueError, ProtocolError) as e:
+                log.error("owed_action_unreadable", entry=item[:200].decode(errors="replace"), error=str(e))
+                await redis_io.call(
+                    ("LREM", self.keys.actions_pending()),
+                    self.client.lrem(self.keys.actions_pending(), 1, item),  # type: ignore[arg-type]  # bytes: the exact entry
+                )
+        return out
+
+    async def done(self, action_id: str) -> bool:
+        """The action already ran (it was owed when unicornd died after finishing it)."""
+        return bool(
+            await redis_io.call(
+                ("SISMEMBER", self.keys.actions_done()),
+                self.client.sismember(self.keys.actions_done(), action_id),
+            )
+        )
+
+    async def pending(self) -> list[dict[str, Any]]:
+        return [action_to_dict(o.action) for o in await self.owed()]

@@ -10,8 +10,9 @@ from plan.perf import LayoutEstimate
 from plan.planner import Assignment, Plan
 from unicorn_core.layout import Layout
 from unicorn_core.model import ModelSpec
-from unicornd.actions import Action, Decision
-from unicornd.decide import Finding
+from unicornd.actions import Action, Decision, LaunchAgents, Outcome, OutcomeStatus, Requeue
+from unicornd.decide import Finding, on_job_running, on_outcome
+from unicornd.launch import Render
 from unicornd.state import NodeRecord, Policy, Snapshot, TaskRecord, TaskState
 
 GPN = 2
@@ -45,10 +46,9 @@ def task(
 def world(
     n_nodes: int, tasks: Iterable[TaskRecord], policy: Policy | None = None, *, first: int = 1
 ) -> Snapshot:
-    """``n_nodes`` healthy nodes n<first>..; each task's nodes point back at it."""
+    """``n_nodes`` healthy nodes n<first>..; the tasks on the nodes they name."""
     tasks = tuple(tasks)
-    owner = {n: t.task_id for t in tasks for n in t.nodes}
-    nodes = {f"n{i}": NodeRecord(f"n{i}", task_id=owner.get(f"n{i}")) for i in range(first, first + n_nodes)}
+    nodes = {f"n{i}": NodeRecord(f"n{i}") for i in range(first, first + n_nodes)}
     return Snapshot(
         tasks={t.task_id: t for t in tasks},
         nodes=nodes,
@@ -113,3 +113,18 @@ def render(task: TaskRecord, layout: Layout, nodes: tuple[str, ...]) -> dict[str
         node: ["torchrun", f"--nnodes={len(nodes)}", f"--node-rank={rank}", *task.command, layout.describe()]
         for rank, node in enumerate(nodes)
     }
+
+
+def requeued_and_running(
+    snapshot: Snapshot, decision: Decision, now_s: float, render_with: Render = render
+) -> tuple[Snapshot, list[LaunchAgents]]:
+    """Apply ``decision``; every requeue it owes is done and its job runs again: the snapshot
+    after, and the agent launches that follow (what unicornd does across those outcomes)."""
+    snap = apply(snapshot, decision)
+    launches: list[LaunchAgents] = []
+    for rq in [a for a in decision.actions if isinstance(a, Requeue) and a.nodes]:
+        snap = apply(snap, on_outcome(snap, Outcome(rq.action_id, rq.kind, OutcomeStatus.DONE), now_s))
+        d = on_job_running(snap, rq.job_id, now_s + 1, now_s + 1, lambda _gen: render_with)
+        launches += [a for a in d.actions if isinstance(a, LaunchAgents)]
+        snap = apply(snap, d)
+    return snap, launches

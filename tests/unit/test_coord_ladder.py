@@ -398,7 +398,7 @@ def test_task_arrival_and_end_trigger_replans() -> None:
     assert snap.tasks["a"].state is TaskState.FINISHED and snap.tasks["a"].nodes == ()
     assert snap.incidents["a.1"].stage is L.CLOSED
     assert {type(a) for a in d.actions} == {CloseIncident, Replan}
-    assert snap.nodes["n1"].task_id is None
+    assert snap.owner("n1") is None
     assert on_task_finished(snap, "a", T0 + 2).empty
     with pytest.raises(InvalidArgument, match="unknown task"):
         on_task_finished(snap, "zzz", T0)

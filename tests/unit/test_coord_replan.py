@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from coord_world import apply, finding, layout_for, of_kind, plan, render, task, world
+from coord_world import apply, finding, layout_for, of_kind, plan, render, requeued_and_running, task, world
 
 from detect.statuses import ErrorStatus
 from launcher.render import Rendezvous, megatron_args, torchrun_argvs
@@ -65,7 +65,7 @@ def test_shrink_after_node_loss_checkpoints_first_and_leaves_the_other_task_alon
     assert new.tasks["a"].nodes == ("n1",) and new.tasks["a"].layout == layout_for(1)
     assert new.tasks["a"].resizes_this_run == 1 and new.tasks["a"].state is TaskState.LAUNCHING
     assert new.incidents["a.1"].stage is LadderStage.TRANSITION
-    assert new.nodes["n2"].task_id is None and new.plan_generation == 1
+    assert new.owner("n2") is None and new.plan_generation == 1
     assert plan_transition(snap, plan({"a": 2, "b": 4}), render, T0 + 1) == d, "deterministic"
 
 
@@ -81,7 +81,10 @@ def test_growing_into_a_free_node_uses_expansion_then_requeue_once_resized() -> 
     d = plan_transition(replace(snap, tasks={**snap.tasks, "a": resized}), plan({"a": 4, "b": 4}), render, T0)
     assert [r.nodes for r in of_kind(d.actions, Requeue)] == [("n1", "n2")]  # type: ignore[union-attr]
     assert not of_kind(d.actions, Grow) and not sends(d, AgentAction.RELAUNCH)
-    assert [la.nodes for la in of_kind(d.actions, LaunchAgents)] == [("n1", "n2")]  # type: ignore[union-attr]
+    assert not of_kind(d.actions, LaunchAgents), "agents start once the requeued job runs"
+    after, launches = requeued_and_running(snap, d, T0)
+    assert [la.nodes for la in launches] == [("n1", "n2")]  # type: ignore[union-attr]
+    assert after.tasks["a"].requeue is None
 
 
 def test_moving_a_task_off_and_onto_nodes_at_once_requeues() -> None:
@@ -110,15 +113,18 @@ def test_a_task_given_nothing_is_stopped_and_held_pending() -> None:
     assert_phase_order(d)
     new = apply(snap, d)
     assert new.tasks["a"].state is TaskState.PENDING and new.tasks["a"].nodes == ()
-    assert new.nodes["n1"].task_id == "b"
+    assert (owner := new.owner("n1")) is not None and owner.task_id == "b"
 
 
 def test_a_pending_task_is_started_on_its_nodes() -> None:
     snap = world(4, [task("a", 1, ["n1", "n2"]), task("c", 3, [], state=TaskState.PENDING)])
     d = plan_transition(snap, plan({"a": 4, "c": 4}), render, T0)
-    assert [type(a) for a in d.actions] == [Requeue, LaunchAgents]
+    assert [type(a) for a in d.actions] == [Requeue]
     assert of_kind(d.actions, Requeue)[0].nodes == ("n3", "n4")  # type: ignore[union-attr]
     assert apply(snap, d).tasks["c"].state is TaskState.LAUNCHING
+    assert apply(snap, d).tasks["c"].requeue is not None
+    _, launches = requeued_and_running(snap, d, T0)
+    assert [la.action_id for la in launches] == ["plan-1/c/requeue/launch"]
 
 
 def test_an_unchanged_plan_changes_nothing() -> None:
@@ -188,13 +194,14 @@ def test_real_planner_and_real_render_fit_together() -> None:
         return {n: [*argv, "pretrain_gpt.py", *megatron_args(layout, t.model)] for n, argv in argvs.items()}
 
     d = plan_transition(snap, new_plan, real_render, T0)
-    new = apply(snap, d)
+    new, relaunched = requeued_and_running(snap, d, T0, real_render)
     for a in new_plan.assignments:
         rec = new.tasks[a.task]
         assert len(rec.nodes) * gpus_per_node == a.gpus
         assert (rec.layout is None) == (a.estimate is None)
         if a.estimate is not None:
             assert rec.layout == a.estimate.layout and rec.state is TaskState.LAUNCHING
-    assert sum(len(la.nodes) for la in of_kind(d.actions, LaunchAgents)) == sum(  # type: ignore[union-attr]
+    launched = [*of_kind(d.actions, LaunchAgents), *relaunched]
+    assert sum(len(la.nodes) for la in launched) == sum(  # type: ignore[union-attr]
         len(t.nodes) for t in new.tasks.values()
     )

@@ -155,7 +155,6 @@ def node_records(draw: st.DrawFn) -> NodeRecord:
         name=draw(names),
         health=draw(st.sampled_from(NodeHealth)),
         reason=draw(st.text(max_size=40)),
-        task_id=draw(st.none() | names),
         failures_s=tuple(draw(st.lists(times, max_size=4))),
         drains_s=tuple(draw(st.lists(times, max_size=4))),
         held=draw(st.booleans()),
@@ -244,7 +243,7 @@ def test_incident_attempts_round_trip_with_stage_keys() -> None:
     )  # fmt: skip
     data = inc.to_dict()
     assert data["attempts"] == {"isolate": 2}
-    assert data["timeline"] == [{"stage": "detected", "t_s": 5.0}]
+    assert data["timeline"] == [{"stage": "detected", "t_s": 5.0, "detail": ""}]
     assert Incident.from_dict(data) == inc
 
 
@@ -320,7 +319,15 @@ def test_decision_refuses_duplicate_action_ids() -> None:
     assert Decision().empty
 
 
-@pytest.mark.parametrize("module", ["state", "actions", "decide", "replan"])
+_PURE = [
+    "state",
+    "actions",
+    "replan",
+    *(f"decide/{p.stem}" for p in (Path(__file__).parents[2] / "unicornd" / "decide").glob("*.py")),
+]
+
+
+@pytest.mark.parametrize("module", _PURE)
 def test_decision_modules_do_no_io_and_read_no_clock(module: str) -> None:
     """Decisions are functions of (snapshot, input, clock): no I/O module is even imported."""
     source = (Path(__file__).parents[2] / "unicornd" / f"{module}.py").read_text()

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from unicorn_core.errors import InvalidArgument
-from unicorn_core.keys import COORDINATOR_GROUP, RedisKeys
+from unicorn_core.keys import COORDINATOR_GROUP, RedisKeys, check_name
 
 
 def test_default_names() -> None:
@@ -20,10 +20,6 @@ def test_default_names() -> None:
     assert keys.command_results(42) == "unicorn:cmd-results:42"
     assert keys.heartbeat(42, "node.12") == "unicorn:hb:42:node.12"
     assert keys.daemon_liveness() == "unicorn:unicornd:alive"
-    assert keys.task("t_1") == "unicorn:task:t_1"
-    assert keys.tasks() == "unicorn:tasks"
-    assert keys.node("n1") == "unicorn:node:n1"
-    assert keys.plan_current() == "unicorn:plan:current"
     assert keys.incidents() == "unicorn:incidents"
     assert keys.actions_done() == "unicorn:actions:done"
     assert keys.state() == "unicorn:state"
@@ -59,8 +55,8 @@ def test_invalid_components_are_rejected_and_quoted(bad: str) -> None:
         lambda: RedisKeys(bad),
         lambda: keys.agent_commands(1, bad),
         lambda: keys.heartbeat(1, bad),
-        lambda: keys.task(bad),
-        lambda: keys.node(bad),
+        lambda: check_name(bad),
+        lambda: check_name(bad, "task id"),
     ]
     for call in calls:
         with pytest.raises(InvalidArgument) as info:
@@ -79,7 +75,15 @@ def test_invalid_job_ids_are_rejected(job_id: object) -> None:
 
 def test_non_string_components_are_rejected() -> None:
     with pytest.raises(InvalidArgument):
-        RedisKeys().node(12)  # type: ignore[arg-type]
+        check_name(12)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        RedisKeys().heartbeat(1, 12)  # type: ignore[arg-type]
+
+
+def test_check_name_returns_valid_names_and_says_what_was_wrong() -> None:
+    assert check_name("gpu-a01") == "gpu-a01" and check_name("t_1.x", "task id") == "t_1.x"
+    with pytest.raises(InvalidArgument, match=r"invalid task id 'a:b'"):
+        check_name("a:b", "task id")
 
 
 names = st.from_regex(r"[A-Za-z0-9_.-]{1,12}", fullmatch=True)
@@ -91,8 +95,6 @@ calls = st.one_of(
         st.sampled_from(
             [
                 "daemon_liveness",
-                "tasks",
-                "plan_current",
                 "incidents",
                 "actions_done",
                 "state",
@@ -107,7 +109,6 @@ calls = st.one_of(
         st.sampled_from(["events", "command_results", "agent_password", "job_env"]), st.tuples(job_ids)
     ),
     st.tuples(st.sampled_from(["agent_commands", "heartbeat"]), st.tuples(job_ids, names)),
-    st.tuples(st.sampled_from(["task", "node"]), st.tuples(names)),
 )
 
 
@@ -124,8 +125,6 @@ def test_calls_strategy_covers_every_method() -> None:
         "events",
         "command_results",
         "daemon_liveness",
-        "tasks",
-        "plan_current",
         "incidents",
         "actions_done",
         "state",
@@ -137,8 +136,6 @@ def test_calls_strategy_covers_every_method() -> None:
         "reply",
         "agent_commands",
         "heartbeat",
-        "task",
-        "node",
     }
     assert methods - {"prefix"} == covered
 
@@ -169,8 +166,6 @@ def test_distinct_keys_over_a_grid_of_look_alike_inputs() -> None:
             (prefix, (method, ()))
             for method in [
                 "daemon_liveness",
-                "tasks",
-                "plan_current",
                 "incidents",
                 "actions_done",
                 "state",
@@ -184,7 +179,6 @@ def test_distinct_keys_over_a_grid_of_look_alike_inputs() -> None:
             for method in ["events", "command_results", "agent_password", "job_env"]
             for job_id in job_ids_
         ]
-        inputs += [(prefix, (method, (part,))) for method in ["task", "node"] for part in parts]
         inputs += [
             (prefix, (method, (job_id, part)))
             for method in ["agent_commands", "heartbeat"]

@@ -1,0 +1,482 @@
+"""The error-handling ladder: findings open and climb an incident; time and failed actions climb it too.
+
+See :mod:`unicornd.decide` for the ladder's table."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import replace
+from typing import Final
+
+from detect.statuses import ErrorStatus, Severity
+from unicorn_core.errors import InvalidArgument
+from unicorn_core.protocol import AgentAction
+from unicornd.actions import (
+    CloseIncident,
+    Decision,
+    DrainNode,
+    NotifyOperator,
+    Replan,
+    RestartAgent,
+    SendCommand,
+)
+from unicornd.decide.common import (
+    AGENT_RULES,
+    EVIDENCE_CHARS,
+    LIVE_TASK_STATES,
+    RUNG_LEVEL,
+    RUNG_OF_SEVERITY,
+    SSH_UNREACHABLE,
+    WAITING_FOR_PLAN,
+    Draft,
+    Fault,
+    Finding,
+    drain_reason,
+    recent,
+    remember,
+    seen_in,
+    step_id,
+)
+from unicornd.state import (
+    Incident,
+    LadderStage,
+    NodeHealth,
+    Snapshot,
+    StageEntry,
+    TaskRecord,
+    TaskState,
+)
+
+_L = LadderStage
+
+# --- the ladder ----------------------------------------------------------------------
+
+
+def _target_rung(draft: Draft, inc: Incident, wanted: LadderStage) -> LadderStage:
+    """The rung to run now: the wanted one, never below the current in-place rung, and one
+    up for every rung whose attempts are used up."""
+    pol = draft.policy
+    target = wanted
+    if inc.stage in (_L.RETRY_IN_PLACE, _L.RESTART_PROCESSES) and RUNG_LEVEL[inc.stage] > RUNG_LEVEL[target]:
+        target = inc.stage
+    if target is _L.RETRY_IN_PLACE and inc.attempts_at(_L.RETRY_IN_PLACE) >= pol.max_retries_in_place:
+        target = _L.RESTART_PROCESSES
+    if target is _L.RESTART_PROCESSES and inc.attempts_at(_L.RESTART_PROCESSES) >= pol.max_process_restarts:
+        target = _L.ISOLATE
+    return target
+
+
+def _enter(inc: Incident, stage: LadderStage, now_s: float) -> Incident:
+    """Move to ``stage`` (a transition when it differs) and count one attempt there."""
+    moved = inc if inc.stage is stage else inc.moved(stage, now_s)
+    attempts = {**moved.attempts, stage: moved.attempts_at(stage) + 1}
+    return replace(moved, attempts=attempts, last_action_s=now_s)
+
+
+def _count_recovery(draft: Draft, task_id: str) -> None:
+    """One more recovery for the breaker and the budget (old budget entries dropped)."""
+    task = draft.task(task_id)
+    now_s = draft.now_s
+    times = recent((*task.recovery_times_s, now_s), now_s, draft.policy.budget_window_s)
+    task = replace(
+        task, recoveries_without_progress=task.recoveries_without_progress + 1, recovery_times_s=times
+    )
+    draft.put(task.with_state(TaskState.RECOVERING))
+
+
+def _breaker(draft: Draft, task: TaskRecord) -> str | None:
+    """Why the task must not be recovered again (None: it may)."""
+    pol = draft.policy
+    if task.recoveries_without_progress >= pol.no_progress_limit:
+        mark = "no iteration yet" if task.last_iteration is None else f"iteration {task.last_iteration}"
+        return (
+            f"no-progress breaker: {task.recoveries_without_progress} recoveries without passing {mark} "
+            f"(limit {pol.no_progress_limit})"
+        )
+    used = task.budget_used(draft.now_s, pol.budget_window_s)
+    if used >= pol.recovery_budget:
+        return (
+            f"recovery budget used up: {used} recoveries in {pol.budget_window_s:g} s "
+            f"(budget {pol.recovery_budget})"
+        )
+    return None
+
+
+def _stop_task(draft: Draft, task: TaskRecord, inc: Incident, why: str) -> None:
+    """Breaker tripped: ranks save and stop, the task is stopped, the operator is told."""
+    inc = replace(inc.moved(_L.ESCALATED_TO_OPERATOR, draft.now_s), note=why, last_action_s=draft.now_s)
+    draft.put(inc)
+    draft.put(draft.task(task.task_id).with_state(TaskState.STOPPED))
+    if task.job_id is not None:
+        for node in task.nodes:
+            if draft.node(node).health is NodeHealth.HEALTHY:
+                draft.stop_agent(f"{inc.incident_id}/stop/{node}", task.job_id, node)
+    why = f"task {task.task_id} stopped: {why}"
+    draft.act(NotifyOperator(f"{inc.incident_id}/notify/stopped", inc.incident_id, why))
+    draft.notes.append(f"{inc.incident_id}: {why}")
+
+
+def _drain(draft: Draft, inc: Incident, fault: Fault, *, confirmed: bool) -> Incident | None:
+    """Drain the fault's node for ``inc`` unless the drain limiter says no (then None).
+
+    Records the drain and the failure on the node; a node over the failure limit is held.
+    ``confirmed``: the operator confirmed this drain, the limiter does not apply.
+    """
+    pol, now_s, node = draft.policy, draft.now_s, fault.node
+    rec = draft.node(node)
+    if rec.health in (NodeHealth.DRAINING, NodeHealth.DRAINED):  # out already: never drain twice
+        draft.notes.append(f"node {node} is already {rec.health}; not drained again")
+        return replace(inc, isolated_nodes=(*inc.isolated_nodes, node), pending_drain=None)
+    if not confirmed and draft.drains_within_window() >= pol.drain_limit(max(len(draft.snap.nodes), 1)):
+        return None
+    failures = recent((*rec.failures_s, now_s), now_s, pol.node_failure_window_s)
+    held = rec.held or len(failures) >= pol.node_failure_limit
+    reason = drain_reason(draft, fault.status, f"{inc.incident_id} {fault.detail}")
+    draft.put(
+        replace(
+            rec.with_health(NodeHealth.DRAINING, reason),
+            failures_s=failures,
+            drains_s=recent((*rec.drains_s, now_s), now_s, pol.drain_window_s),
+            held=held,
+        )
+    )
+    step = step_id(inc, _L.ISOLATE, inc.attempts_at(_L.ISOLATE), "drain", node)
+    draft.act(DrainNode(step, node, reason, down=fault.rule == SSH_UNREACHABLE))
+    if held and not rec.held:
+        draft.notes.append(
+            f"node {node}: {len(failures)} failures in {pol.node_failure_window_s:g} s; "
+            "held until an operator resumes it"
+        )
+    return replace(inc, isolated_nodes=(*inc.isolated_nodes, node), pending_drain=None)
+
+
+def _isolate(
+    draft: Draft, task: TaskRecord | None, inc: Incident, fault: Fault, *, confirmed: bool = False
+) -> None:
+    """Rung SEV1: drain the node and ask for a replan, or ask the operator to confirm."""
+    pol, now_s = draft.policy, draft.now_s
+    was_waiting = inc.stage in WAITING_FOR_PLAN
+    drained = _drain(draft, _enter(inc, _L.ISOLATE, now_s), fault, confirmed=confirmed)
+    if drained is None:
+        why = (
+            f"drain limit reached: {draft.drains_within_window()} drains "
+            f"in the last {pol.drain_window_s:g} s "
+            f"(limit {pol.drain_limit(max(len(draft.snap.nodes), 1))} of {len(draft.snap.nodes)} nodes); "
+            f"confirm the drain of {fault.node} for {fault.status}"
+        )
+        if inc.stage is not _L.ESCALATED_TO_OPERATOR:
+            inc = inc.moved(_L.ESCALATED_TO_OPERATOR, now_s)
+        draft.put(replace(inc, pending_drain=fault.node, note=why, last_action_s=now_s))
+        _mark_suspect(draft, fault)
+        draft.act(NotifyOperator(f"{inc.incident_id}/notify/drain-limit/{fault.node}", inc.incident_id, why))
+        draft.notes.append(f"{inc.incident_id}: {why}")
+        return
+    attempt = drained.attempts_at(_L.ISOLATE)
+    waiting = drained.moved(_L.REPLAN, now_s)
+    reason = f"{drained.incident_id}: drained {fault.node} ({fault.status})"
+    draft.act(Replan(step_id(drained, _L.REPLAN, attempt, "replan", "cluster"), reason))
+    draft.notes.append(f"{drained.incident_id}: isolate {fault.node} ({fault.status}), replan")
+    if task is None:  # an idle node: nothing to resume once it is out
+        draft.put(replace(waiting.moved(_L.CLOSED, now_s), note="idle node drained"))
+        draft.act(CloseIncident(f"{drained.incident_id}/close", drained.incident_id))
+        return
+    draft.put(waiting)
+    if not was_waiting:  # more nodes lost before the plan came: still one recovery
+        _count_recovery(draft, task.task_id)
+
+
+def _mark_suspect(draft: Draft, fault: Fault) -> None:
+    """While the operator decides, a node a SEV1 points at is marked suspect (visible in status)."""
+    rec = draft.node(fault.node)
+    if rec.health is NodeHealth.HEALTHY:
+        draft.put(rec.with_health(NodeHealth.SUSPECT, drain_reason(draft, fault.status, fault.detail)))
+
+
+def _climb(draft: Draft, task: TaskRecord, inc: Incident, target: LadderStage, fault: Fault) -> None:
+    """Run rung ``target`` for the task's incident (breakers first)."""
+    acts = target is not _L.RETRY_IN_PLACE or fault.rank_died
+    why = _breaker(draft, task) if acts else None
+    if why is not None:
+        if target is _L.ISOLATE:  # the node is faulty whatever happens to the task
+            inc = _drain(draft, inc, fault, confirmed=False) or inc
+        _stop_task(draft, task, inc, why)
+        return
+    if target is _L.ISOLATE:
+        _isolate(draft, task, inc, fault)
+        return
+    if task.job_id is None:
+        raise InvalidArgument(f"task {task.task_id} is {task.state} without a Slurm job id")
+    inc = _enter(inc, target, draft.now_s)
+    attempt = inc.attempts_at(target)
+    nodes = (fault.node,) if target is _L.RETRY_IN_PLACE else task.nodes
+    draft.put(draft.task(task.task_id).with_state(TaskState.RECOVERING))
+    if acts:
+        for n in nodes:
+            if n == fault.node and fault.rule in AGENT_RULES:  # no agent to take the command
+                draft.act(
+                    RestartAgent(
+                        step_id(inc, target, attempt, "restart_agent", n), task.task_id, task.job_id, n
+                    )
+                )
+                continue
+            draft.act(
+                SendCommand(
+                    action_id=step_id(inc, target, attempt, "restart_ranks", n),
+                    job_id=task.job_id,
+                    node=n,
+                    action=AgentAction.RESTART_RANKS,
+                    deadline_s=draft.policy.command_deadline_s,
+                )
+            )
+        _count_recovery(draft, task.task_id)
+    draft.put(inc)
+    what = f"restart_ranks on {', '.join(nodes)}" if acts else "wait"
+    draft.notes.append(f"{inc.incident_id}: {target.value} #{attempt} ({fault.status}): {what}")
+
+
+def _new_incident(incident_id: str, task_id: str | None, finding: Finding, now_s: float) -> Incident:
+    return Incident(
+        incident_id=incident_id,
+        task_id=task_id,
+        node=finding.node,
+        rank=finding.rank,
+        status=finding.status,
+        severity=finding.severity,
+        rule=finding.rule,
+        evidence=finding.evidence[:EVIDENCE_CHARS],
+        opened_s=now_s,
+        timeline=(StageEntry(_L.DETECTED, now_s),),
+        last_action_s=now_s,
+        finding_ids=(finding.finding_id,),
+    )
+
+
+def on_finding(snapshot: Snapshot, finding: Finding, now_s: float) -> Decision:
+    """Open or update the incident of the finding's task and run the ladder.
+
+    Ignored (notes only): a finding seen before (same id), of a job no task has, or for
+    a task that is not live or no longer uses the node (stale). A finding without a job
+    on a node no live task uses opens a node incident (SEV1 drains it, else noted).
+    """
+    draft = Draft(snapshot, now_s)
+    seen = seen_in(snapshot, finding.finding_id)
+    if seen is not None:
+        return draft.note(f"finding {finding.finding_id}: already handled in {seen.incident_id}")
+    task = _task_for(snapshot, finding)
+    if task is None:
+        return _on_node_finding(draft, finding)
+    if task.requeue is not None:
+        return draft.note(
+            f"finding {finding.finding_id}: job {task.job_id} is being requeued "
+            f"({task.requeue.action_id}); its processes end on purpose"
+        )
+    if task.state not in LIVE_TASK_STATES or finding.node not in task.nodes:
+        return draft.note(
+            f"finding {finding.finding_id}: task {task.task_id} is {task.state} "
+            f"on {list(task.nodes)}; ignored"
+        )
+    inc = snapshot.open_incident(task.task_id)
+    if inc is None:
+        number = task.incidents_opened + 1
+        inc = _new_incident(f"{task.task_id}.{number}", task.task_id, finding, now_s)
+        draft.put(replace(task, incidents_opened=number).with_state(TaskState.RECOVERING))
+        target = _target_rung(draft, inc, RUNG_OF_SEVERITY[finding.severity])
+        _climb(draft, draft.task(task.task_id), inc, target, Fault.of(finding))
+        return draft.decision()
+    _update_incident(draft, task, remember(draft, inc, finding), finding)
+    return draft.decision()
+
+
+def _update_incident(draft: Draft, task: TaskRecord, inc: Incident, finding: Finding) -> None:
+    """A further finding for a task with an open incident: absorb it or climb."""
+    wanted = RUNG_OF_SEVERITY[finding.severity]
+    fault = Fault.of(finding)
+    where = f"{finding.status} on {finding.node}"
+    if inc.stage is _L.ESCALATED_TO_OPERATOR:
+        if wanted is _L.ISOLATE:
+            _mark_suspect(draft, fault)
+        draft.put(inc)
+        draft.notes.append(f"{inc.incident_id}: waiting for the operator; {where} recorded")
+        return
+    if inc.stage in WAITING_FOR_PLAN or (inc.stage is _L.TRANSITION and wanted is _L.ISOLATE):
+        # Only another faulty node matters now: it must be out before the plan is applied.
+        if (
+            wanted is _L.ISOLATE
+            and finding.node not in inc.isolated_nodes
+            and _drainable(draft, finding.node)
+        ):
+            _isolate(draft, task, inc, fault)
+        else:
+            draft.put(inc)
+            draft.notes.append(f"{inc.incident_id}: {where} absorbed while {inc.stage}")
+        return
+    settling = draft.now_s - inc.last_action_s < draft.policy.settle_s
+    if (
+        finding.rule in AGENT_RULES
+        and inc.stage is _L.RESTART_PROCESSES
+        and settling
+        and task.job_id is not None
+    ):
+        # The restart just ordered sent this node a command its dead agent cannot take.
+        # (Found dead again later, after the settle time: the restart failed; climb.)
+        attempt = inc.attempts_at(_L.RESTART_PROCESSES)
+        aid = step_id(inc, _L.RESTART_PROCESSES, attempt, "restart_agent", finding.node)
+        draft.act(RestartAgent(aid, task.task_id, task.job_id, finding.node))
+        draft.put(replace(inc, last_action_s=draft.now_s))
+        draft.notes.append(f"{inc.incident_id}: agent on {finding.node} gone during the restart; new agent")
+        return
+    if finding.secondary or (settling and RUNG_LEVEL[wanted] <= RUNG_LEVEL[inc.stage]):
+        draft.put(inc)
+        why = "secondary" if finding.secondary else f"within {draft.policy.settle_s:g} s of the last action"
+        draft.notes.append(f"{inc.incident_id}: {where} absorbed ({why})")
+        return
+    _climb(draft, task, inc, _target_rung(draft, inc, wanted), fault)
+
+
+def _drainable(draft: Draft, node: str) -> bool:
+    return draft.node(node).health in (NodeHealth.HEALTHY, NodeHealth.SUSPECT)
+
+
+def _task_for(snapshot: Snapshot, finding: Finding) -> TaskRecord | None:
+    if finding.job_id is not None:
+        return snapshot.task_of_job(finding.job_id)
+    for task in snapshot.tasks.values():
+        if finding.node in task.nodes and task.state in LIVE_TASK_STATES:
+            return task
+    return None
+
+
+def _on_node_finding(draft: Draft, finding: Finding) -> Decision:
+    """A fault outside any known job: only a SEV1 on a node in service matters (drain, replan)."""
+    if finding.job_id is not None:
+        return draft.note(f"finding {finding.finding_id}: no task has job {finding.job_id}; ignored")
+    existing = draft.snap.open_node_incident(finding.node)
+    if existing is not None:  # waiting for the operator: record only
+        draft.put(remember(draft, existing, finding))
+        return draft.decision()
+    if finding.severity is not Severity.SEV1 or not _drainable(draft, finding.node):
+        return draft.note(f"finding {finding.finding_id}: {finding.severity} on idle {finding.node}; noted")
+    inc = _new_incident(f"node.{finding.node}.{finding.finding_id}", None, finding, draft.now_s)
+    _isolate(draft, None, inc, Fault.of(finding))
+    return draft.decision()
+
+
+_STAGE_TIMEOUT: Final = {
+    _L.RETRY_IN_PLACE: "retry_timeout_s",
+    _L.RESTART_PROCESSES: "restart_timeout_s",
+    _L.TRANSITION: "transition_timeout_s",
+}
+
+
+def on_tick(snapshot: Snapshot, now_s: float) -> Decision:
+    """Climb every incident whose rung got no iteration within its timeout, and fail every
+    requeue whose job did not run again by its deadline.
+
+    A timed-out retry retries again or restarts; a timed-out restart or transition
+    restarts (while restarts remain) or isolates the incident's node; with nothing left
+    to isolate the operator is asked. Deterministic in (snapshot, now_s).
+    """
+    draft = Draft(snapshot, now_s)
+    pol = snapshot.policy
+    for inc in sorted(snapshot.incidents.values(), key=lambda i: i.incident_id):
+        if inc.task_id is None or inc.stage not in _STAGE_TIMEOUT:
+            continue
+        timeout_s = float(getattr(pol, _STAGE_TIMEOUT[inc.stage]))
+        if now_s - inc.last_action_s < timeout_s:
+            continue
+        task = draft.task(inc.task_id)
+        if task.state not in LIVE_TASK_STATES or task.requeue is not None:
+            continue
+        detail = f"no iteration {now_s - inc.last_action_s:.0f} s after {inc.stage.value}"
+        rung_failed(draft, task, inc, detail, status=_timeout_status(inc))
+    for task in sorted(snapshot.tasks.values(), key=lambda t: t.task_id):
+        if task.requeue is not None and now_s > task.requeue.deadline_s and task.state in LIVE_TASK_STATES:
+            why = (
+                f"job {task.job_id} did not run again within the requeue deadline ({task.requeue.action_id})"
+            )
+            start_failed(draft, draft.task(task.task_id), why)
+    return draft.decision()
+
+
+def rung_failed(draft: Draft, task: TaskRecord, inc: Incident, detail: str, *, status: str = "") -> None:
+    """The incident's current rung failed (no iteration in time, or its action failed):
+    the same rung again while attempts remain, else the next one up; with nothing left to
+    isolate, the operator is asked. ``detail`` goes into the incident's timeline."""
+    now_s = draft.now_s
+    inc = inc.noted(f"{inc.stage.value} failed: {detail}", now_s)
+    wanted = _L.RESTART_PROCESSES if inc.stage is _L.TRANSITION else inc.stage
+    target = _target_rung(draft, inc, wanted)
+    node = inc.node
+    if target is _L.ISOLATE and (node in inc.isolated_nodes or node not in task.nodes):
+        why = f"{detail}; nothing left to isolate"
+        draft.put(replace(inc.moved(_L.ESCALATED_TO_OPERATOR, now_s), note=why, last_action_s=now_s))
+        draft.act(NotifyOperator(f"{inc.incident_id}/notify/stuck", inc.incident_id, why))
+        return
+    _climb(draft, task, inc, target, Fault(node, status or inc.status.value, detail, rank_died=True))
+
+
+def start_failed(draft: Draft, task: TaskRecord, why: str) -> None:
+    """The task's (re)start cannot happen (its requeued job never ran again, or Slurm
+    refused the requeue): unicorn stops acting on it and asks the operator. Its incident,
+    if any, is escalated; the wait ends so its job's events count again."""
+    now_s = draft.now_s
+    draft.put(replace(task, requeue=None))
+    inc = draft.snap.open_incident(task.task_id)
+    target = inc.incident_id if inc is not None else None
+    if inc is not None and inc.stage is not _L.ESCALATED_TO_OPERATOR:
+        draft.put(replace(inc.moved(_L.ESCALATED_TO_OPERATOR, now_s), note=why, last_action_s=now_s))
+    aid = f"task/{task.task_id}/{task.generation}/notify/start-failed"
+    draft.act(NotifyOperator(aid, target, f"task {task.task_id}: {why}"))
+    draft.notes.append(f"task {task.task_id}: {why}")
+
+
+def _timeout_status(inc: Incident) -> str:
+    return ErrorStatus.TASK_HANG.value if inc.stage is _L.TRANSITION else inc.status.value
+
+
+def on_operator_confirm_drain(snapshot: Snapshot, incident_id: str, now_s: float) -> Decision:
+    """The operator confirmed the drain the limiter held back: drain and replan.
+
+    Raises InvalidArgument when the incident does not exist or awaits no drain.
+    """
+    inc = snapshot.incidents.get(incident_id)
+    if inc is None or inc.stage is not _L.ESCALATED_TO_OPERATOR or inc.pending_drain is None:
+        raise InvalidArgument(f"incident {incident_id!r} has no drain waiting for confirmation")
+    draft = Draft(snapshot, now_s)
+    task = snapshot.tasks.get(inc.task_id) if inc.task_id is not None else None
+    fault = Fault(inc.pending_drain, inc.status.value, "confirmed by operator")
+    _isolate(draft, task, inc, fault, confirmed=True)
+    return draft.decision()
+
+
+_IN_SERVICE: Final = frozenset({NodeHealth.HEALTHY, NodeHealth.SUSPECT, NodeHealth.RETURNING})
+
+
+def on_operator_drain(snapshot: Snapshot, node: str, reason: str, now_s: float) -> Decision:
+    """An operator's drain (``unicornctl drain NODE --reason TEXT``): the node leaves every plan.
+
+    The node is drained with ``unicorn: operator: <reason>`` and held, so only an
+    operator's resume brings it back (a resume straight in Slurm is drained again, see
+    :func:`on_node_join`); a replan moves its task off it. The drain limiter does not
+    apply (a person decided) and the drain is not counted against it. A node already
+    draining or drained is only held and given the new reason; the same request again
+    changes nothing. Unknown node or empty reason: InvalidArgument, nothing changed.
+    """
+    if node not in snapshot.nodes:
+        raise InvalidArgument(f"unknown node {node!r}; known: {', '.join(sorted(snapshot.nodes)) or 'none'}")
+    if not reason.strip():
+        raise InvalidArgument("an operator's drain needs a reason")
+    draft = Draft(snapshot, now_s)
+    rec = snapshot.nodes[node]
+    text = drain_reason(draft, "operator:", reason)
+    if rec.health not in _IN_SERVICE:
+        if rec.held and rec.reason == text:
+            return draft.note(f"node {node} is already {rec.health} for {text!r}")
+        draft.put(replace(rec, held=True, reason=text))
+        draft.act(DrainNode(f"operator-drain/{node}/{rec.joins}/{zlib.crc32(text.encode()):08x}", node, text))
+        return draft.note(f"node {node} is already {rec.health}: held, reason now {text!r}")
+    draft.put(replace(rec.with_health(NodeHealth.DRAINING, text), held=True))
+    base = f"operator-drain/{node}/{rec.joins}"
+    draft.act(DrainNode(f"{base}/drain", node, text))
+    draft.act(Replan(f"{base}/replan", f"operator drained {node}"))
+    return draft.note(f"node {node} drained by an operator ({text}), replan")

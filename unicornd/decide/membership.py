@@ -1,0 +1,233 @@
+"""Membership inputs: nodes join, pass or fail their check, are drained; tasks arrive,
+finish, stop; a requeued job runs again."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from unicorn_core.errors import InvalidArgument
+from unicornd.actions import (
+    CheckNode,
+    CloseIncident,
+    Decision,
+    DrainNode,
+    LaunchAgents,
+    NodeArgv,
+    NotifyOperator,
+    Replan,
+    ResumeNode,
+)
+from unicornd.decide.common import (
+    LIVE_TASK_STATES,
+    Draft,
+    drain_reason,
+    recent,
+)
+from unicornd.launch import Render
+from unicornd.state import (
+    LadderStage,
+    NodeHealth,
+    Snapshot,
+    TaskRecord,
+    TaskState,
+)
+
+_L = LadderStage
+
+# --- membership: nodes and tasks ----------------------------------------------------
+
+
+def on_node_join(snapshot: Snapshot, node: str, now_s: float, *, by_operator: bool = False) -> Decision:
+    """A node appeared or came back in Slurm (``by_operator``: ``unicornctl node resume``).
+
+    A held node (too many failures) that an operator did not resume is drained again
+    and the operator told. Otherwise it runs the node check first (``returning``), or
+    with ``Policy.node_check_on_join`` off becomes healthy and triggers a replan.
+    Joining again while healthy or returning changes nothing.
+    """
+    draft = Draft(snapshot, now_s)
+    known = node in snapshot.nodes
+    rec = snapshot.node(node)
+    if known and rec.health in (NodeHealth.HEALTHY, NodeHealth.RETURNING, NodeHealth.SUSPECT):
+        return Decision(notes=(f"node {node} is {rec.health}; join ignored",))
+    joins = rec.joins + 1
+    base = f"join/{node}/{joins}"
+    if rec.held and not by_operator:
+        reason = drain_reason(
+            draft, "held", f"{len(rec.failures_s)} failures; resume with unicornctl node resume {node}"
+        )
+        draft.put(replace(rec, joins=joins, reason=reason))
+        draft.act(DrainNode(f"{base}/drain", node, reason))
+        draft.act(NotifyOperator(f"{base}/notify", None, f"node {node} came back but is held: {reason}"))
+        return draft.decision()
+    rec = replace(rec, joins=joins, held=False if by_operator else rec.held)
+    if by_operator:
+        draft.act(ResumeNode(f"{base}/resume", node, "unicorn: resumed by operator"))
+    if not known:
+        rec = replace(rec, health=NodeHealth.RETURNING, reason="new node")
+    else:
+        rec = rec.with_health(NodeHealth.RETURNING, "returning")
+    if draft.policy.node_check_on_join:
+        draft.put(rec)
+        draft.act(CheckNode(f"{base}/check", node))
+    else:
+        draft.put(rec.with_health(NodeHealth.HEALTHY, ""))
+        draft.act(Replan(f"{base}/replan", f"node {node} joined"))
+    return draft.decision()
+
+
+def on_node_check(snapshot: Snapshot, node: str, passed: bool, now_s: float, detail: str = "") -> Decision:
+    """Outcome of the node check of a returning node: healthy + replan, or drained again."""
+    rec = snapshot.nodes.get(node)
+    if rec is None or rec.health is not NodeHealth.RETURNING:
+        return Decision(notes=(f"node {node}: check result while not returning; ignored",))
+    draft = Draft(snapshot, now_s)
+    base = f"join/{node}/{rec.joins}"
+    if passed:
+        draft.put(rec.with_health(NodeHealth.HEALTHY, ""))
+        draft.act(Replan(f"{base}/replan", f"node {node} joined"))
+        return draft.decision()
+    pol = draft.policy
+    failures = recent((*rec.failures_s, now_s), now_s, pol.node_failure_window_s)
+    reason = drain_reason(draft, "node_check_failed", detail)
+    draft.put(
+        replace(
+            rec.with_health(NodeHealth.DRAINING, reason),
+            failures_s=failures,
+            held=rec.held or len(failures) >= pol.node_failure_limit,
+        )
+    )
+    draft.act(DrainNode(f"{base}/drain-check", node, reason))
+    return draft.decision()
+
+
+def on_node_drained(snapshot: Snapshot, node: str, now_s: float, reason: str = "") -> Decision:
+    """Slurm shows the node drained or down: ``draining -> drained``.
+
+    A healthy node drained by someone else also leaves every plan: if a live task uses
+    it, the caller turns that into a finding; here it only triggers a replan.
+    """
+    rec = snapshot.node(node)
+    if rec.health is NodeHealth.DRAINED:
+        return Decision()
+    if rec.health is NodeHealth.RETURNING:
+        return Decision(notes=(f"node {node} drained while returning; waiting for its check",))
+    draft = Draft(snapshot, now_s)
+    external = rec.health is not NodeHealth.DRAINING
+    draft.put(rec.with_health(NodeHealth.DRAINED, reason or rec.reason))
+    if external:
+        draft.act(
+            Replan(f"drained/{node}/{rec.joins}/{len(rec.drains_s)}", f"node {node} drained outside unicorn")
+        )
+    return draft.decision()
+
+
+def on_task_arrived(snapshot: Snapshot, task: TaskRecord, now_s: float) -> Decision:
+    """Register a new task (state pending) and replan. Registering the same record again
+    changes nothing; a different record under an existing id raises InvalidArgument."""
+    existing = snapshot.tasks.get(task.task_id)
+    if existing is not None:
+        if existing == task:
+            return Decision()
+        raise InvalidArgument(f"task {task.task_id!r} is already registered with different fields")
+    if task.state is not TaskState.PENDING:
+        raise InvalidArgument(f"a new task must be pending, got {task.state}")
+    return Decision(
+        actions=(Replan(f"task/{task.task_id}/arrived", f"task {task.task_id} arrived"),), tasks=(task,)
+    )
+
+
+def on_task_finished(snapshot: Snapshot, task_id: str, now_s: float, *, ok: bool = True) -> Decision:
+    """The task's job ended (``ok``: finished, else failed): release its nodes, close its
+    incident, replan. Unknown task: InvalidArgument; already ended: no change."""
+    task = snapshot.tasks.get(task_id)
+    if task is None:
+        raise InvalidArgument(f"unknown task {task_id!r}")
+    if task.state in (TaskState.FINISHED, TaskState.FAILED):
+        return Decision()
+    draft = Draft(snapshot, now_s)
+    end = TaskState.FINISHED if ok else TaskState.FAILED
+    draft.put(replace(task.with_state(end), nodes=(), requeue=None))
+    inc = snapshot.open_incident(task_id)
+    if inc is not None:
+        draft.put(replace(inc.moved(_L.CLOSED, now_s), note=f"task {end}"))
+        draft.act(CloseIncident(f"{inc.incident_id}/close", inc.incident_id))
+    draft.act(Replan(f"task/{task_id}/{end.value}", f"task {task_id} {end}"))
+    return draft.decision()
+
+
+def on_task_stop(snapshot: Snapshot, task_id: str, now_s: float, *, why: str) -> Decision:
+    """The task's owner asked it to stop (scancel, or the job's time limit is near).
+
+    Its agents are told to stop (the ranks save at the end of the iteration and exit),
+    the task becomes ``stopped``, its nodes are released, its incident is closed, and the
+    rest of the cluster is replanned. Unknown task: InvalidArgument; already ended or
+    stopped: no change (a repeated request is a no-op).
+    """
+    task = snapshot.tasks.get(task_id)
+    if task is None:
+        raise InvalidArgument(f"unknown task {task_id!r}")
+    if task.state in (TaskState.FINISHED, TaskState.FAILED, TaskState.STOPPED):
+        return Decision()
+    draft = Draft(snapshot, now_s)
+    draft.put(replace(task.with_state(TaskState.STOPPED), nodes=(), requeue=None))
+    for name in task.nodes:
+        if task.job_id is not None:
+            draft.stop_agent(f"task/{task_id}/stop/{name}", task.job_id, name)
+    inc = snapshot.open_incident(task_id)
+    if inc is not None:
+        draft.put(replace(inc.moved(_L.CLOSED, now_s), note=f"task stopped: {why}"))
+        draft.act(CloseIncident(f"{inc.incident_id}/close", inc.incident_id))
+    draft.act(Replan(f"task/{task_id}/stopped", f"task {task_id} stopped: {why}"))
+    draft.notes.append(f"task {task_id} stopped: {why}")
+    return draft.decision()
+
+
+def on_node_finished(snapshot: Snapshot, job_id: int, node: str, now_s: float) -> Decision:
+    """The agent of ``job_id`` on ``node`` saw the training exit 0 there.
+
+    Recorded on the task (``finished_nodes``, cleared by every restart of its ranks);
+    once every node of the task has, the task finished (:func:`on_task_finished`). A
+    task in recovery counts too: a restarted run may resume at its last iteration and
+    end at once, with no new iteration to close the incident first. Ignored while its
+    job is being requeued (its processes end on purpose).
+    """
+    task = snapshot.task_of_job(job_id)
+    if (
+        task is None
+        or task.state not in LIVE_TASK_STATES
+        or task.requeue is not None
+        or node not in task.nodes
+        or node in task.finished_nodes
+    ):
+        return Decision()
+    done = (*task.finished_nodes, node)
+    if set(task.nodes) <= set(done):
+        ended = on_task_finished(snapshot, task.task_id, now_s, ok=True)
+        return replace(ended, notes=(*ended.notes, f"task {task.task_id}: training finished on every node"))
+    return Decision(tasks=(replace(task, finished_nodes=done),))
+
+
+def on_job_running(
+    snapshot: Snapshot, job_id: int, observed_s: float, now_s: float, render: Callable[[int], Render]
+) -> Decision:
+    """Slurm showed ``job_id`` RUNNING at a poll started at ``observed_s``.
+
+    For a task whose requeue has been done (before ``observed_s``) this is the job
+    running again: its agents are launched on its nodes at its layout
+    (``render(generation)`` gives the argv), and the wait ends. Anything else: no change.
+    """
+    task = snapshot.task_of_job(job_id)
+    wait = task.requeue if task is not None else None
+    if task is None or wait is None or wait.done_s is None or observed_s <= wait.done_s:
+        return Decision()
+    draft = Draft(snapshot, now_s)
+    if task.state not in LIVE_TASK_STATES or task.layout is None or not task.nodes:
+        draft.put(replace(task, requeue=None))
+        return draft.note(f"task {task.task_id}: job {job_id} runs again; nothing to launch ({task.state})")
+    argv = render(task.generation)(task, task.layout, task.nodes)
+    commands = tuple(NodeArgv(n, tuple(argv[n])) for n in task.nodes)
+    draft.act(LaunchAgents(f"{wait.action_id}/launch", task.task_id, job_id, commands))
+    draft.put(replace(task, requeue=None, launched_s=now_s))
+    return draft.note(f"task {task.task_id}: job {job_id} runs again; agents on {', '.join(task.nodes)}")

@@ -1,0 +1,93 @@
+"""Iterations reported by the ranks: the no-progress breaker's mark, and the proof that a
+recovery (or a launch) worked."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from unicorn_core.errors import InvalidArgument
+from unicornd.actions import (
+    CloseIncident,
+    Decision,
+)
+from unicornd.decide.common import (
+    AWAITING_PROGRESS,
+    LIVE_TASK_STATES,
+    Draft,
+)
+from unicornd.state import (
+    Incident,
+    LadderStage,
+    Snapshot,
+    TaskRecord,
+    TaskState,
+)
+
+_L = LadderStage
+
+# --- progress, time, operator -------------------------------------------------------
+
+
+def on_progress(
+    snapshot: Snapshot,
+    task_id: str,
+    iteration: int,
+    now_s: float,
+    *,
+    reported_s: float | None = None,
+    launch_id: str = "",
+) -> Decision:
+    """An iteration was reported (``reported_s``: when the rank finished it; default ``now_s``).
+
+    Passing the task's highest iteration resets the no-progress breaker. An iteration
+    reported after the latest recovery action, by ranks that action started, closes the
+    open incident (``resumed`` then ``closed``) and the task is running again; so does one
+    after a launch. ``launch_id`` is the action that started the reporting ranks (the
+    agent's tag; "" = unknown, then the time alone decides): an iteration finished by ranks
+    about to be replaced arrives after the action but must not count as its success.
+    Empty decision when nothing changes (most calls).
+    """
+    if iteration < 0:
+        raise InvalidArgument(f"iteration must be >= 0, got {iteration}")
+    task = snapshot.tasks.get(task_id)
+    if task is None or task.state not in LIVE_TASK_STATES:
+        return Decision()
+    at = now_s if reported_s is None else reported_s
+    draft = Draft(snapshot, now_s)
+    new = task
+    if task.last_iteration is None or iteration > task.last_iteration:
+        new = replace(new, last_iteration=iteration, recoveries_without_progress=0)
+    inc = snapshot.open_incident(task_id)
+    if inc is not None:
+        if inc.stage in AWAITING_PROGRESS and at > inc.last_action_s and _started_by(inc, task, launch_id):
+            closed = inc.moved(_L.RESUMED, now_s).moved(_L.CLOSED, now_s)
+            draft.put(replace(closed, note=f"resumed at iteration {iteration}"))
+            draft.act(CloseIncident(f"{inc.incident_id}/close", inc.incident_id))
+            new = new.with_state(TaskState.RUNNING)
+            draft.notes.append(f"{inc.incident_id}: resumed at iteration {iteration}, closed")
+    elif (
+        task.state is TaskState.LAUNCHING
+        and (task.launched_s is None or at > task.launched_s)
+        and _launched_by_plan(task, launch_id)
+    ):
+        new = new.with_state(TaskState.RUNNING)
+    if new != task:
+        draft.put(new)
+    return draft.decision()
+
+
+def _launched_by_plan(task: TaskRecord, launch_id: str) -> bool:
+    """Ranks started by the task's latest plan (launch or relaunch); True when unknown."""
+    return not launch_id or launch_id.startswith(f"plan-{task.generation}/{task.task_id}/")
+
+
+def _started_by(inc: Incident, task: TaskRecord, launch_id: str) -> bool:
+    """The reporting ranks were started by the incident's current rung (True when unknown).
+
+    A retry in place may not restart anything (it waits), so any later iteration counts.
+    """
+    if not launch_id or inc.stage is _L.RETRY_IN_PLACE:
+        return True
+    if inc.stage is _L.TRANSITION:
+        return _launched_by_plan(task, launch_id)
+    return launch_id.startswith(f"{inc.incident_id}/{inc.stage.value}/{inc.attempts_at(inc.stage)}/")

@@ -1,0 +1,277 @@
+"""The executor: the only code that changes Slurm or writes agent commands.
+
+It performs owed actions and reports each one's :class:`~unicornd.actions.Outcome` to
+:meth:`unicornd.core.Core.finish`; it never decides and never waits on Slurm for
+anything but the action at hand. Actions that share a resource
+(:func:`unicornd.actions.resources`) run in commit order, one at a time; actions that
+share none run at the same time, so a node check or one job's requeue never holds up
+another job's recovery.
+
+Errors become outcomes: a temporary error (a timeout, Redis or Slurm briefly away) is
+retried with backoff for up to :data:`RETRY_FOR_S`, then ``timed_out``; Slurm refusing
+a resize is ``unsupported``; any other :class:`~unicorn_core.errors.UnicornError` is
+``failed`` with its command, exit code and output. Anything else is a bug and ends the
+executor (and with it unicornd, so systemd restarts it; the action stays owed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import redis.asyncio as aioredis
+
+from unicorn_core import protocol, redis_io
+from unicorn_core.config import Config
+from unicorn_core.errors import CommandFailed, CommandTimeout, UnicornError
+from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
+from unicorn_core.logs import get_logger
+from unicorn_core.slurm.backend import ResizeUnsupported, SlurmBackend, StepHandle
+from unicornd.actions import (
+    Action,
+    CheckNode,
+    CloseIncident,
+    Decision,
+    DrainNode,
+    Grow,
+    LaunchAgents,
+    NotifyOperator,
+    Outcome,
+    OutcomeStatus,
+    Replan,
+    Requeue,
+    RestartAgent,
+    ResumeNode,
+    SendCommand,
+    Shrink,
+    resources,
+)
+from unicornd.agentusers import AgentUsers
+from unicornd.core import Core
+from unicornd.launch import agent_argv, bin_dir
+from unicornd.store import Owed
+
+log = get_logger(__name__)
+
+RETRY_FOR_S: Final = 60.0
+NODE_CHECK_TIMEOUT_S: Final = 120.0
+IDLE_WAIT_S: Final = 1.0
+
+
+class Executor:
+    """Performs owed actions (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        core: Core,
+        slurm: SlurmBackend,
+        client: aioredis.Redis,
+        agent_users: AgentUsers,
+        *,
+        config_path: str | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.core = core
+        self.slurm = slurm
+        self.client = client
+        self.keys = RedisKeys(cfg.redis.key_prefix)
+        self.agent_users = agent_users
+        self.config_path = config_path
+        self.steps: dict[tuple[int, str], StepHandle] = {}
+        self.actions_run = 0
+        self._running: dict[str, asyncio.Task[None]] = {}
+
+    async def run(self, draining: Callable[[], bool]) -> None:
+        """Start every owed action whose resources are free, forever; with ``draining()``
+        start nothing new and return once the actions in flight are done."""
+        while True:
+            if draining():
+                if self._running:
+                    await asyncio.wait(list(self._running.values()))
+                return
+            self.core.wake.clear()
+            busy: set[str] = set()
+            for owed in await self.core.store.owed():
+                needs = resources(owed.action)
+                if owed.action.action_id not in self._running and not needs & busy:
+                    self._start(owed)
+                busy |= needs
+            waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.core.wake.wait())]
+            waits += self._running.values()
+            done, _ = await asyncio.wait(waits, timeout=IDLE_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+            waits[0].cancel()
+            for t in done:
+                if t is not waits[0] and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]  # a bug: end unicornd
+
+    def _start(self, owed: Owed) -> None:
+        aid = owed.action.action_id
+        task = asyncio.create_task(self._perform(owed), name=f"action:{aid}")
+        self._running[aid] = task
+        task.add_done_callback(lambda _t: self._running.pop(aid, None))
+
+    async def _perform(self, owed: Owed) -> None:
+        action = owed.action
+        t0 = time.monotonic()
+        if await self.core.store.done(action.action_id):
+            outcome = Outcome(action.action_id, action.kind, OutcomeStatus.DONE, "ran before a restart")
+        else:
+            outcome = await self._attempt(action)
+            self.actions_run += 1
+        if not outcome.ok:
+            await self._incident_log(
+                {
+                    "kind": "action_failed",
+                    "action": action.action_id,
+                    "status": outcome.status.value,
+                    "error": outcome.detail,
+                }
+            )
+        await self.core.finish(owed, outcome, time.time())
+        log.info(
+            "action_done",
+            action=action.action_id,
+            kind=action.kind,
+            status=outcome.status.value,
+            detail=outcome.detail[:300],
+            s=round(time.monotonic() - t0, 3),
+        )
+
+    async def _attempt(self, action: Action) -> Outcome:
+        """Perform ``action`` (retrying temporary errors) and say how it ended."""
+        backoff, deadline = 0.2, time.monotonic() + RETRY_FOR_S
+        node = getattr(action, "node", "")
+        while True:
+            try:
+                detail = await self._execute(action)
+                return Outcome(action.action_id, action.kind, OutcomeStatus.DONE, detail, node)
+            except ResizeUnsupported as e:
+                return Outcome(action.action_id, action.kind, OutcomeStatus.UNSUPPORTED, str(e), node)
+            except UnicornError as e:
+                if not e.temporary or time.monotonic() + backoff > deadline:
+                    status = (
+                        OutcomeStatus.TIMED_OUT if isinstance(e, CommandTimeout) else OutcomeStatus.FAILED
+                    )
+                    log.error("action_failed", action=action.action_id, kind=action.kind, error=str(e))
+                    return Outcome(action.action_id, action.kind, status, str(e), node)
+                log.warning("action_retry", action=action.action_id, error=str(e), backoff_s=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    async def _execute(self, action: Action) -> str:
+        handlers: dict[type[Any], Callable[[Any], Awaitable[str]]] = {
+            DrainNode: self._drain_node,
+            ResumeNode: self._resume_node,
+            SendCommand: self._send,
+            LaunchAgents: self._launch,
+            Shrink: self._shrink,
+            Grow: self._grow,
+            Requeue: self._requeue,
+            CheckNode: self._check_node,
+            NotifyOperator: self._notify,
+            CloseIncident: self._close,
+            Replan: self._request,
+            RestartAgent: self._request,
+        }
+        return await handlers[type(action)](action)
+
+    # --- one handler per kind: act, return a detail, raise UnicornError on failure ------
+
+    async def _drain_node(self, action: DrainNode) -> str:
+        if action.down:
+            await self.slurm.down(action.node, action.reason)
+        await self.slurm.drain(action.node, action.reason)
+        return "down+drain" if action.down else "drain"
+
+    async def _resume_node(self, action: ResumeNode) -> str:
+        await self.slurm.resume(action.node)
+        return "resumed"
+
+    async def _shrink(self, action: Shrink) -> str:
+        await self.slurm.shrink(action.job_id, action.nodes)
+        return f"job {action.job_id} on {','.join(action.nodes)}"
+
+    async def _grow(self, action: Grow) -> str:
+        exclude = sorted(set(self.core.snap.nodes) - set(action.add))
+        await self.slurm.grow(action.job_id, len(action.add), exclude=exclude)
+        return f"job {action.job_id} + {','.join(action.add)}"
+
+    async def _requeue(self, action: Requeue) -> str:
+        try:
+            await self.slurm.requeue(action.job_id, action.nodes)
+        except CommandFailed as e:
+            # Already requeued (e.g. by the action's first run before a crash): idempotent.
+            if "pending" not in f"{e.stdout} {e.stderr}".lower():
+                raise
+        return f"job {action.job_id} requeued onto {','.join(action.nodes) or '(held)'}"
+
+    async def _check_node(self, action: CheckNode) -> str:
+        argv = [str(bin_dir(self.cfg.agent) / "unicorn-node-check")]
+        out = await self.slurm.run_on_nodes([action.node], argv, timeout_s=NODE_CHECK_TIMEOUT_S)
+        detail = (out.stderr or out.stdout).strip()[-300:]
+        log.info("node_check", node=action.node, passed=out.exit_code == 0, detail=detail)
+        if out.exit_code != 0:
+            raise CommandFailed(argv, out.exit_code, out.stdout, out.stderr, message=detail or "unhealthy")
+        return detail or "passed"
+
+    async def _send(self, action: SendCommand) -> str:
+        stream = self.keys.agent_commands(action.job_id, action.node)
+        payload = {PAYLOAD_FIELD: protocol.encode(action.message(time.time()))}
+        await redis_io.call(("XADD", stream), self.client.xadd(stream, payload))  # type: ignore[arg-type]
+        return f"{action.action.value} sent"
+
+    async def _launch(self, action: LaunchAgents) -> str:
+        credentials = await self.agent_users.env(action.job_id)
+        for cmd in action.commands:
+            if action.clear_commands:
+                stream = self.keys.agent_commands(action.job_id, cmd.node)
+                await redis_io.call(("DEL", stream), self.client.delete(stream))
+            old = self.steps.pop((action.job_id, cmd.node), None)
+            if old is not None:
+                with contextlib.suppress(UnicornError, ProcessLookupError):
+                    await old.stop(grace_s=5.0)
+            argv = agent_argv(
+                self.cfg.agent,
+                action.job_id,
+                cmd.node,
+                cmd.argv,
+                config_path=self.config_path,
+                launch_id=action.action_id,
+            )
+            self.steps[(action.job_id, cmd.node)] = await self.slurm.launch_step(
+                action.job_id,
+                [cmd.node],
+                argv,
+                env={**action.env, **credentials},
+                options=[f"--output=/tmp/unicorn-agent-{action.job_id}-{cmd.node}.out"],
+                capture=False,
+            )
+        return f"agents on {','.join(action.nodes)}"
+
+    async def _notify(self, action: NotifyOperator) -> str:
+        log.error("operator_needed", incident=action.incident_id, why=action.why)
+        await self._incident_log({"kind": "operator", "incident": action.incident_id, "why": action.why})
+        return "logged"
+
+    async def _close(self, action: CloseIncident) -> str:
+        inc = self.core.snap.incidents.get(action.incident_id)
+        await self._incident_log({"kind": "closed", "incident": inc.to_dict() if inc else action.incident_id})
+        return "logged"
+
+    async def _request(self, action: Replan | RestartAgent) -> str:
+        """Owed by an older unicornd, which executed these: resolve them now instead."""
+        await self.core.decide(time.time(), lambda _snap: Decision(actions=(action,)))
+        return "resolved"
+
+    async def _incident_log(self, doc: dict[str, Any]) -> None:
+        await redis_io.call(
+            ("XADD", self.keys.incidents()),
+            self.client.xadd(
+                self.keys.incidents(), {PAYLOAD_FIELD: json.dumps({"t": time.time(), **doc})}, maxlen=10_000
+            ),
+        )

@@ -1,0 +1,257 @@
+"""unicornd's inputs from agents, Slurm and the clock, each turned into one pure decision.
+
+- :class:`AgentInputs`: each job's ``events`` stream (heartbeats, exits, exceptions, GPU
+  events, iterations -> the detector -> findings, progress, nodes finished) and its
+  ``cmd-results`` stream (each agent's answer to a command -> an
+  :class:`~unicornd.actions.Outcome`), both read through the coordinator's consumer group;
+- :class:`SlurmWatch`: one poll of nodes and jobs a second (a node back, drained outside
+  unicorn; a task's job ended; a requeued job running again);
+- :class:`Ticker`: silence becomes findings (lost agents, hangs), stage and requeue
+  deadlines pass, progress held in memory is committed.
+
+A silent agent is confirmed out of band (SSH, :mod:`unicornd.oob`) before it is decided
+on, when ``[ssh] enabled``: the probe's verdict is the input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Final
+
+from unicorn_core.config import Config
+from unicorn_core.errors import UnicornError
+from unicorn_core.keys import RedisKeys
+from unicorn_core.logs import get_logger
+from unicorn_core.protocol import CommandResult, IterationTiming, Message, ProcessExit
+from unicorn_core.slurm.backend import SlurmBackend
+from unicorn_core.slurm.types import JobState
+from unicornd import decide, oob
+from unicornd.actions import Outcome, OutcomeStatus
+from unicornd.agentusers import AgentUsers
+from unicornd.core import Core
+from unicornd.decide import ClassificationLike
+from unicornd.detector import Detector, JobFinding
+from unicornd.replan import PLANNED_STATES
+from unicornd.state import NodeHealth
+
+log = get_logger(__name__)
+
+TICK_S: Final = 0.05
+SLURM_POLL_S: Final = 1.0
+
+
+class AgentInputs:
+    """Handles one entry of a job's ``events`` or ``cmd-results`` stream."""
+
+    def __init__(self, cfg: Config, core: Core, detector: Detector) -> None:
+        self.cfg = cfg
+        self.core = core
+        self.detector = detector
+        self.keys = RedisKeys(cfg.redis.key_prefix)
+        self.probes: dict[tuple[int, str], asyncio.Task[None]] = {}
+
+    def streams(self, forgotten: set[int]) -> list[str]:
+        """The events and command-results streams of every job a known task holds (its agents
+        write only there), but those of jobs whose streams are gone for good."""
+        snap = self.core.snap
+        jobs = sorted({t.job_id for t in snap.tasks.values() if t.job_id is not None} - forgotten)
+        return [s for j in jobs for s in (self.keys.events(j), self.keys.command_results(j))]
+
+    async def on_message(self, msg: Message, now_mono: float, entry_id: str, stream: str) -> None:
+        now = time.time()
+        if isinstance(msg, CommandResult) and stream == self.keys.command_results(msg.job_id):
+            status = OutcomeStatus.DONE if msg.ok else OutcomeStatus.FAILED
+            outcome = Outcome(msg.command_id, Outcome.AGENT_COMMAND, status, msg.detail, msg.node)
+            if not msg.ok:
+                log.warning(
+                    "agent_command_failed", command_id=msg.command_id, node=msg.node, detail=msg.detail
+                )
+            await self.core.decide(now, lambda s: decide.on_outcome(s, outcome, now))
+            return
+        if stream != self.keys.events(msg.job_id):
+            # Each job's agents may write only their job's streams (Redis ACL); a message
+            # there about another job, or of the wrong kind, is forged or misrouted.
+            log.warning(
+                "event_wrong_stream", id=entry_id, stream=stream, job_id=msg.job_id, type=type(msg).__name__
+            )
+            return
+        found = self.detector.on_message(msg, now_mono)
+        if isinstance(msg, IterationTiming):
+            task = self.core.snap.task_of_job(msg.job_id)
+            if task is not None:
+                tid, it, at, lid = task.task_id, msg.iteration, msg.wall_time_s, msg.launch_id
+                # reported_s: when the rank finished the iteration (its wall clock), so an
+                # iteration finished before a recovery action does not count as its success.
+                await self.core.decide(
+                    now, lambda s: decide.on_progress(s, tid, it, now, reported_s=at, launch_id=lid)
+                )
+        elif isinstance(msg, ProcessExit) and msg.rank is None and msg.exit_code == 0:
+            job, node = msg.job_id, msg.node
+            await self.core.decide(now, lambda s: decide.on_node_finished(s, job, node, now))
+        for jf in found:
+            await self.on_finding(jf, finding_id=f"{entry_id}:{jf.finding.source}")
+
+    async def on_finding(self, jf: JobFinding, finding_id: str) -> None:
+        f = jf.finding
+        node = f.node
+        task = self.core.snap.task_of_job(jf.job_id)
+        if not node and task is not None and task.nodes:
+            node = task.nodes[0]  # a task-level hang whose stopped rank's node is unknown
+        if not node:
+            return
+        if f.source == "heartbeat" and self.cfg.ssh.enabled:
+            self._probe(jf, node, finding_id)
+            return
+        await self._decide_finding(jf, node, finding_id, jf.classification)
+
+    def _probe(self, jf: JobFinding, node: str, finding_id: str) -> None:
+        """Confirm a silent agent out of band (SSH) before deciding; one probe per agent at a time."""
+        key = (jf.job_id, node)
+        if key in self.probes:
+            return
+
+        async def confirm() -> None:
+            log.info("probing", job_id=jf.job_id, node=node, why=jf.classification.evidence)
+            try:
+                result = await oob.probe_node(self.cfg.ssh, self.cfg.agent, node, jf.job_id)
+                found = oob.verdict(result, jf.classification.evidence, self.detector.classifier)
+                log.warning(
+                    "probe",
+                    job_id=jf.job_id,
+                    node=node,
+                    reachable=result.reachable,
+                    agents=list(result.agent_states),
+                    kernel_lines=len(result.kernel_lines),
+                    rule=found.rule,
+                    s=round(result.elapsed_s, 3),
+                )
+            except Exception as e:  # a broken probe must not hide the silence
+                log.error("probe_failed", job_id=jf.job_id, node=node, error=repr(e))
+                found = jf.classification
+            try:
+                await self._decide_finding(jf, node, f"{finding_id}:probe", found)
+            finally:
+                self.probes.pop(key, None)
+
+        self.probes[key] = asyncio.create_task(confirm(), name=f"probe-{node}-{jf.job_id}")
+
+    async def _decide_finding(
+        self, jf: JobFinding, node: str, finding_id: str, classification: ClassificationLike
+    ) -> None:
+        f = jf.finding
+        finding = decide.Finding.of(
+            classification,
+            finding_id=finding_id,
+            job_id=jf.job_id,
+            node=node,
+            rank=f.rank,
+            rank_died=f.source == "exit",
+        )
+        if finding is None:
+            return
+        log.warning(
+            "finding",
+            job_id=jf.job_id,
+            node=node,
+            rank=f.rank,
+            status=str(finding.status),
+            severity=str(finding.severity),
+            rule=finding.rule,
+            source=f.source,
+        )
+        now = time.time()
+        await self.core.decide(now, lambda s: decide.on_finding(s, finding, now))
+
+
+class SlurmWatch:
+    """Polls Slurm once a second and turns what changed into decisions."""
+
+    def __init__(self, core: Core, slurm: SlurmBackend, agent_users: AgentUsers) -> None:
+        self.core = core
+        self.slurm = slurm
+        self.agent_users = agent_users
+
+    async def run(self) -> None:
+        while True:
+            await self.poll()
+            await asyncio.sleep(SLURM_POLL_S)
+
+    async def poll(self) -> None:
+        observed = time.time()
+        try:
+            nodes = await self.slurm.list_nodes()
+            jobs = {j.job_id: j for j in await self.slurm.list_jobs()}
+        except UnicornError as e:
+            log.warning("slurm_unavailable", error=str(e))
+            return
+        core = self.core
+        now = time.time()
+        for info in nodes:
+            rec = core.snap.nodes.get(info.name)
+            if rec is None or (info.usable and rec.health is NodeHealth.DRAINED):
+                await core.decide(now, partial(decide.on_node_join, node=info.name, now_s=now))
+            elif not info.usable and info.drained and rec.health in (NodeHealth.HEALTHY, NodeHealth.DRAINING):
+                await core.decide(
+                    now, partial(decide.on_node_drained, node=info.name, now_s=now, reason=info.reason)
+                )
+        render = core.ctx.render_for
+        for task in list(core.snap.tasks.values()):
+            if task.job_id is None or task.state not in PLANNED_STATES:
+                continue
+            job = jobs.get(task.job_id)
+            if task.requeue is not None:
+                if job is not None and job.state is JobState.RUNNING:
+                    by_generation = partial(render, core.snap.gpus_per_node)
+                    running = partial(
+                        decide.on_job_running,
+                        job_id=task.job_id,
+                        observed_s=observed,
+                        now_s=now,
+                        render=by_generation,
+                    )
+                    await core.decide(now, running)
+                continue  # a requeued job is PENDING or COMPLETING on its way back
+            if job is None or job.state.finished:
+                ok = job is not None and job.state is JobState.COMPLETED
+                log.info("task_job_ended", task=task.task_id, job_id=task.job_id, ok=ok)
+                if job is not None and job.state is JobState.CANCELLED:  # scancel: the user's stop
+                    await core.decide(
+                        now,
+                        partial(decide.on_task_stop, task_id=task.task_id, now_s=now, why="job cancelled"),
+                    )
+                else:
+                    await core.decide(
+                        now, partial(decide.on_task_finished, task_id=task.task_id, now_s=now, ok=ok)
+                    )
+        try:
+            await self.agent_users.forget_gone(core.snap, jobs)
+        except UnicornError as e:
+            log.warning("agent_user_cleanup_failed", error=str(e))
+
+
+class Ticker:
+    """Silence into findings every :data:`TICK_S`; deadlines and a flush every second."""
+
+    def __init__(
+        self, core: Core, detector: Detector, on_finding: Callable[[JobFinding, str], object]
+    ) -> None:
+        self.core = core
+        self.detector = detector
+        self.on_finding = on_finding
+
+    async def run(self) -> None:
+        last_tick = 0.0
+        while True:
+            await asyncio.sleep(TICK_S)
+            found: Sequence[JobFinding] = self.detector.check(time.monotonic())
+            for jf in found:
+                fid = f"{jf.finding.source}:{jf.job_id}:{jf.finding.node}:{time.time():.3f}"
+                await self.on_finding(jf, fid)  # type: ignore[misc]
+            now = time.time()
+            if now - last_tick >= 1.0:
+                last_tick = now
+                await self.core.decide(now, partial(decide.on_tick, now_s=now))
+                await self.core.flush()

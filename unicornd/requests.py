@@ -1,0 +1,148 @@
+"""Control requests to unicornd: one dispatch table from request type to pure decision.
+
+Requests arrive on two streams (:mod:`unicornd.control`): users' (register, stop) on
+``control``, operators' (drain, resume, confirm a drain) on ``operator_control``, which
+Redis ACLs let only operators write. Each is decoded into its typed request, checked
+(stream, MUNGE signature), decided, committed, and answered with a
+:class:`~unicornd.control.Reply` under ``keys.reply(stream, entry id)``. A malformed,
+unknown, unsigned or misplaced request gets ``ok: false`` with the reason and changes
+nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, Final
+
+import redis.asyncio as aioredis
+
+from unicorn_core import munge, redis_io
+from unicorn_core.config import Config
+from unicorn_core.errors import InvalidArgument, UnicornError
+from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
+from unicorn_core.logs import get_logger
+from unicorn_core.slurm.backend import SlurmBackend
+from unicornd import decide
+from unicornd.control import (
+    OPERATOR_REQUESTS,
+    ConfirmDrain,
+    Drain,
+    Register,
+    Reply,
+    Request,
+    Resume,
+    Stop,
+    decode_request,
+    encode_reply,
+    registration_digest,
+)
+from unicornd.core import Core
+from unicornd.state import TaskRecord
+
+log = get_logger(__name__)
+
+REPLY_TTL_S: Final = 3600
+
+
+class Requests:
+    """Handles the entries of the control streams (see the module docstring)."""
+
+    def __init__(self, cfg: Config, core: Core, slurm: SlurmBackend, client: aioredis.Redis) -> None:
+        self.cfg = cfg
+        self.core = core
+        self.slurm = slurm
+        self.client = client
+        self.keys = RedisKeys(cfg.redis.key_prefix)
+        self.handlers: dict[type[Any], Callable[[Any, float], Awaitable[None]]] = {
+            Register: self._register,
+            Stop: self._stop,
+            Drain: self._drain,
+            Resume: self._resume,
+            ConfirmDrain: self._confirm_drain,
+        }
+
+    def streams(self) -> tuple[str, str]:
+        return (self.keys.control(), self.keys.operator_control())
+
+    async def on_entry(self, fields: dict[bytes, bytes], entry_id: str, stream: str) -> None:
+        try:
+            req = decode_request(fields.get(PAYLOAD_FIELD.encode(), b""))
+            await self.handle(req, operator=stream == self.keys.operator_control())
+        except (ValueError, UnicornError) as e:
+            log.warning("control_rejected", id=entry_id, stream=stream, error=str(e))
+            await self._reply(stream, entry_id, Reply(ok=False, detail=str(e)))
+            return
+        await self._reply(stream, entry_id, Reply(ok=True))
+
+    async def handle(self, req: Request, *, operator: bool) -> None:
+        """One request; ``operator``: it came on the operators' stream (only they can write it)."""
+        if isinstance(req, OPERATOR_REQUESTS) and not operator:
+            raise InvalidArgument(
+                f"{type(req).__name__} is an operator's request: send it with unicornctl as an operator "
+                f"(it goes on {self.keys.operator_control()!r}, which only operators may write)"
+            )
+        await self.handlers[type(req)](req, time.time())
+
+    async def _register(self, req: Register, now: float) -> None:
+        task = req.record()
+        environment = req.job_environment()
+        await self._authenticate(req, task)
+        arrived = partial(decide.on_task_arrived, task=task, now_s=now)
+        if environment is None or task.job_id is None:
+            await self.core.decide(now, arrived)
+            return
+        # Stored before the decision, so the agents it launches find it; out of the
+        # snapshot, which every user may read (the variables may hold the user's tokens).
+        key = self.keys.job_env(task.job_id)
+        await redis_io.call(("SET", key), self.client.set(key, environment.to_json()))
+        try:
+            await self.core.decide(now, arrived)
+        except BaseException:
+            await redis_io.call(("DEL", key), self.client.delete(key))
+            raise
+
+    async def _stop(self, req: Stop, now: float) -> None:
+        why = req.why or "stop requested"
+        await self.core.decide(now, partial(decide.on_task_stop, task_id=req.task, now_s=now, why=why))
+
+    async def _drain(self, req: Drain, now: float) -> None:
+        await self.core.decide(
+            now, partial(decide.on_operator_drain, node=req.node, reason=req.reason, now_s=now)
+        )
+
+    async def _resume(self, req: Resume, now: float) -> None:
+        if req.node not in self.core.snap.nodes:
+            raise InvalidArgument(f"unknown node {req.node!r}")
+        await self.core.decide(now, partial(decide.on_node_join, node=req.node, now_s=now, by_operator=True))
+
+    async def _confirm_drain(self, req: ConfirmDrain, now: float) -> None:
+        await self.core.decide(
+            now, partial(decide.on_operator_confirm_drain, incident_id=req.incident, now_s=now)
+        )
+
+    async def _authenticate(self, req: Register, task: TaskRecord) -> None:
+        """The registration was signed (MUNGE) for exactly this request by the owner of the
+        task's job, root, or unicornd's own user (the SlurmUser). Without this, anyone who
+        may write the control stream could run a command inside another user's job."""
+        signed = await munge.verify(req.credential, socket=self.cfg.slurm.munge_socket)
+        if signed.payload != registration_digest(req):
+            raise munge.NotAuthenticated("the MUNGE credential signs another request")
+        if signed.uid in (0, os.getuid()):
+            return
+        job = await self.slurm.get_job(task.job_id or 0)
+        try:
+            owner = pwd.getpwnam(job.user).pw_uid
+        except KeyError:
+            owner = int(job.user) if job.user.isdigit() else -1
+        if signed.uid != owner:
+            raise munge.NotAuthenticated(
+                f"job {job.job_id} belongs to {job.user}; the request was signed by uid {signed.uid}"
+            )
+
+    async def _reply(self, stream: str, entry_id: str, reply: Reply) -> None:
+        key = self.keys.reply(stream, entry_id)
+        await redis_io.call(("SET", "reply"), self.client.set(key, encode_reply(reply), ex=REPLY_TTL_S))
