@@ -43,6 +43,21 @@ TICK_S: Final = 0.05
 SLURM_POLL_S: Final = 1.0
 
 
+def entry_time(entry_id: str) -> float:
+    """The time of a stream entry: Redis stamps its id with its clock in ms when it is added.
+
+    Decisions on an entry use it (never later than now), so an entry delivered again
+    after a crash is decided at the same time as the first time: the restarted daemon
+    decides exactly as the uninterrupted one. (Redis runs beside unicornd on the head
+    node; a Redis clock ahead of ours is capped at ours.)
+    """
+    try:
+        stamped = int(entry_id.split("-", 1)[0]) / 1000.0
+    except ValueError:
+        return time.time()
+    return min(stamped, time.time())
+
+
 class AgentInputs:
     """Handles one entry of a job's ``events`` or ``cmd-results`` stream."""
 
@@ -61,7 +76,7 @@ class AgentInputs:
         return [s for j in jobs for s in (self.keys.events(j), self.keys.command_results(j))]
 
     async def on_message(self, msg: Message, now_mono: float, entry_id: str, stream: str) -> None:
-        now = time.time()
+        now = entry_time(entry_id)
         if isinstance(msg, CommandResult) and stream == self.keys.command_results(msg.job_id):
             status = OutcomeStatus.DONE if msg.ok else OutcomeStatus.FAILED
             outcome = Outcome(msg.command_id, Outcome.AGENT_COMMAND, status, msg.detail, msg.node)
@@ -92,9 +107,10 @@ class AgentInputs:
             job, node = msg.job_id, msg.node
             await self.core.decide(now, lambda s: decide.on_node_finished(s, job, node, now))
         for jf in found:
-            await self.on_finding(jf, finding_id=f"{entry_id}:{jf.finding.source}")
+            await self.on_finding(jf, finding_id=f"{entry_id}:{jf.finding.source}", now_s=now)
 
-    async def on_finding(self, jf: JobFinding, finding_id: str) -> None:
+    async def on_finding(self, jf: JobFinding, finding_id: str, now_s: float | None = None) -> None:
+        """Decide on a finding (``now_s``: its input's time; default: now)."""
         f = jf.finding
         node = f.node
         task = self.core.snap.task_of_job(jf.job_id)
@@ -105,7 +121,7 @@ class AgentInputs:
         if f.source == "heartbeat" and self.cfg.ssh.enabled:
             self._probe(jf, node, finding_id)
             return
-        await self._decide_finding(jf, node, finding_id, jf.classification)
+        await self._decide_finding(jf, node, finding_id, jf.classification, now_s)
 
     def _probe(self, jf: JobFinding, node: str, finding_id: str) -> None:
         """Confirm a silent agent out of band (SSH) before deciding; one probe per agent at a time."""
@@ -139,7 +155,12 @@ class AgentInputs:
         self.probes[key] = asyncio.create_task(confirm(), name=f"probe-{node}-{jf.job_id}")
 
     async def _decide_finding(
-        self, jf: JobFinding, node: str, finding_id: str, classification: ClassificationLike
+        self,
+        jf: JobFinding,
+        node: str,
+        finding_id: str,
+        classification: ClassificationLike,
+        now_s: float | None = None,
     ) -> None:
         f = jf.finding
         finding = decide.Finding.of(
@@ -162,7 +183,7 @@ class AgentInputs:
             rule=finding.rule,
             source=f.source,
         )
-        now = time.time()
+        now = time.time() if now_s is None else now_s
         await self.core.decide(now, lambda s: decide.on_finding(s, finding, now))
 
 

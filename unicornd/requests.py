@@ -41,6 +41,7 @@ from unicornd.control import (
     registration_digest,
 )
 from unicornd.core import Core
+from unicornd.inputs import entry_time
 from unicornd.state import TaskRecord
 
 log = get_logger(__name__)
@@ -71,21 +72,23 @@ class Requests:
     async def on_entry(self, fields: dict[bytes, bytes], entry_id: str, stream: str) -> None:
         try:
             req = decode_request(fields.get(PAYLOAD_FIELD.encode(), b""))
-            await self.handle(req, operator=stream == self.keys.operator_control())
+            await self.handle(
+                req, operator=stream == self.keys.operator_control(), now_s=entry_time(entry_id)
+            )
         except (ValueError, UnicornError) as e:
             log.warning("control_rejected", id=entry_id, stream=stream, error=str(e))
             await self._reply(stream, entry_id, Reply(ok=False, detail=str(e)))
             return
         await self._reply(stream, entry_id, Reply(ok=True))
 
-    async def handle(self, req: Request, *, operator: bool) -> None:
+    async def handle(self, req: Request, *, operator: bool, now_s: float | None = None) -> None:
         """One request; ``operator``: it came on the operators' stream (only they can write it)."""
         if isinstance(req, OPERATOR_REQUESTS) and not operator:
             raise InvalidArgument(
                 f"{type(req).__name__} is an operator's request: send it with unicornctl as an operator "
                 f"(it goes on {self.keys.operator_control()!r}, which only operators may write)"
             )
-        await self.handlers[type(req)](req, time.time())
+        await self.handlers[type(req)](req, time.time() if now_s is None else now_s)
 
     async def _register(self, req: Register, now: float) -> None:
         task = req.record()

@@ -1,0 +1,231 @@
+"""Outcomes flow back into decide: failed actions and agents' answers fail their rung at once,
+refused resizes become requeues, requeues wait for the job in the snapshot, and the
+requests a decision makes (replan, new agent) are resolved purely before commit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from coord_world import apply, finding, of_kind, plan, render, task, world
+
+from detect.statuses import ErrorStatus
+from plan.hardware import gpu_spec
+from plan.objective import FailureModel
+from unicorn_core.protocol import AgentAction
+from unicornd.actions import (
+    CheckNode,
+    Decision,
+    Grow,
+    LaunchAgents,
+    NotifyOperator,
+    Outcome,
+    OutcomeStatus,
+    Replan,
+    Requeue,
+    RestartAgent,
+    SendCommand,
+)
+from unicornd.decide import (
+    on_finding,
+    on_job_running,
+    on_node_finished,
+    on_node_join,
+    on_outcome,
+    on_tick,
+    resolve,
+)
+from unicornd.replan import REQUEUE_TIMEOUT_S, PlanContext, plan_transition
+from unicornd.state import LadderStage, NodeHealth, Policy, Snapshot, TaskState
+
+T0 = 1_700_000_000.0
+L = LadderStage
+CTX = PlanContext(gpu_spec("a100-80g"), FailureModel(24.0), lambda _gpn, _gen: render)
+
+
+def failed(action_id: str, detail: str = "boom", node: str = "n1") -> Outcome:
+    return Outcome(action_id, Outcome.AGENT_COMMAND, OutcomeStatus.FAILED, detail, node)
+
+
+def restarting() -> tuple[Snapshot, str]:
+    """Task a on n1,n2 after a SEV2: restart_processes #1 (of 3) was ordered; the n1 command's id."""
+    snap = world(4, [task("a", 1, ["n1", "n2"])], Policy(max_process_restarts=3, no_progress_limit=10, recovery_budget=10))
+    snap = apply(snap, on_finding(snap, finding("f1", 1, "n1", ErrorStatus.OTHER_SOFTWARE_ERROR), T0))
+    inc = snap.incidents["a.1"]
+    assert inc.stage is L.RESTART_PROCESSES and inc.attempts_at(L.RESTART_PROCESSES) == 1
+    return snap, "a.1/restart_processes/1/restart_ranks/n1"
+
+
+def test_a_failed_restart_command_fails_its_rung_at_once_with_the_agent_error() -> None:
+    snap, cmd = restarting()
+    d = on_outcome(snap, failed(cmd, "FileNotFoundError: [Errno 2] No such file: '/nope'"), T0 + 0.5)
+    inc = apply(snap, d).incidents["a.1"]
+    # Long before restart_timeout_s: the rung failed on the agent's answer.
+    assert inc.attempts_at(L.RESTART_PROCESSES) == 2
+    assert any("No such file" in e.detail for e in inc.timeline)
+    sent = [a.action_id for a in of_kind(d.actions, SendCommand)]
+    assert sent == ["a.1/restart_processes/2/restart_ranks/n1", "a.1/restart_processes/2/restart_ranks/n2"]
+
+
+def test_an_outcome_of_an_earlier_attempt_is_stale_and_only_recorded() -> None:
+    snap, cmd = restarting()
+    snap = apply(snap, on_outcome(snap, failed(cmd), T0 + 0.5))  # attempt 2 now
+    d = on_outcome(snap, failed(cmd.replace("/n1", "/n2")), T0 + 0.6)  # attempt 1's other node
+    assert not d.actions
+    assert apply(snap, d).incidents["a.1"].attempts_at(L.RESTART_PROCESSES) == 2
+
+
+def test_a_done_command_changes_nothing() -> None:
+    snap, cmd = restarting()
+    assert on_outcome(
+        snap, Outcome(cmd, Outcome.AGENT_COMMAND, OutcomeStatus.DONE, "restarted"), T0 + 1
+    ).empty
+
+
+def test_exhausted_restarts_climb_to_isolate_on_failed_answers() -> None:
+    snap, cmd = restarting()
+    pol = snap.policy
+    for attempt in range(1, pol.max_process_restarts + 1):
+        aid = f"a.1/restart_processes/{attempt}/restart_ranks/n1"
+        snap = apply(snap, resolve(snap, on_outcome(snap, failed(aid), T0 + attempt), CTX, T0 + attempt))
+    inc = snap.incidents["a.1"]
+    assert L.ISOLATE in [e.stage for e in inc.timeline]
+    assert snap.nodes["n1"].health is NodeHealth.DRAINING
+
+
+def transition(snap: Snapshot, gpus: dict[str, int], now: float) -> tuple[Snapshot, Decision]:
+    d = plan_transition(snap, plan(gpus), render, now)
+    return apply(snap, d), d
+
+
+def test_a_failed_relaunch_fails_the_transition_rung() -> None:
+    snap = world(4, [task("a", 1, ["n1", "n2"])])
+    snap = apply(snap, on_finding(snap, finding("f1", 1, "n2", ErrorStatus.ECC_ERROR), T0))
+    snap, d = transition(snap, {"a": 2}, T0 + 1)
+    assert snap.incidents["a.1"].stage is L.TRANSITION
+    relaunch = next(a for a in of_kind(d.actions, SendCommand) if a.action is AgentAction.RELAUNCH)  # type: ignore[union-attr]
+    d = on_outcome(snap, failed(relaunch.action_id, "rejected: relaunch without a training command"), T0 + 2)
+    inc = apply(snap, d).incidents["a.1"]
+    assert inc.stage is L.RESTART_PROCESSES
+    assert any("relaunch without a training command" in e.detail for e in inc.timeline)
+
+
+def test_a_failed_launch_of_a_healthy_task_opens_an_incident_on_that_node() -> None:
+    snap = world(4, [task("a", 1, ["n1"]), task("b", 2, ["n3", "n4"])])
+    snap, d = transition(snap, {"a": 4, "b": 4}, T0)
+    relaunch = next(a for a in of_kind(d.actions, SendCommand) if a.action is AgentAction.RELAUNCH)  # type: ignore[union-attr]
+    d = on_outcome(snap, failed(relaunch.action_id, "bad executable", "n1"), T0 + 1)
+    after = apply(snap, d)
+    inc = after.open_incident("a")
+    assert inc is not None and inc.node == "n1" and inc.rule == "start_failed"
+    assert after.tasks["a"].state is TaskState.RECOVERING
+
+
+def test_a_refused_grow_becomes_a_requeue_and_voids_the_rest_of_the_plan() -> None:
+    snap = world(4, [task("a", 1, ["n1"]), task("b", 2, ["n3", "n4"])])
+    snap, d = transition(snap, {"a": 4, "b": 4}, T0)
+    grow = of_kind(d.actions, Grow)[0]
+    out = Outcome(grow.action_id, grow.kind, OutcomeStatus.UNSUPPORTED, "JobId=1 has allocated GRES")
+    d = on_outcome(snap, out, T0 + 1)
+    assert d.cancels == ("plan-1/a/",)
+    assert [(type(a), a.nodes) for a in d.actions] == [(Requeue, ("n1", "n2"))]  # type: ignore[union-attr]
+    snap = apply(snap, d)
+    wait = snap.tasks["a"].requeue
+    assert wait is not None and wait.action_id == "plan-1/a/grow/requeue" and wait.done_s is None
+    # The job still RUNNING before the requeue is done: nothing yet.
+    assert on_job_running(snap, 1, T0 + 2, T0 + 2, lambda _g: render).empty
+    snap = apply(snap, on_outcome(snap, Outcome(wait.action_id, "requeue", OutcomeStatus.DONE), T0 + 3))
+    # A poll started before the requeue returned does not count either.
+    assert on_job_running(snap, 1, T0 + 2.5, T0 + 4, lambda _g: render).empty
+    d = on_job_running(snap, 1, T0 + 4, T0 + 4, lambda _g: render)
+    launch = of_kind(d.actions, LaunchAgents)
+    assert [la.action_id for la in launch] == ["plan-1/a/grow/requeue/launch"]
+    assert launch[0].nodes == ("n1", "n2")  # type: ignore[union-attr]
+    assert apply(snap, d).tasks["a"].requeue is None
+
+
+def test_findings_of_a_job_being_requeued_are_ignored_until_it_runs() -> None:
+    snap = world(4, [task("a", 1, ["n1"]), task("b", 2, ["n3", "n4"])])
+    snap, d = transition(snap, {"a": 4, "b": 4}, T0)
+    grow = of_kind(d.actions, Grow)[0]
+    snap = apply(snap, on_outcome(snap, Outcome(grow.action_id, "grow", OutcomeStatus.FAILED, "x"), T0 + 1))
+    d = on_finding(snap, finding("f9", 1, "n1", ErrorStatus.EXITED_ABNORMALLY), T0 + 2)
+    assert not d.actions and not d.incidents and "being requeued" in d.notes[0]
+    assert on_node_finished(snap, 1, "n1", T0 + 2).empty
+
+
+def test_a_requeue_that_never_runs_asks_the_operator_at_its_deadline() -> None:
+    snap = world(4, [task("a", 1, ["n1", "n2"]), task("c", 3, [], state=TaskState.PENDING)])
+    snap, _ = transition(snap, {"a": 4, "c": 4}, T0)
+    assert snap.tasks["c"].requeue is not None
+    assert not on_tick(snap, T0 + REQUEUE_TIMEOUT_S - 1).actions
+    d = on_tick(snap, T0 + REQUEUE_TIMEOUT_S + 1)
+    assert [type(a) for a in d.actions] == [NotifyOperator]
+    assert apply(snap, d).tasks["c"].requeue is None
+
+
+def test_a_failed_requeue_asks_the_operator() -> None:
+    snap = world(4, [task("a", 1, ["n1", "n2"]), task("c", 3, [], state=TaskState.PENDING)])
+    snap, _ = transition(snap, {"a": 4, "c": 4}, T0)
+    d = on_outcome(
+        snap, Outcome("plan-1/c/requeue", "requeue", OutcomeStatus.FAILED, "slurm said no"), T0 + 1
+    )
+    assert [type(a) for a in d.actions] == [NotifyOperator] and "slurm said no" in d.actions[0].why  # type: ignore[union-attr]
+
+
+def test_node_check_outcome_decides_the_returning_node() -> None:
+    snap = world(2, [])
+    snap = apply(snap, on_node_join(snap, "n3", T0))
+    check = of_kind(on_node_join(world(2, []), "n3", T0).actions, CheckNode)[0]
+    ok = on_outcome(snap, Outcome(check.action_id, "check_node", OutcomeStatus.DONE, "ok"), T0 + 1)
+    assert apply(snap, ok).nodes["n3"].health is NodeHealth.HEALTHY
+    bad = on_outcome(snap, Outcome(check.action_id, "check_node", OutcomeStatus.FAILED, "gpu 0: ecc"), T0 + 1)
+    assert apply(snap, bad).nodes["n3"].health is NodeHealth.DRAINING
+
+
+def test_every_node_finishing_ends_the_task() -> None:
+    snap = world(4, [task("a", 1, ["n1", "n2"])])
+    d = on_node_finished(snap, 1, "n1", T0)
+    snap = apply(snap, d)
+    assert snap.tasks["a"].finished_nodes == ("n1",) and snap.tasks["a"].state is TaskState.RUNNING
+    assert on_node_finished(snap, 1, "n1", T0).empty  # the same report again
+    snap = apply(snap, on_node_finished(snap, 1, "n2", T0 + 1))
+    assert snap.tasks["a"].state is TaskState.FINISHED
+
+
+def test_a_restart_clears_finished_nodes() -> None:
+    snap = world(4, [task("a", 1, ["n1", "n2"], finished_nodes=("n1",))])
+    d = resolve(snap, on_finding(snap, finding("f", 1, "n2", ErrorStatus.OTHER_SOFTWARE_ERROR), T0), CTX, T0)
+    assert apply(snap, d).tasks["a"].finished_nodes == ()
+
+
+def test_resolve_replaces_replan_and_restart_agent_requests() -> None:
+    snap = world(4, [task("a", 1, ["n1", "n2"]), task("b", 2, ["n3"])])
+    asked = Decision(
+        actions=(
+            RestartAgent("i/restart_agent/n2", "a", 1, "n2"),
+            Replan("r1", "first"),
+            Replan("r2", "second"),
+        )
+    )
+    d = resolve(snap, asked, CTX, T0)
+    assert not any(isinstance(a, Replan | RestartAgent) for a in d.actions)
+    launch = d.actions[0]
+    assert isinstance(launch, LaunchAgents) and launch.clear_commands
+    assert launch.commands[0].argv == tuple(
+        render(snap.tasks["a"], snap.tasks["a"].layout, ("n1", "n2"))["n2"]
+    )  # type: ignore[arg-type]
+    assert d.plan_generation == 1, "one replan for both requests"
+    assert any(n.startswith("replan: first; second") for n in d.notes)
+
+
+def test_a_restart_agent_for_a_node_the_task_left_is_dropped_with_a_note() -> None:
+    snap = world(4, [task("a", 1, ["n1"])])
+    d = resolve(snap, Decision(actions=(RestartAgent("x", "a", 1, "n4"),)), CTX, T0)
+    assert not d.actions and "no longer runs on n4" in d.notes[0]
+
+
+def test_an_unappliable_plan_is_noted_not_raised() -> None:
+    snap = world(2, [replace(task("c", 3, [], state=TaskState.PENDING), job_id=None)])
+    d = resolve(snap, Decision(actions=(Replan("r", "why"),)), CTX, T0)
+    assert not d.actions and d.plan_generation is None
+    assert any("replan not applied" in n and "no Slurm job" in n for n in d.notes)
