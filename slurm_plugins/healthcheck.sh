@@ -1,22 +1,23 @@
 #!/bin/bash
-# unicorn HealthCheckProgram: run `unicornctl node-check` and drain this node on failure.
+# unicorn HealthCheckProgram: run `unicorn-node-check` and drain this node on failure.
 #
 # Slurm (22.05) runs this every HealthCheckInterval with no arguments and an environment
 # holding only SLURMD_NODENAME, and ignores its exit status: a failing check drains
 # nothing by itself. So this script
 #   - reads everything it needs from healthcheck.conf beside it (or $UNICORN_HEALTHCHECK_CONF):
-#     KEY=VALUE lines, taken literally (never evaluated): UNICORNCTL, SCONTROL, TIMEOUT,
-#     TIMEOUT_S, SLURM_CONF, NODE_CHECK_ARG (repeatable, one argument each), FAULT_DIR
+#     KEY=VALUE lines, taken literally (never evaluated): NODE_CHECK (the unicorn-node-check
+#     program), SCONTROL, TIMEOUT, TIMEOUT_S, SLURM_CONF, NODE_CHECK_ARG (repeatable, one
+#     argument each), FAULT_DIR
 #     (TEST ONLY: <FAULT_DIR>/<node>.jsonl is passed as --inject-gpu-faults), LOG_FILE;
 #   - knows WHICH node it checks from SLURMD_NODENAME (set by slurmd; several slurmd may
 #     share one host), else from its parent slurmd's `-N NAME`, else `hostname -s`;
 #   - drains the node itself: scontrol update nodename=N state=drain reason="unicorn
-#     healthcheck: <failed checks>", when node-check reports the node unhealthy (exit 1
+#     healthcheck: <failed checks>", when unicorn-node-check reports the node unhealthy (exit 1
 #     with an "unhealthy: ..." line) or does not finish within TIMEOUT_S;
 #   - leaves a node that is already draining/drained alone (its reason, maybe an
 #     operator's or unicornd's, is kept), and never resumes a node: returning a node is
 #     the operator's or unicornd's decision (unicornd re-checks a node before reuse);
-#   - does NOT drain when the check itself cannot run (missing or broken unicornctl,
+#   - does NOT drain when the check itself cannot run (missing or broken unicorn-node-check,
 #     bad conf): a broken installation must not drain the whole cluster at once.
 # Exit status: 0 healthy, 1 unhealthy (drained now or before), 2 the check could not run.
 
@@ -25,7 +26,7 @@ PATH=/usr/sbin:/usr/bin:/sbin:/bin
 export PATH
 
 conf=${UNICORN_HEALTHCHECK_CONF:-$(dirname -- "$0")/healthcheck.conf}
-UNICORNCTL= SCONTROL= TIMEOUT= TIMEOUT_S=45 SLURM_CONF_PATH= FAULT_DIR= LOG_FILE=
+NODE_CHECK= SCONTROL= TIMEOUT= TIMEOUT_S=45 SLURM_CONF_PATH= FAULT_DIR= LOG_FILE=
 check_args=()
 
 say() {
@@ -57,7 +58,7 @@ while IFS= read -r line || [[ -n $line ]]; do
 	key=${line%%=*}
 	value=${line#*=}
 	case $key in
-	UNICORNCTL) UNICORNCTL=$value ;;
+	NODE_CHECK) NODE_CHECK=$value ;;
 	SCONTROL) SCONTROL=$value ;;
 	TIMEOUT) TIMEOUT=$value ;;
 	TIMEOUT_S) TIMEOUT_S=$value ;;
@@ -65,11 +66,11 @@ while IFS= read -r line || [[ -n $line ]]; do
 	NODE_CHECK_ARG) check_args+=("$value") ;;
 	FAULT_DIR) FAULT_DIR=$value ;;
 	LOG_FILE) LOG_FILE=$value ;;
-	*) broken "$conf: unknown key $key (valid: UNICORNCTL SCONTROL TIMEOUT TIMEOUT_S SLURM_CONF NODE_CHECK_ARG FAULT_DIR LOG_FILE)" ;;
+	*) broken "$conf: unknown key $key (valid: NODE_CHECK SCONTROL TIMEOUT TIMEOUT_S SLURM_CONF NODE_CHECK_ARG FAULT_DIR LOG_FILE)" ;;
 	esac
 done <"$conf"
 
-for prog in "$UNICORNCTL" "$SCONTROL" "$TIMEOUT"; do
+for prog in "$NODE_CHECK" "$SCONTROL" "$TIMEOUT"; do
 	if [[ $prog != /* || ! -x $prog ]]; then
 		broken "$conf: '$prog' is not an absolute path to an executable"
 	fi
@@ -104,8 +105,8 @@ if [[ -n $FAULT_DIR ]]; then
 	fault_args=(--inject-gpu-faults "$FAULT_DIR/$node.jsonl")
 fi
 
-# stderr of node-check carries "unhealthy: <failed checks>"; its table (stdout) is dropped.
-err=$({ "$TIMEOUT" -k 5 "$TIMEOUT_S" "$UNICORNCTL" node-check "${check_args[@]}" "${fault_args[@]}" >/dev/null; } 2>&1)
+# stderr of unicorn-node-check carries "unhealthy: <failed checks>"; its table (stdout) is dropped.
+err=$({ "$TIMEOUT" -k 5 "$TIMEOUT_S" "$NODE_CHECK" "${check_args[@]}" "${fault_args[@]}" >/dev/null; } 2>&1)
 rc=$?
 case $rc in
 0) exit 0 ;;
@@ -113,11 +114,11 @@ case $rc in
 	reason=$(grep -m1 '^unhealthy: ' <<<"$err")
 	reason=${reason#unhealthy: }
 	if [[ -z $reason ]]; then
-		broken "unicornctl node-check failed without a verdict: $(last300 "$err")"
+		broken "unicorn-node-check failed without a verdict: $(last300 "$err")"
 	fi
 	;;
 124 | 137) reason="node-check did not finish within ${TIMEOUT_S} s" ;;
-*) broken "unicornctl node-check exited $rc: $(last300 "$err")" ;;
+*) broken "unicorn-node-check exited $rc: $(last300 "$err")" ;;
 esac
 
 reason="unicorn healthcheck: ${reason//$'\n'/; }"

@@ -20,7 +20,7 @@ source tree):
   own instead of taking the ``Epilog=`` line.
 
 A piece whose prerequisites are missing (no gcc or spank.h, no job_submit_lua.so, no
-unicornctl, interval 0) is skipped and named in :attr:`PluginInstall.skipped`: the
+unicorn-node-check, interval 0) is skipped and named in :attr:`PluginInstall.skipped`: the
 cluster still works without it. A piece whose prerequisites are present but that
 fails to build or is given bad settings raises :class:`PluginError`, and nothing is
 placed for it. A plugstack.conf or job_submit.lua that exists and is not unicorn's is
@@ -67,10 +67,11 @@ class HealthCheckSettings:
     ``timeout_s``: the node check's limit; a check that runs longer drains the node
     (a hung NVML call is a classic sign of a broken GPU).
     ``fault_dir``: TEST ONLY. The check then reads ``<fault_dir>/<node>.jsonl`` as an
-    injected GPU fault file (``unicornctl node-check --inject-gpu-faults``).
+    injected GPU fault file (``unicorn-node-check --inject-gpu-faults``).
+    ``node_check``: the ``unicorn-node-check`` program the script runs.
     """
 
-    unicornctl: Path
+    node_check: Path
     interval_s: int
     slurm_conf: Path | None = None
     timeout_s: int = 45
@@ -86,7 +87,7 @@ class HealthCheckSettings:
                 f"health check timeout must be 1..{MAX_CHECK_TIMEOUT_S} s "
                 f"(slurmd kills the program at 60 s), got {self.timeout_s}"
             )
-        for value in (str(self.unicornctl), *self.node_check_args):
+        for value in (str(self.node_check), *self.node_check_args):
             if "\n" in value:
                 raise PluginError(f"health check setting contains a newline: {value!r}")
 
@@ -204,7 +205,7 @@ def render_healthcheck_conf(settings: HealthCheckSettings, scontrol: Path, timeo
     """What healthcheck.sh reads (see its header)."""
     return render_conf(
         [
-            ("UNICORNCTL", settings.unicornctl),
+            ("NODE_CHECK", settings.node_check),
             ("SCONTROL", scontrol),
             ("TIMEOUT", timeout_bin),
             ("TIMEOUT_S", settings.timeout_s),
@@ -268,8 +269,8 @@ def install_plugins(
     scontrol, timeout_bin = shutil.which("scontrol"), shutil.which("timeout")
     if health is None or health.interval_s == 0:
         skipped.append("HealthCheckProgram: disabled (interval 0)")
-    elif not os.access(health.unicornctl, os.X_OK):
-        skipped.append(f"HealthCheckProgram: {health.unicornctl} is not an executable (build the .venv)")
+    elif not os.access(health.node_check, os.X_OK):
+        skipped.append(f"HealthCheckProgram: {health.node_check} is not an executable (build the .venv)")
     elif scontrol is None or timeout_bin is None:
         skipped.append("HealthCheckProgram: scontrol or timeout not on PATH")
     else:
@@ -311,14 +312,15 @@ def install_epilog(
 def install_dev_cluster(
     state_dir: Path, *, health_check_interval_s: int, log: Callable[[str], None]
 ) -> list[str]:
-    """The dev cluster's choices: files under ``<state>/plugins``, the repo's .venv unicornctl,
-    GPU fault injection from ``<state>/faults/<node>.jsonl`` (a test cluster), logs in
-    ``<state>/log/healthcheck.log`` and ``epilog.log``, the memory tier ``<state>/shm``.
+    """The dev cluster's choices: files under ``<state>/plugins``, the repo's .venv
+    unicorn-node-check, GPU fault injection from ``<state>/faults/<node>.jsonl`` (a test
+    cluster), logs in ``<state>/log/healthcheck.log`` and ``epilog.log``, the memory tier
+    ``<state>/shm``.
     Returns the slurm.conf lines and logs what it did.
     """
     repo = SOURCE_DIR.parent
     health = HealthCheckSettings(
-        unicornctl=repo / ".venv" / "bin" / "unicornctl",
+        node_check=repo / ".venv" / "bin" / "unicorn-node-check",
         interval_s=health_check_interval_s,
         slurm_conf=state_dir / "etc" / "slurm.conf",
         fault_dir=state_dir / "faults",

@@ -33,7 +33,7 @@ from unicorn_core.logs import configure_logging
 from unicorn_core.slurm.hostlist import compress, expand
 from unicorn_core.taskspec import MAX_WEIGHT, MIN_WEIGHT
 from unicornd import wrapper
-from unicornd.registry import stop_task
+from unicornd.control import ControlClient
 from unicornd.state import FRAMEWORKS, TaskRecord
 
 
@@ -253,7 +253,8 @@ def task_stop(ctx: click.Context, task_id: str, why: str, timeout_s: float) -> N
     async def go() -> None:
         client = acl.connect_caller(cfg.redis, client_name="unicornctl")
         try:
-            await stop_task(client, RedisKeys(cfg.redis.key_prefix), task_id, why, timeout_s=timeout_s)
+            control = ControlClient(client, RedisKeys(cfg.redis.key_prefix), timeout_s=timeout_s)
+            await control.stop(task_id, why)
         finally:
             await client.aclose()
 

@@ -48,7 +48,7 @@ from unicorn_core.paths import agent_run_dir
 from unicorn_core.slurm import JobInfo, make_backend
 from unicorn_core.slurm.hostlist import compress
 from unicorn_core.slurm.types import JobState
-from unicornd.registry import NoDaemon, RequestRefused, register_task, stop_task
+from unicornd.control import ControlClient, NoDaemon, RequestRefused
 from unicornd.replan import PLANNED_STATES
 from unicornd.state import Snapshot, TaskRecord, TaskState
 from unicornd.store import read_snapshot
@@ -321,7 +321,7 @@ class _Waiter:
 
     async def _read(self) -> Snapshot | None:
         try:
-            snap = await read_snapshot(self.client, self.keys)
+            snap = await read_snapshot(self.client, self.keys, self.cfg.recovery)
         except UnicornError as e:
             if self.unreadable_since is None or time.monotonic() - self.unreadable_since > 60:
                 self.say(f"cannot read unicornd's state ({e}); the agents keep training; still waiting")
@@ -389,7 +389,8 @@ class _Waiter:
         )
         self.say(f"{name}: asking unicornd to stop the task: {why}")
         try:
-            await stop_task(self.client, self.keys, self.task_id, why, timeout_s=self.opts.request_timeout_s)
+            control = ControlClient(self.client, self.keys, timeout_s=self.opts.request_timeout_s)
+            await control.stop(self.task_id, why)
         except (NoDaemon, RequestRefused) as e:
             self.say(f"stop not confirmed ({e}); Slurm stops the agents with the job")
             return EXIT_STOPPED
@@ -458,19 +459,14 @@ async def register_or_attach(
     keys = RedisKeys(cfg.redis.key_prefix)
     client = acl.connect_caller(cfg.redis, client_name=f"unicornctl-register-{task.task_id}")
     try:
-        snap = await read_snapshot(client, keys)
+        snap = await read_snapshot(client, keys, cfg.recovery)
         known = snap.tasks.get(task.task_id) if snap is not None else None
         if known is not None and known.job_id == task.job_id:
             if known.state not in PLANNED_STATES:
                 raise AlreadyEnded(f"task {task.task_id} of job {task.job_id} already {known.state.value}")
             return True
-        await register_task(
-            client,
-            keys,
-            task,
-            timeout_s=timeout_s,
-            environment=environment,
-            munge_socket=cfg.slurm.munge_socket,
+        await ControlClient(client, keys, timeout_s=timeout_s).register(
+            task, environment=environment, munge_socket=cfg.slurm.munge_socket
         )
         return False
     finally:

@@ -23,7 +23,7 @@ from unicorn_core.config import RedisConfig
 from unicorn_core.keys import RedisKeys
 from unicorn_core.model import ModelSpec
 from unicorn_core.paths import agent_run_dir
-from unicornd.registry import register_task, request
+from unicornd.control import ControlClient
 from unicornd.state import Policy, Snapshot, TaskRecord
 from unicornd.store import snapshot_from_json
 
@@ -132,10 +132,10 @@ class Coordinator:
 
     def register(self, task: TaskRecord) -> None:
         socket = self.env.get("UNICORN_SLURM__MUNGE_SOCKET", "")
-        self._run(lambda c: register_task(c, self.keys, task, munge_socket=socket))  # type: ignore[arg-type]
+        self._run(lambda c: ControlClient(c, self.keys).register(task, munge_socket=socket))  # type: ignore[arg-type]
 
     def resume(self, node: str) -> None:
-        self._run(lambda c: request(c, self.keys, {"op": "resume", "node": node}, operator=True))  # type: ignore[arg-type]
+        self._run(lambda c: ControlClient(c, self.keys).resume(node))  # type: ignore[arg-type]
 
     def hold_job(self, name: str, nodes: str) -> tuple[int, tuple[str, ...]]:
         """A batch job holding ``nodes`` (what the sbatch wrapper will be), running."""

@@ -2,7 +2,7 @@
 
 System tests run on a private 3-node dev cluster with a 2 s HealthCheckInterval: jobs
 run on n1, the health-check tests inject GPU faults into n2 and n3 and restore them.
-The script-level tests of healthcheck.sh and epilog.sh (fake unicornctl and scontrol)
+The script-level tests of healthcheck.sh and epilog.sh (fake unicorn-node-check and scontrol)
 and the bounds check need no cluster.
 """
 
@@ -267,21 +267,21 @@ def test_healthcheck_keeps_an_existing_drain_reason(pcluster: DevCluster) -> Non
 # ------------------------------------------------------------------------ healthcheck.sh alone
 
 
-def fake_tools(tmp_path: Path, unicornctl_body: str, timeout_s: int = 10) -> tuple[Path, Path]:
-    """A healthcheck.conf with a fake unicornctl and a fake scontrol that logs its argv."""
+def fake_tools(tmp_path: Path, node_check_body: str, timeout_s: int = 10) -> tuple[Path, Path]:
+    """A healthcheck.conf with a fake unicorn-node-check and a fake scontrol that logs its argv."""
     calls = tmp_path / "scontrol.calls"
-    unicornctl = tmp_path / "unicornctl"
-    unicornctl.write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/unicornctl.args\n{unicornctl_body}\n')
+    node_check = tmp_path / "unicorn-node-check"
+    node_check.write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/node-check.args\n{node_check_body}\n')
     scontrol = tmp_path / "scontrol"
     scontrol.write_text(
         f'#!/bin/bash\nprintf "%s\\n" "$*" >> {calls}\n'
         'if [[ $1 == -o ]]; then echo "NodeName=$4 Arch=x86_64 State=IDLE Reason=(null)"; fi\n'
     )
-    for tool in (unicornctl, scontrol):
+    for tool in (node_check, scontrol):
         tool.chmod(0o755)
     conf = tmp_path / "healthcheck.conf"
     conf.write_text(
-        f"UNICORNCTL={unicornctl}\nSCONTROL={scontrol}\nTIMEOUT=/usr/bin/timeout\nTIMEOUT_S={timeout_s}\n"
+        f"NODE_CHECK={node_check}\nSCONTROL={scontrol}\nTIMEOUT=/usr/bin/timeout\nTIMEOUT_S={timeout_s}\n"
         f"SLURM_CONF=/nonexistent/slurm.conf\nNODE_CHECK_ARG=--min-free-gib\nNODE_CHECK_ARG=2.5\n"
         f"FAULT_DIR={tmp_path}/faults\n"
     )
@@ -304,8 +304,7 @@ def test_healthcheck_script_drains_on_an_unhealthy_verdict(tmp_path: Path) -> No
     conf, calls = fake_tools(tmp_path, 'echo "unhealthy: disk:/tmp: 0.1 GiB free < 2.5 GiB" >&2; exit 1')
     res = run_healthcheck(conf)
     assert res.returncode == 1, res.stderr
-    assert (tmp_path / "unicornctl.args").read_text().split() == [
-        "node-check",
+    assert (tmp_path / "node-check.args").read_text().split() == [
         "--min-free-gib",
         "2.5",
         "--inject-gpu-faults",
@@ -467,11 +466,11 @@ def test_install_skips_what_it_cannot_build_and_says_so(
     empty = tmp_path / "empty-path"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))  # no gcc, no scontrol, no timeout
-    unicornctl = tmp_path / "unicornctl"
-    unicornctl.write_text("#!/bin/sh\n")
-    unicornctl.chmod(0o755)
+    node_check = tmp_path / "unicorn-node-check"
+    node_check.write_text("#!/bin/sh\n")
+    node_check.chmod(0o755)
     result = install_plugins(
-        tmp_path / "etc", tmp_path / "plugins", HealthCheckSettings(unicornctl=unicornctl, interval_s=60)
+        tmp_path / "etc", tmp_path / "plugins", HealthCheckSettings(node_check=node_check, interval_s=60)
     )
     assert not any(line.startswith(("PlugStackConfig", "HealthCheck")) for line in result.conf_lines)
     assert any("SPANK plugin" in why and "gcc" in why for why in result.skipped), result.skipped

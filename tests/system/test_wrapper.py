@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import msgspec
 import pytest
 import redis
 
@@ -33,7 +33,7 @@ from tests.system.coordinator import (
 from unicorn_core import acl, munge
 from unicorn_core.keys import PAYLOAD_FIELD
 from unicornd.cli import EXIT_NOT_OPERATOR
-from unicornd.registry import RequestRefused, registration_digest, request
+from unicornd.control import ControlClient, Register, RequestRefused, encode_request, registration_digest
 from unicornd.state import NodeHealth, TaskState
 
 pytestmark = pytest.mark.system
@@ -277,24 +277,29 @@ def test_submit_trains_and_scancel_stops_cleanly(cluster: DevCluster, tmp_path: 
         # signed that very request with MUNGE: another user's, none, or a replayed one.
         forged = replace(snap.tasks[task_id], task_id=f"evil.{job}", name=f"evil.{job}",
                          state=TaskState.PENDING, layout=None, command=("/bin/true",))  # fmt: skip
-        doc: dict[str, Any] = {"op": "register", "task": forged.to_dict()}
+        task_doc = forged.to_dict()
+        digest = registration_digest(Register(task=task_doc, credential="-"))  # the digest leaves it out
         munge_socket = c.env["UNICORN_SLURM__MUNGE_SOCKET"]
         as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
         with traversable(Path(munge_socket).parent):  # pytest's tmp folders are root's only
             nobody = subprocess.run(
-                [*as_nobody, "munge", f"--socket={munge_socket}"], input=registration_digest(doc),
+                [*as_nobody, "munge", f"--socket={munge_socket}"], input=digest,
                 capture_output=True, text=True, timeout=30, check=True,
             ).stdout.strip()  # fmt: skip
-        root = asyncio.run(munge.sign(registration_digest(doc), socket=munge_socket))
-        refusals = {
-            "belongs to root; the request was signed by uid 65534": {**doc, "credential": nobody},
-            "no MUNGE credential": doc,
-            "signs another request": {**doc, "task": {**doc["task"], "weight": 2.0}, "credential": root},
-            "Replayed credential": {**doc, "credential": root},  # root's, already used just above
+        root = asyncio.run(munge.sign(digest, socket=munge_socket))
+        unsigned = msgspec.json.encode({"op": "register", "task": task_doc, "credential": ""})  # malformed
+        refusals: dict[str, Register | bytes] = {
+            "belongs to root; the request was signed by uid 65534": Register(
+                task=task_doc, credential=nobody
+            ),
+            "no MUNGE credential": unsigned,
+            "signs another request": Register(task={**task_doc, "weight": 2.0}, credential=root),
+            "Replayed credential": Register(task=task_doc, credential=root),  # root's, used just above
         }
-        for why, request_doc in refusals.items():
+        for why, sent in refusals.items():
+            payload = encode_request(sent) if isinstance(sent, Register) else sent
             with pytest.raises(RequestRefused, match=why):
-                c._run(lambda cl, d=request_doc: request(cl, c.keys, d, timeout_s=10))  # type: ignore[misc]
+                c._run(lambda cl, p=payload: ControlClient(cl, c.keys, timeout_s=10).send_payload(p))  # type: ignore[misc]
         assert f"evil.{job}" not in c.snapshot().tasks  # type: ignore[union-attr]
 
         # The agents' Redis user: their job's streams only.

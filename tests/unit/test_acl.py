@@ -20,7 +20,7 @@ from unicorn_core import acl, redis_io
 from unicorn_core.config import RedisConfig
 from unicorn_core.errors import ConfigError, InvalidArgument
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
-from unicornd.registry import NotOperator, request
+from unicornd.control import ControlClient, Drain, NotOperator, Stop, encode_request
 
 KEYS = RedisKeys("t")
 
@@ -66,8 +66,8 @@ async def test_an_agent_user_writes_only_its_own_job(redis_url: str) -> None:
         lambda: agent.set(KEYS.heartbeat(8, "n2"), b"forged"),
         lambda: agent.xread({KEYS.agent_commands(8, "n2"): "0-0"}),
         lambda: agent.xadd(KEYS.agent_commands(8, "n2"), {PAYLOAD_FIELD: b"forged"}),
-        lambda: agent.xadd(KEYS.control(), {PAYLOAD_FIELD: b'{"op": "stop"}'}),
-        lambda: agent.xadd(KEYS.operator_control(), {PAYLOAD_FIELD: b'{"op": "drain"}'}),
+        lambda: agent.xadd(KEYS.control(), {PAYLOAD_FIELD: encode_request(Stop(task="t"))}),
+        lambda: agent.xadd(KEYS.operator_control(), {PAYLOAD_FIELD: encode_request(Drain("n1", "x"))}),
         lambda: agent.set(KEYS.state(), b"forged"),
         lambda: agent.get(KEYS.state()),
         lambda: agent.get(KEYS.agent_password(8)),
@@ -130,11 +130,11 @@ async def test_users_may_register_but_only_operators_may_drain(redis_url: str) -
     operator.xadd(KEYS.operator_control(), {PAYLOAD_FIELD: b"{}"})
     assert admin.xlen(KEYS.operator_control()) == 1 and admin.get(KEYS.state()) == b"{}"
 
-    # The registry's client side: a user's drain is refused by Redis, before unicornd.
+    # The control client: a user's drain is refused by Redis, before unicornd.
     client = aioredis.Redis.from_url(acl.url_with_user(redis_url, "t-user", "user-pw"))
     try:
         with pytest.raises(NotOperator, match="not an operator"):
-            await request(client, KEYS, {"op": "drain", "node": "n1"}, timeout_s=1, operator=True)
+            await ControlClient(client, KEYS, timeout_s=1).drain("n1", "x")
     finally:
         await client.aclose()
     assert admin.xlen(KEYS.operator_control()) == 1
@@ -165,6 +165,14 @@ def test_caller_config_picks_the_most_privileged_readable_password(tmp_path: Pat
     # Without a password file the url's own credentials (or none) are unicornd's: used as is.
     plain = dataclasses.replace(base, password_file="")
     assert acl.caller_config(plain) is plain
+
+
+def test_status_reads_name_only_keys_unicorn_writes() -> None:
+    reads = [rule for rule in acl.reader_rules(KEYS, "pw") if rule.startswith("%R~")]
+    names = ["t:state", "t:incidents", "t:unicornd:alive", "t:hb:*", "t:control:reply:*"]
+    assert reads == [f"%R~{name}" for name in names]
+    operator_reads = [rule for rule in acl.operator_rules(KEYS, "pw") if rule.startswith("%R~")]
+    assert operator_reads == [*reads, "%R~t:ops:reply:*"]
 
 
 def test_url_with_user_replaces_credentials_and_quotes_them() -> None:

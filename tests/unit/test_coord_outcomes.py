@@ -48,7 +48,8 @@ def failed(action_id: str, detail: str = "boom", node: str = "n1") -> Outcome:
 
 def restarting() -> tuple[Snapshot, str]:
     """Task a on n1,n2 after a SEV2: restart_processes #1 (of 3) was ordered; the n1 command's id."""
-    snap = world(4, [task("a", 1, ["n1", "n2"])], Policy(max_process_restarts=3, no_progress_limit=10, recovery_budget=10))
+    policy = Policy(max_process_restarts=3, no_progress_limit=10, recovery_budget=10)
+    snap = world(4, [task("a", 1, ["n1", "n2"])], policy)
     snap = apply(snap, on_finding(snap, finding("f1", 1, "n1", ErrorStatus.OTHER_SOFTWARE_ERROR), T0))
     inc = snap.incidents["a.1"]
     assert inc.stage is L.RESTART_PROCESSES and inc.attempts_at(L.RESTART_PROCESSES) == 1
@@ -81,14 +82,26 @@ def test_a_done_command_changes_nothing() -> None:
     ).empty
 
 
-def test_exhausted_restarts_climb_to_isolate_on_failed_answers() -> None:
-    snap, cmd = restarting()
+def test_a_command_that_keeps_failing_to_start_asks_the_operator_and_drains_nothing() -> None:
+    snap, _ = restarting()
     pol = snap.policy
     for attempt in range(1, pol.max_process_restarts + 1):
         aid = f"a.1/restart_processes/{attempt}/restart_ranks/n1"
-        snap = apply(snap, resolve(snap, on_outcome(snap, failed(aid), T0 + attempt), CTX, T0 + attempt))
+        d = on_outcome(snap, failed(aid, "FileNotFoundError: '/nope/torchrun'"), T0 + attempt)
+        snap = apply(snap, resolve(snap, d, CTX, T0 + attempt))
     inc = snap.incidents["a.1"]
-    assert L.ISOLATE in [e.stage for e in inc.timeline]
+    assert inc.stage is L.ESCALATED_TO_OPERATOR and not inc.isolated_nodes
+    assert "fails to start" in inc.note and "not isolating n1" in inc.note
+    assert all(n.health is NodeHealth.HEALTHY for n in snap.nodes.values())
+
+
+def test_a_launch_that_srun_refuses_climbs_as_a_node_fault() -> None:
+    """Not the training command but the step onto the node failed: the ladder climbs as usual."""
+    snap, _ = restarting()
+    for attempt in range(1, snap.policy.max_process_restarts + 1):
+        aid = f"a.1/restart_processes/{attempt}/restart_ranks/n1"
+        out = Outcome(aid, "send_command", OutcomeStatus.FAILED, "XADD refused")
+        snap = apply(snap, resolve(snap, on_outcome(snap, out, T0 + attempt), CTX, T0 + attempt))
     assert snap.nodes["n1"].health is NodeHealth.DRAINING
 
 

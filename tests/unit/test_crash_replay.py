@@ -58,7 +58,12 @@ class Tick:
     """The ticker: deadlines, then the lazy progress flush."""
 
 
-Input = Entry | Finish | Tick
+@dataclass(frozen=True)
+class FinishAll:
+    """The executor performs every action owed now, in order, each done."""
+
+
+Input = Entry | Finish | Tick | FinishAll
 
 
 def at(i: int) -> float:
@@ -89,24 +94,25 @@ def script() -> list[tuple[float, Input]]:
     for aid in ("plan-1/b/checkpoint_now/n4", "plan-1/b/stop/n4", "plan-1/b/shrink", "plan-1/c/requeue"):
         steps.append((at(len(steps)), Finish(aid)))
     entry(lambda now: lambda s: decide.on_job_running(s, 3, now, now, lambda _g: render))
-    entry(
-        lambda now: (
-            lambda s: decide.on_finding(s, finding("e1", 1, "n2", ErrorStatus.OTHER_SOFTWARE_ERROR), now)
-        )
-    )
+    sev2 = finding("e1", 1, "n2", ErrorStatus.OTHER_SOFTWARE_ERROR)
+    entry(lambda now: lambda s: decide.on_finding(s, sev2, now))
     steps.append((at(len(steps)), Finish("a.1/restart_processes/1/restart_ranks/n1")))
     failed = Outcome(
         "a.1/restart_processes/1/restart_ranks/n2", Outcome.AGENT_COMMAND, OutcomeStatus.FAILED, "x"
     )
-    entry(lambda now: lambda s: decide.on_outcome(s, failed, now))  # isolate n2, plan-2
+    entry(lambda now: lambda s: decide.on_outcome(s, failed, now))  # fails to start: the operator is asked
     for it in range(24, 30):
         progress("b", it)
     steps.append((at(len(steps)), Tick()))
-    for aid in ("a.1/isolate/1/drain/n2", "plan-2/a/shrink"):
-        steps.append((at(len(steps)), Finish(aid)))
+    sev1 = finding("e2", 2, "n3", ErrorStatus.ECC_ERROR)
+    entry(lambda now: lambda s: decide.on_finding(s, sev1, now))  # drain n3, plan-2
+    steps.append((at(len(steps)), Finish("b.1/isolate/1/drain/n3")))
     steps.append(
-        (at(len(steps)), Finish("plan-2/a/checkpoint_now/n1", OutcomeStatus.FAILED, "no training process"))
+        (at(len(steps)), Finish("plan-2/b/checkpoint_now/n3", OutcomeStatus.FAILED, "no training process"))
     )
+    steps.append((at(len(steps)), FinishAll()))
+    entry(lambda now: lambda s: decide.on_job_running(s, 2, now, now, lambda _g: render))  # b's requeue
+    steps.append((at(len(steps)), FinishAll()))
     for it in range(30, 44):
         progress("a", it)
         progress("b", it)
@@ -144,6 +150,11 @@ class Runner:
             if item.action_id in owed:
                 out = Outcome(item.action_id, owed[item.action_id].action.kind, item.status, item.detail)
                 await core.finish(owed[item.action_id], out, now)
+        elif isinstance(item, FinishAll):
+            for owed in await core.store.owed():
+                await core.finish(
+                    owed, Outcome(owed.action.action_id, owed.action.kind, OutcomeStatus.DONE), now
+                )
         else:
             await core.decide(now, lambda s: decide.on_tick(s, now))
             await core.flush()
@@ -190,14 +201,18 @@ def test_the_script_exercises_lazy_progress_outcomes_and_replans(redis_url: str)
             doc = json.loads(raw)
             tasks = {t["task_id"]: t for t in doc["tasks"]}
             assert tasks["a"]["last_iteration"] == 43 and tasks["b"]["last_iteration"] == 43
-            assert tasks["a"]["nodes"] == ["n1"] and tasks["c"]["nodes"] == ["n4"]
-            assert tasks["c"]["requeue"] is None, "c's job ran again and its agents were launched"
+            assert tasks["c"]["requeue"] is None and tasks["b"]["requeue"] is None, "requeued jobs relaunched"
             assert doc["plan_generation"] == 2
-            inc = {i["incident_id"]: i for i in doc["incidents"]}["a.1"]
-            assert inc["stage"] == "closed"
-            assert any(e["detail"].startswith("restart_processes failed") for e in inc["timeline"])
-            assert {"a.1/isolate/1/drain/n2", "plan-2/a/shrink", "plan-1/c/requeue"} <= set(done)
-            assert "plan-1/c/requeue/launch" in owed
+            incidents = {i["incident_id"]: i for i in doc["incidents"]}
+            a1, b1 = incidents["a.1"], incidents["b.1"]
+            # a's restart failed to start: the operator is asked, no node is drained for it.
+            assert a1["stage"] == "escalated_to_operator" and a1["isolated_nodes"] == []
+            assert any(e["detail"].startswith("restart_processes failed") for e in a1["timeline"])
+            # b's ECC error drained n3, b was requeued elsewhere and resumed.
+            assert b1["stage"] == "closed" and b1["isolated_nodes"] == ["n3"]
+            assert {n["name"]: n["health"] for n in doc["nodes"]}["n3"] == "draining"
+            assert {"b.1/isolate/1/drain/n3", "plan-2/b/requeue", "plan-2/b/requeue/launch"} <= set(done)
+            assert owed == ["b.1/close"]
         finally:
             await client.aclose()
 

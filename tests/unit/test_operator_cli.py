@@ -1,4 +1,4 @@
-"""Operator mutations (``unicornctl drain/resume``) and ``plan --what-if-fail``.
+"""Operator mutations (``unicornctl drain/resume/incidents confirm``) and ``plan --what-if-fail``.
 
 Three layers: the pure decision and the what-if outlook on coord_world snapshots; the
 operator check; the commands against a real redis-server, with unicornd down and with a
@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -25,12 +26,13 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from click.testing import CliRunner
-from coord_world import apply, of_kind, task, world
+from coord_world import apply, finding, of_kind, task, world
 
+from detect.statuses import ErrorStatus
 from unicorn_core import acl, redis_io
 from unicorn_core.config import Config, load_config
 from unicorn_core.errors import InvalidArgument
-from unicorn_core.keys import RedisKeys
+from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import reset_logging
 from unicorn_core.proc import CommandOutput
 from unicorn_core.slurm.backend import SlurmBackend
@@ -40,6 +42,7 @@ from unicornd.cli import (
     EXIT_NO_DAEMON,
     EXIT_NOT_CONFIRMED,
     EXIT_NOT_OPERATOR,
+    EXIT_UNKNOWN_INCIDENT,
     EXIT_UNKNOWN_NODE,
     Caller,
     cli,
@@ -48,9 +51,20 @@ from unicornd.cli import (
     slurm_user_from_config,
     what_if_fail,
 )
+from unicornd.control import (
+    ConfirmDrain,
+    ControlClient,
+    Drain,
+    InvalidRequest,
+    Register,
+    Reply,
+    RequestRefused,
+    decode_request,
+    encode_reply,
+    encode_request,
+)
 from unicornd.daemon import Daemon
-from unicornd.decide import on_node_join, on_operator_drain
-from unicornd.registry import RequestRefused, request
+from unicornd.decide import on_finding, on_node_join, on_operator_drain
 from unicornd.state import NodeHealth, Snapshot, TaskState
 from unicornd.store import snapshot_from_json, snapshot_to_json
 
@@ -218,13 +232,19 @@ def test_with_unicornd_down_mutations_fail_clearly_and_change_nothing(redis_url:
     assert r.xlen(RedisKeys(PREFIX).control()) == 0
 
 
-def invoke(url: str, caller: Caller, *args: str, **extra: str) -> tuple[int, str]:
-    """unicornctl in this process, as ``caller`` (the group passes it down in ``obj``)."""
+def invoke_full(url: str, caller: Caller, *args: str, **extra: str) -> tuple[int, str, str]:
+    """unicornctl in this process, as ``caller`` (the group passes it down in ``obj``):
+    exit code, stdout, stderr."""
     try:
         result = CliRunner().invoke(cli, list(args), env=_env(url, **extra), obj={"caller": caller})
     finally:
         reset_logging()
-    return result.exit_code, result.stderr
+    return result.exit_code, result.stdout, result.stderr
+
+
+def invoke(url: str, caller: Caller, *args: str, **extra: str) -> tuple[int, str]:
+    code, _out, err = invoke_full(url, caller, *args, **extra)
+    return code, err
 
 
 def test_non_operators_are_refused(redis_url: str, tmp_path: Path) -> None:
@@ -243,6 +263,74 @@ def test_non_operators_are_refused(redis_url: str, tmp_path: Path) -> None:
     )
     assert code == EXIT_NO_DAEMON, err
     assert redis.Redis.from_url(redis_url).xlen(RedisKeys(PREFIX).control()) == 0
+
+
+def held_back() -> Snapshot:
+    """b.1 waits for an operator: the drain limiter (1 drain on 4 nodes) held n3's drain back."""
+    snap = world(4, [task("a", 1, ["n1", "n2"]), task("b", 2, ["n3", "n4"])])
+    snap = apply(snap, on_finding(snap, finding("f1", 1, "n1", ErrorStatus.ECC_ERROR), T0))
+    snap = apply(snap, on_finding(snap, finding("f2", 2, "n3", ErrorStatus.GPU_DRIVER_ERROR), T0 + 5))
+    assert snap.incidents["b.1"].pending_drain == "n3"
+    return snap
+
+
+ROOT = Caller(uid=0, user="root", gids=frozenset({0}))
+
+
+def _answer(url: str, replies: list[bytes], stop: threading.Event) -> None:
+    """A stand-in unicornd: takes each request of the operators' stream, says yes."""
+    r = redis.Redis.from_url(url)
+    keys = RedisKeys(PREFIX)
+    last = "0-0"
+    while not stop.is_set():
+        for _stream, entries in r.xread({keys.operator_control(): last}, block=100) or []:
+            for entry_id, fields in entries:
+                last = entry_id.decode()
+                replies.append(fields[PAYLOAD_FIELD.encode()])
+                r.set(keys.reply(keys.operator_control(), last), encode_reply(Reply(ok=True)))
+
+
+def test_incidents_confirm_answers_the_drain_limiter_for_operators_only(
+    redis_url: str, tmp_path: Path
+) -> None:
+    r = redis.Redis.from_url(redis_url)
+    keys = RedisKeys(PREFIX)
+    r.set(keys.state(), snapshot_to_json(held_back()))
+    r.set(keys.daemon_liveness(), b"1")  # unicornd "alive"; nobody answers yet
+    bob = Caller(uid=4243, user="bob", gids=frozenset({987_654}))
+    code, err = invoke(
+        redis_url, bob, "incidents", "confirm", "b.1", "--yes", UNICORN_SLURM__BIN_DIR=str(tmp_path)
+    )
+    assert code == EXIT_NOT_OPERATOR and "bob is not root" in err and "nothing changed" in err, err
+    # Without --yes: the incident, what confirming does, and nothing sent.
+    code, out, err = invoke_full(redis_url, ROOT, "incidents", "confirm", "b.1")
+    assert code == EXIT_NOT_CONFIRMED and "--yes" in err, err
+    assert "b.1  open" in out and "confirming drains n3" in out, out
+    assert "unicornctl incidents confirm b.1 would:" in out and "drain_node node=n3" in out, out
+    # Unknown incidents, and one that waits for no drain: clear errors, nothing sent.
+    code, err = invoke(redis_url, ROOT, "incidents", "confirm", "zz.9", "--yes")
+    assert code == EXIT_UNKNOWN_INCIDENT and "unknown incident 'zz.9'" in err and "b.1" in err, err
+    code, err = invoke(redis_url, ROOT, "incidents", "confirm", "a.1", "--yes")
+    assert code == EXIT_UNKNOWN_INCIDENT and "no drain waiting" in err, err
+    assert r.xlen(keys.operator_control()) == 0 and r.xlen(keys.control()) == 0
+    # The list still works beside the subcommand; its options do not mix with it.
+    code, out, err = invoke_full(redis_url, ROOT, "incidents", "--json")
+    assert code == 0 and [d["incident_id"] for d in json.loads(out)] == ["a.1", "b.1"], err
+    code, err = invoke(redis_url, ROOT, "incidents", "--json", "confirm", "b.1")
+    assert code == 2 and "takes neither" in err, err
+    # With --yes: one ConfirmDrain on the operators' stream, and unicornd's yes.
+    replies: list[bytes] = []
+    stop = threading.Event()
+    answering = threading.Thread(target=_answer, args=(redis_url, replies, stop), daemon=True)
+    answering.start()
+    try:
+        code, out, err = invoke_full(redis_url, ROOT, "incidents", "confirm", "b.1", "--yes")
+    finally:
+        stop.set()
+        answering.join(10)
+    assert code == 0 and "unicornd accepted: confirm the drain of incident b.1" in out, err
+    assert [decode_request(p) for p in replies] == [ConfirmDrain(incident="b.1")]
+    assert r.xlen(keys.control()) == 0
 
 
 class ScriptedSlurm:
@@ -325,14 +413,19 @@ async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> No
         # A drain sent on the users' stream (a client bypassing unicornctl) is refused by
         # unicornd itself: only the operators' stream, which Redis lets only operators
         # write, carries drains.
+        control = ControlClient(client, keys, timeout_s=10)
         with pytest.raises(RequestRefused, match="operator's request"):
-            await request(client, keys, {"op": "drain", "node": "n2", "reason": "x"}, timeout_s=10)
+            await control.send_payload(encode_request(Drain(node="n2", reason="x")), operator=False)
         assert not slurm.calls and daemon.snap.nodes["n2"].health is NodeHealth.HEALTHY
-        # A registration whose job environment is malformed is refused and changes nothing.
+        # A registration whose job environment is malformed cannot be built; sent anyway
+        # (a malformed payload), unicornd refuses it and nothing changes.
         pending = replace(two_tasks().tasks["a"], state=TaskState.PENDING, nodes=(), layout=None)
-        bad = {"op": "register", "task": pending.to_dict(), "environment": {"cwd": "rel", "env": {}}}
+        bad = {"cwd": "rel", "env": {}}
+        with pytest.raises(InvalidRequest, match="absolute path"):
+            Register(task=pending.to_dict(), credential="MUNGE:x", environment=bad)
+        raw = {"op": "register", "task": pending.to_dict(), "credential": "MUNGE:x", "environment": bad}
         with pytest.raises(RequestRefused, match="absolute path"):
-            await request(client, keys, bad, timeout_s=10)
+            await control.send_payload(json.dumps(raw).encode())
         assert "a" not in daemon.snap.tasks and not await client.exists(keys.job_env(pending.job_id or 0))
 
         code, out, err = await _ctl(redis_url, "drain", "n2", "--reason", "fan failing", "--yes")

@@ -168,7 +168,7 @@ def test_stop_decision_stops_agents_releases_nodes_closes_incident() -> None:
     d = decide.on_task_stop(snap, "w", 200.0, why="job cancelled")
     after = apply(snap, d)
     assert after.tasks["w"].state is TaskState.STOPPED and after.tasks["w"].nodes == ()
-    assert after.nodes["n1"].task_id is None and after.nodes["n3"].task_id == "o"
+    assert after.owner("n1") is None and (owner := after.owner("n3")) is not None and owner.task_id == "o"
     stops = [a for a in d.actions if isinstance(a, SendCommand)]
     assert [(a.job_id, a.node, a.action) for a in stops] == [
         (7, "n1", AgentAction.STOP),

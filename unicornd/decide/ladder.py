@@ -398,19 +398,31 @@ def on_tick(snapshot: Snapshot, now_s: float) -> Decision:
     return draft.decision()
 
 
-def rung_failed(draft: Draft, task: TaskRecord, inc: Incident, detail: str, *, status: str = "") -> None:
+def rung_failed(
+    draft: Draft, task: TaskRecord, inc: Incident, detail: str, *, status: str = "", start_error: bool = False
+) -> None:
     """The incident's current rung failed (no iteration in time, or its action failed):
     the same rung again while attempts remain, else the next one up; with nothing left to
-    isolate, the operator is asked. ``detail`` goes into the incident's timeline."""
+    isolate, the operator is asked. ``detail`` goes into the incident's timeline.
+
+    ``start_error``: the training command itself failed to start (an agent answered a
+    restart or relaunch with an error, e.g. a missing executable). Such a failure says
+    nothing against the node: it never isolates one; once restarts are used up the
+    operator is asked instead.
+    """
     now_s = draft.now_s
     inc = inc.noted(f"{inc.stage.value} failed: {detail}", now_s)
     wanted = _L.RESTART_PROCESSES if inc.stage is _L.TRANSITION else inc.stage
     target = _target_rung(draft, inc, wanted)
     node = inc.node
-    if target is _L.ISOLATE and (node in inc.isolated_nodes or node not in task.nodes):
+    nothing_left = node in inc.isolated_nodes or node not in task.nodes
+    if target is _L.ISOLATE and (nothing_left or start_error):
         why = f"{detail}; nothing left to isolate"
+        if start_error and not nothing_left:
+            why = f"the training command fails to start ({detail}); not isolating {node} for it"
         draft.put(replace(inc.moved(_L.ESCALATED_TO_OPERATOR, now_s), note=why, last_action_s=now_s))
         draft.act(NotifyOperator(f"{inc.incident_id}/notify/stuck", inc.incident_id, why))
+        draft.notes.append(f"{inc.incident_id}: {why}")
         return
     _climb(draft, task, inc, target, Fault(node, status or inc.status.value, detail, rank_died=True))
 

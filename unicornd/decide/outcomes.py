@@ -9,7 +9,9 @@ without any state outside the snapshot:
 failed action (or agent's answer)      decision
 =====================================  =================================================
 a rung's ``restart_ranks``/new agent   the rung failed at once (:func:`rung_failed`), the
-                                       agent's error in the incident's timeline
+                                       agent's error in the incident's timeline; a command
+                                       that fails to start never isolates a node: the
+                                       operator is asked once restarts are used up
 a plan's ``relaunch``/``launch``       the transition's rung fails; a healthy task moved
                                        by the plan gets an incident at ``restart_processes``
 a plan's shrink or grow                the job is requeued onto its planned nodes instead
@@ -81,7 +83,7 @@ def _rung_step(
     if task is None or kind not in _STARTS or not current or task.state not in LIVE_TASK_STATES:
         draft.put(inc.noted(_what(outcome), now_s))
         return draft.note(f"{inc.incident_id}: {_what(outcome)} (recorded)")
-    rung_failed(draft, task, inc, _what(outcome))
+    rung_failed(draft, task, inc, _what(outcome), start_error=outcome.kind == Outcome.AGENT_COMMAND)
     return draft.decision()
 
 
@@ -107,7 +109,7 @@ def _plan_step_failed(draft: Draft, task: TaskRecord, outcome: Outcome, parts: l
         return _noted(draft.snap, outcome, draft.now_s)
     inc = draft.snap.open_incident(task.task_id)
     if inc is not None and inc.stage is _L.TRANSITION:
-        rung_failed(draft, task, inc, _what(outcome))
+        rung_failed(draft, task, inc, _what(outcome), start_error=outcome.kind == Outcome.AGENT_COMMAND)
         return draft.decision()
     if inc is not None:
         draft.put(inc.noted(_what(outcome), draft.now_s))

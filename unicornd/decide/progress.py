@@ -45,7 +45,8 @@ def on_progress(
     after a launch. ``launch_id`` is the action that started the reporting ranks (the
     agent's tag; "" = unknown, then the time alone decides): an iteration finished by ranks
     about to be replaced arrives after the action but must not count as its success.
-    Empty decision when nothing changes (most calls).
+    While the task's job is being requeued, iterations only move the mark (they come from
+    ranks the requeue is about to kill). Empty decision when nothing changes (most calls).
     """
     if iteration < 0:
         raise InvalidArgument(f"iteration must be >= 0, got {iteration}")
@@ -58,7 +59,9 @@ def on_progress(
     if task.last_iteration is None or iteration > task.last_iteration:
         new = replace(new, last_iteration=iteration, recoveries_without_progress=0)
     inc = snapshot.open_incident(task_id)
-    if inc is not None:
+    if task.requeue is not None:
+        pass  # ranks about to be killed by the requeue: their iterations prove nothing
+    elif inc is not None:
         if inc.stage in AWAITING_PROGRESS and at > inc.last_action_s and _started_by(inc, task, launch_id):
             closed = inc.moved(_L.RESUMED, now_s).moved(_L.CLOSED, now_s)
             draft.put(replace(closed, note=f"resumed at iteration {iteration}"))
