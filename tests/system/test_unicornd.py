@@ -27,7 +27,7 @@ from tests.system.coordinator import (
     trainer_command,
 )
 from unicorn_core.keys import PAYLOAD_FIELD
-from unicorn_core.protocol import FaultReport, encode
+from unicorn_core.protocol import AgentAction, AgentCommand, CommandResult, FaultReport, decode, encode
 from unicornd.state import LadderStage, NodeHealth, Snapshot, TaskRecord, TaskState
 
 pytestmark = pytest.mark.system
@@ -312,3 +312,117 @@ def test_kernel_evidence_from_the_probe_drains(cluster: DevCluster, tmp_path: Pa
         assert "GPU has fallen off the bus" in reason
         c.resume("n4")
         c.wait(lambda s: s.nodes["n4"].health is NodeHealth.HEALTHY, "n4 back", 120)
+
+
+def test_a_relaunch_that_cannot_start_fails_its_rung_on_the_agents_answer(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    """A relaunch whose executable is missing on the node (written as unicornd writes a plan's
+    relaunch: same stream, same id scheme) is answered at once by the agent, and unicornd
+    decides on that answer within 2 s instead of waiting for a stage timeout (180-600 s).
+    The agent's command task survives; a command that cannot start drains nothing."""
+    with coordinator(cluster, tmp_path, **ENV) as c:
+        a = replace(task(c, "m", "n1,n2", 1.0, tmp_path), max_gpus=2)
+        c.register(a)
+        snap = c.wait(running("m", 4), "m training", 180)
+        job, gen = a.job_id or 0, snap.tasks["m"].generation
+        command_id = f"plan-{gen}/m/relaunch/n1"
+        command = AgentCommand(
+            job_id=job,
+            node="n1",
+            wall_time_s=time.time(),
+            command_id=command_id,
+            action=AgentAction.RELAUNCH,
+            argv=["/nonexistent/bin/torchrun", "--nnodes=2", "train.py"],
+            deadline_s=30.0,
+        )
+        answered = incident = None
+        with c.client() as r:
+            r.xadd(c.keys.agent_commands(job, "n1"), {PAYLOAD_FIELD: encode(command)})
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (answered is None or incident is None):
+                now = time.monotonic()
+                if answered is None:
+                    for _id, fields in r.xrange(c.keys.command_results(job)):
+                        msg = decode(fields[PAYLOAD_FIELD.encode()])
+                        if isinstance(msg, CommandResult) and msg.command_id == command_id:
+                            answered, result = now, msg
+                current = c.snapshot()
+                inc_now = current.open_incident("m") if current is not None else None
+                if (
+                    incident is None
+                    and inc_now is not None
+                    and any(command_id in e.detail for e in inc_now.timeline)
+                ):
+                    incident = now
+                time.sleep(0.05)
+        assert answered is not None and incident is not None, c.tail()
+        assert not result.ok and "nonexistent" in result.detail, result
+        print(f"the answer in the incident's timeline {incident - answered:+.2f} s after it was seen")
+        assert incident - answered <= 2.0
+        snap = c.wait(
+            lambda s: (
+                (i := s.open_incident("m")) is not None and i.stage is LadderStage.ESCALATED_TO_OPERATOR
+            ),
+            "the operator asked",
+            60,
+        )
+        inc = snap.open_incident("m")
+        assert inc is not None and "not isolating" in inc.note, inc
+        assert any("nonexistent" in e.detail for e in inc.timeline), inc.timeline
+        assert not inc.isolated_nodes and all(n.health is NodeHealth.HEALTHY for n in snap.nodes.values())
+        assert not node_reason(cluster, "n1") and not node_reason(cluster, "n2")
+        # The agent still takes commands: the rung's restarts were answered too.
+        with c.client() as r:
+            answers = [decode(f[PAYLOAD_FIELD.encode()]) for _i, f in r.xrange(c.keys.command_results(job))]
+        ids = {m.command_id for m in answers if isinstance(m, CommandResult)}
+        assert f"{inc.incident_id}/restart_processes/1/restart_ranks/n1" in ids, ids
+
+
+def test_an_operator_confirms_the_drain_the_limiter_held(cluster: DevCluster, tmp_path: Path) -> None:
+    """With a drain limit of 0, a SEV1 waits for the operator; `unicornctl incidents confirm
+    ID --yes` releases it: the node is drained and the task replanned off it."""
+    limits = {"UNICORN_RECOVERY__MIN_DRAINS_PER_WINDOW": "0", "UNICORN_RECOVERY__MAX_DRAIN_FRACTION": "0.1"}
+    with coordinator(cluster, tmp_path, **ENV, **limits) as c:
+        # At most its job's 2 nodes: Slurm refuses to requeue a job onto more nodes than it asked for.
+        a = replace(task(c, "h", "n3,n4", 1.0, tmp_path), max_gpus=2)
+        c.register(a)
+        c.wait(running("h", 4), "h training", 180)
+        report = FaultReport(
+            job_id=a.job_id or 0,
+            node="n4",
+            wall_time_s=time.time(),
+            status="ecc_error",
+            severity="SEV1",
+            rule="injected",
+            rank=1,
+            evidence="uncorrectable ECC error (injected by the test)",
+        )
+        with c.client() as r:
+            r.xadd(c.keys.events(report.job_id), {PAYLOAD_FIELD: encode(report)})
+        try:
+            snap = c.wait(
+                lambda s: (i := s.open_incident("h")) is not None and i.pending_drain == "n4",
+                "the drain held for the operator",
+                60,
+            )
+            inc = snap.open_incident("h")
+            assert inc is not None and inc.stage is LadderStage.ESCALATED_TO_OPERATOR
+            assert snap.nodes["n4"].health is NodeHealth.SUSPECT and not node_reason(cluster, "n4")
+            shown = unicornctl(c, "incidents", "confirm", inc.incident_id)
+            assert shown.returncode == 1 and "--yes" in shown.stderr, shown
+            assert c.snapshot().nodes["n4"].health is NodeHealth.SUSPECT  # type: ignore[union-attr]
+            done = unicornctl(c, "incidents", "confirm", inc.incident_id, "--yes")
+            assert done.returncode == 0, done.stderr
+            snap = c.wait(
+                lambda s: (
+                    s.nodes["n4"].health in (NodeHealth.DRAINING, NodeHealth.DRAINED)
+                    and "n4" not in s.tasks["h"].nodes
+                    and running("h", 5)(s)
+                ),
+                "n4 drained, h training without it",
+                180,
+            )
+            assert node_reason(cluster, "n4").startswith("unicorn: ecc_error")
+        finally:
+            cluster.slurm("scontrol", "update", "nodename=n4", "state=resume", check=False)
