@@ -20,6 +20,11 @@ Contract with the training command: SIGTERM means "save at the end of this itera
 and exit"; SIGUSR1 means "save a checkpoint now and keep training" (checkpoint_now).
 Exit status: 0 after a stop (command or SIGTERM); with ``--exit-with-training`` the
 training command's status (128+N for signal N); 2 for bad usage.
+
+Why one module of ~700 lines: :class:`Agent` is one event loop whose sections (training
+processes, heartbeats, hook socket, GPUs, commands, hang watch) all read and replace the
+same running training (supervisor, argv, launch id, iteration monitor); the parts that
+stand alone already live beside it (supervisor, hook, outbox, gpu, ckptagent, nodecheck).
 """
 
 from __future__ import annotations

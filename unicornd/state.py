@@ -15,6 +15,10 @@ State machines (every pair is tested; :func:`transition` raises on anything else
     NodeHealth   healthy -> suspect -> draining -> drained -> returning -> healthy
     LadderStage  detected -> retry_in_place -> restart_processes -> isolate -> replan
                  -> transition -> resumed -> closed   (Unicron Fig. 7; see the table)
+
+Why one module of ~550 lines: these records, their transition tables and the snapshot
+are the one schema of the committed state; they are read together by every decision
+module and by the store, and changing one means reading the others.
 """
 
 from __future__ import annotations
@@ -370,9 +374,6 @@ class NodeRecord(_Record):
             _finite(t, f"node {self.name}: timestamp")
         _non_negative(self.joins, f"node {self.name}: joins")
 
-    def failures_within(self, now_s: float, window_s: float) -> int:
-        return sum(1 for t in self.failures_s if now_s - t < window_s)
-
     def with_health(self, new: NodeHealth, reason: str | None = None) -> NodeRecord:
         """Copy in health ``new`` (raises :class:`IllegalTransition`); same health: only the reason."""
         health = self.health if new is self.health else transition(self.health, new)
@@ -519,9 +520,6 @@ class Snapshot:
     def node(self, name: str) -> NodeRecord:
         """The node's record; a node never seen is healthy with no history."""
         return self.nodes.get(name) or NodeRecord(name)
-
-    def drains_within(self, now_s: float, window_s: float) -> int:
-        return sum(1 for n in self.nodes.values() for t in n.drains_s if now_s - t < window_s)
 
     def apply(
         self,

@@ -190,6 +190,3 @@ class Store:
                 self.client.sismember(self.keys.actions_done(), action_id),
             )
         )
-
-    async def pending(self) -> list[dict[str, Any]]:
-        return [action_to_dict(o.action) for o in await self.owed()]

@@ -1,7 +1,7 @@
 """The adapter's resharding claim against real megatron-core (0.16.1, the newest for Python 3.11).
 
 Unmodified megatron-core runs on this CPU-only torch through a test-only shim
-(``tests/train/mcore/cpu_shim.py``). A tiny GPTModel trains at TP2.PP2 and saves a
+(``tests/launcher/mcore/cpu_shim.py``). A tiny GPTModel trains at TP2.PP2 and saves a
 ``dist_checkpointing`` (torch_dist) checkpoint, which then loads at TP1.PP2 (2 ranks)
 and at DP4: the loss of a fixed batch must match to float32 rounding (rel 1e-6),
 because loading only moves the same numbers into differently split tensors.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.torchrun import REPO, TORCHRUN, finish
+from tests.launcher.torchrun import REPO, TORCHRUN, finish
 
 pytest.importorskip("megatron.core")
 
@@ -33,7 +33,7 @@ def mcore(nproc: int, *args: str, env: dict[str, str] | None = None, ok: bool = 
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
-        "tests.train.mcore.worker",
+        "tests.launcher.mcore.worker",
         *args,
     ]
     base = {k: v for k, v in os.environ.items() if not k.startswith("UNICORN_")}

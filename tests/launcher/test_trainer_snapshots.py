@@ -23,9 +23,9 @@ import pytest
 
 from ckpt.tier import Tier, TierDir
 from launcher.ckptagent import CkptAgent, CkptPlan
-from tests.train.test_ckptagent import two_node_plans
-from tests.train.test_trainer_torchrun import COMMON, assert_losses_match
-from tests.train.torchrun import run
+from tests.launcher.test_ckptagent import two_node_plans
+from tests.launcher.test_trainer_torchrun import COMMON, assert_losses_match
+from tests.launcher.torchrun import run
 
 DP = ("--micro-batch=1", "--global-batch=12")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.torchrun import finish, run, start
+from tests.launcher.torchrun import finish, run, start
 from unicorn_core import protocol
 from unicorn_core.protocol import ExceptionReport, IterationPhase, IterationTiming, SlowStep
 

@@ -10,10 +10,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from coord_world import apply, finding, plan, render, task, world
 
 from detect.statuses import ErrorStatus, Severity
 from tests.conftest import Receiver, http_receiver
+from tests.unicornd.coord_world import apply, finding, plan, render, task, world
 from unicorn_core.config import AlertsConfig, Config, load_config
 from unicorn_core.errors import CommandFailed, CommandNotFound, CommandTimeout, ConfigError
 from unicornd.alerts import (

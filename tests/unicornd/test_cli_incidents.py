@@ -7,10 +7,10 @@ import json
 
 import redis
 from click.testing import CliRunner
-from coord_world import apply, finding, plan, render, task, world
 
 from detect.statuses import ErrorStatus
 from tests.conftest import free_port
+from tests.unicornd.coord_world import apply, finding, plan, render, task, world
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import reset_logging
 from unicornd.cli import (

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from coord_world import task
 
+from tests.unicornd.coord_world import task
 from unicorn_core import acl, munge
 from unicorn_core.errors import InvalidArgument, ProtocolError
 from unicorn_core.jobenv import JobEnvironment

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import cast
 
 import redis.asyncio as aioredis
-from coord_world import finding, render, task, world
 
 from detect.statuses import ErrorStatus
 from plan.hardware import gpu_spec
 from plan.objective import FailureModel
+from tests.unicornd.coord_world import finding, render, task, world
 from unicorn_core.keys import RedisKeys
 from unicornd import decide
 from unicornd.actions import Decision, Outcome, OutcomeStatus

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import pytest
-from coord_world import apply, finding, of_kind, plan, render, task, world
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from detect.statuses import ErrorStatus, Severity
+from tests.unicornd.coord_world import apply, finding, of_kind, plan, render, task, world
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.protocol import AgentAction
 from unicornd.actions import (

@@ -7,12 +7,12 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from coord_world import apply, finding, plan, render, task, world
 from prometheus_client.parser import text_string_to_metric_families
 
 from detect.statuses import ErrorStatus
 from plan.hardware import gpu_spec
 from plan.perf import estimate_layout
+from tests.unicornd.coord_world import apply, finding, plan, render, task, world
 from unicorn_core.config import MetricsConfig, load_config
 from unicorn_core.errors import ConfigError
 from unicornd.decide import on_finding, on_progress

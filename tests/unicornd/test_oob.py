@@ -11,12 +11,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from coord_world import apply, finding, of_kind, task, world
 
 from detect import load_classifier
 from detect.statuses import ErrorStatus, Severity
 from launcher.probe import find_agents, kernel_lines
 from tests.conftest import free_port
+from tests.unicornd.coord_world import apply, finding, of_kind, task, world
 from unicorn_core.config import SshConfig
 from unicorn_core.errors import InvalidArgument, SshUnreachable
 from unicorn_core.protocol import AgentAction

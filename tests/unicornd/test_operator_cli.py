@@ -2,9 +2,9 @@
 
 Three layers: the pure decision and the what-if outlook on coord_world snapshots; the
 operator check; the commands against a real redis-server, with unicornd down and with a
-real :class:`unicornd.daemon.Daemon` running against a scripted Slurm (so a request
-really goes through the control stream, the decision is persisted and the executor
-calls Slurm).
+real :class:`unicornd.daemon.Daemon` running against the shared fake Slurm
+(:class:`tests.fakes.slurm.FakeSlurm`), so a request really goes through the control
+stream, the decision is persisted and the executor calls Slurm.
 """
 
 from __future__ import annotations
@@ -26,17 +26,15 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from click.testing import CliRunner
-from coord_world import apply, finding, of_kind, task, world
 
 from detect.statuses import ErrorStatus
+from tests.fakes.slurm import FakeSlurm
+from tests.unicornd.coord_world import apply, finding, of_kind, task, world
 from unicorn_core import acl, redis_io
 from unicorn_core.config import Config, load_config
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import reset_logging
-from unicorn_core.proc import CommandOutput
-from unicorn_core.slurm.backend import SlurmBackend
-from unicorn_core.slurm.types import JobInfo, NodeInfo, NodeState
 from unicornd.actions import DrainNode, Replan, ResumeNode
 from unicornd.cli import (
     EXIT_NO_DAEMON,
@@ -333,38 +331,6 @@ def test_incidents_confirm_answers_the_drain_limiter_for_operators_only(
     assert r.xlen(keys.control()) == 0
 
 
-class ScriptedSlurm:
-    """The Slurm calls unicornd makes for drain/resume and a node check, on two idle nodes."""
-
-    name = "scripted"
-
-    def __init__(self, nodes: Sequence[str]) -> None:
-        self.flags: dict[str, frozenset[str]] = {n: frozenset() for n in nodes}
-        self.reasons: dict[str, str] = dict.fromkeys(nodes, "")
-        self.calls: list[tuple[str, ...]] = []
-
-    async def list_nodes(self) -> list[NodeInfo]:
-        return [
-            NodeInfo(n, NodeState.IDLE, f, self.reasons[n], 4, 2, 0, 1024, ("debug",))
-            for n, f in sorted(self.flags.items())
-        ]
-
-    async def list_jobs(self) -> list[JobInfo]:
-        return []
-
-    async def drain(self, node: str, reason: str) -> None:
-        self.calls.append(("drain", node, reason))
-        self.flags[node], self.reasons[node] = frozenset({"DRAIN"}), reason
-
-    async def resume(self, node: str) -> None:
-        self.calls.append(("resume", node))
-        self.flags[node], self.reasons[node] = frozenset(), ""
-
-    async def run_on_nodes(self, nodes: Sequence[str], argv: Sequence[str], **_: object) -> CommandOutput:
-        self.calls.append(("check", *nodes))
-        return CommandOutput(tuple(argv), 0, "healthy", "", 0.01)
-
-
 async def _until(what: Callable[[], bool], timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not what():
@@ -397,9 +363,9 @@ async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> No
             "UNICORN_REDIS__KEY_PREFIX": PREFIX,
         },
     )
-    slurm = ScriptedSlurm(["n1", "n2"])
+    slurm = FakeSlurm(["n1", "n2"])
     client = redis_io.connect(cfg.redis, client_name="test-unicornd")
-    daemon = Daemon(cfg, cast(SlurmBackend, slurm), client)
+    daemon = Daemon(cfg, slurm, client)
     running = asyncio.create_task(daemon.run())
     keys = RedisKeys(PREFIX)
     try:
@@ -443,7 +409,7 @@ async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> No
         code, out, err = await _ctl(redis_url, "resume", "n2", "--yes")
         assert code == 0, err
         await _until(lambda: daemon.snap.nodes["n2"].health is NodeHealth.HEALTHY)
-        assert slurm.calls[1:] == [("resume", "n2"), ("check", "n2")]
+        assert [c[:2] for c in slurm.calls[1:]] == [("resume", "n2"), ("run_on_nodes", ("n2",))]
         assert not daemon.snap.nodes["n2"].held
     finally:
         daemon._stop.set()

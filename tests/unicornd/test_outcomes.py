@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from coord_world import apply, finding, of_kind, plan, render, task, world
-
 from detect.statuses import ErrorStatus
 from plan.hardware import gpu_spec
 from plan.objective import FailureModel
+from tests.unicornd.coord_world import apply, finding, of_kind, plan, render, task, world
 from unicorn_core.protocol import AgentAction
 from unicornd.actions import (
     CheckNode,

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from coord_world import apply, finding, task, world
-
 from detect.statuses import ErrorStatus
+from tests.unicornd.coord_world import apply, finding, task, world
 from unicornd.decide import on_finding, on_progress
 from unicornd.state import LadderStage, Snapshot, TaskState
 

@@ -5,12 +5,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from coord_world import apply, finding, layout_for, of_kind, plan, render, requeued_and_running, task, world
 
 from detect.statuses import ErrorStatus
 from launcher.render import Rendezvous, megatron_args, torchrun_argvs
 from plan.hardware import gpu_spec
 from plan.planner import Cluster, Granularity, plan_cluster, task_curves
+from tests.unicornd.coord_world import (
+    apply,
+    finding,
+    layout_for,
+    of_kind,
+    plan,
+    render,
+    requeued_and_running,
+    task,
+    world,
+)
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.layout import Layout
 from unicorn_core.paths import etc_dir

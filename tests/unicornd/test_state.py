@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-from coord_world import MODEL, layout_for
 from hypothesis import given
 from hypothesis import strategies as st
 
 from detect.statuses import ErrorStatus, Severity
+from tests.unicornd.coord_world import MODEL, layout_for
 from unicorn_core import protocol
 from unicorn_core.errors import InvalidArgument, ProtocolError
 from unicorn_core.protocol import AgentAction

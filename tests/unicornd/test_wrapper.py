@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from detect.statuses import ErrorStatus
 from tests.conftest import REPO
-from tests.unit.coord_world import apply, finding, of_kind, task, world
+from tests.unicornd.coord_world import apply, finding, of_kind, task, world
 from unicorn_core.errors import ConfigError, InvalidArgument
 from unicorn_core.protocol import AgentAction
 from unicorn_core.slurm.types import JobInfo, JobState

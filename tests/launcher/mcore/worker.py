@@ -18,7 +18,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tests.train.mcore import cpu_shim
+from tests.launcher.mcore import cpu_shim
 
 cpu_shim.install()
 
