@@ -12,7 +12,7 @@
 from detect.classify import BENIGN, Classification, Classifier, builtin_rules, load_classifier
 from detect.liveness import Expired, HeartbeatTracker, Liveness
 from detect.pairing import Diagnosis, GroupResult, RepairPlan, diagnose, pair_nodes, repair_suspects
-from detect.rootcause import Finding, choose_root_cause
+from detect.rootcause import Evidence, choose_root_cause
 from detect.rules import Rule, RuleKind, load_rules_file
 from detect.stats import (
     SLOW_STEP_TIMEOUT_S,
@@ -31,8 +31,8 @@ __all__ = [
     "Classifier",
     "Diagnosis",
     "ErrorStatus",
+    "Evidence",
     "Expired",
-    "Finding",
     "GroupResult",
     "HangVerdict",
     "HeartbeatTracker",

@@ -29,7 +29,7 @@ heartbeat) differ in latency by up to about one agent heartbeat interval (1 s)."
 
 
 @dataclass(frozen=True)
-class Finding:
+class Evidence:
     """One classified piece of evidence, where and when it was seen.
 
     ``time_s`` must be on one clock for all findings compared together: the sender's
@@ -46,12 +46,12 @@ class Finding:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.time_s):
-            raise InvalidArgument(f"finding time_s must be finite, got {self.time_s}")
+            raise InvalidArgument(f"evidence time_s must be finite, got {self.time_s}")
 
 
 def choose_root_cause(
-    findings: Sequence[Finding], simultaneous_s: float = DEFAULT_SIMULTANEOUS_S
-) -> Finding | None:
+    findings: Sequence[Evidence], simultaneous_s: float = DEFAULT_SIMULTANEOUS_S
+) -> Evidence | None:
     """The finding that most likely caused the others; None when every finding is benign.
 
     Deterministic: among equal candidates the one listed first wins.
@@ -65,7 +65,7 @@ def choose_root_cause(
     first = min(f.time_s for f in primary)
     window = [f for f in primary if f.time_s <= first + simultaneous_s]
 
-    def rank(f: Finding) -> tuple[int, float]:
+    def rank(f: Evidence) -> tuple[int, float]:
         assert f.classification.severity is not None
         return (f.classification.severity.level, f.time_s)
 

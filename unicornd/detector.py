@@ -24,7 +24,7 @@ from detect import (
     Classification,
     Classifier,
     ErrorStatus,
-    Finding,
+    Evidence,
     HeartbeatTracker,
     IterationMonitor,
     Severity,
@@ -50,15 +50,16 @@ _LIVE: Final = frozenset({TaskState.LAUNCHING, TaskState.RUNNING, TaskState.RECO
 
 
 @dataclass(frozen=True)
-class JobFinding:
-    """A :class:`detect.Finding` of one job (task)."""
+class JobEvidence:
+    """A :class:`detect.Evidence` seen in one job (task): what the detector hands on; unicornd
+    turns it into a :class:`unicornd.decide.Finding` (the ladder's input, with an id)."""
 
     job_id: int
-    finding: Finding
+    evidence: Evidence
 
     @property
     def classification(self) -> Classification:
-        return self.finding.classification
+        return self.evidence.classification
 
 
 @dataclass
@@ -159,7 +160,7 @@ class Detector:
         state = self._jobs.get(job_id)
         return None if state is None else state.last_iteration
 
-    def on_message(self, msg: Message, now_s: float) -> list[JobFinding]:
+    def on_message(self, msg: Message, now_s: float) -> list[JobEvidence]:
         """Classify one agent message received at ``now_s`` (monotonic)."""
         if isinstance(msg, Heartbeat):
             self.liveness.beat(msg.job_id, msg.node, now_s)
@@ -200,7 +201,7 @@ class Detector:
             rank, source = msg.rank, f"agent:{msg.rule}"
         if c is None or not c.is_fault:
             return []
-        return [JobFinding(msg.job_id, Finding(msg.node, rank, now_s, c, source))]
+        return [JobEvidence(msg.job_id, Evidence(msg.node, rank, now_s, c, source))]
 
     def _fault(self, msg: FaultReport) -> Classification:
         """The agent's classification, if it names a known status and severity; else re-classified."""
@@ -213,16 +214,16 @@ class Detector:
         secondary = status in (ErrorStatus.TASK_HANG, ErrorStatus.NCCL_TIMEOUT)
         return Classification(status, severity, msg.rule, msg.evidence[:1000], secondary)
 
-    def check(self, now_s: float) -> list[JobFinding]:
+    def check(self, now_s: float) -> list[JobEvidence]:
         """Findings from silence at ``now_s``: lost agents, and tasks whose iterations stopped."""
-        out: list[JobFinding] = []
+        out: list[JobEvidence] = []
         for exp in self.liveness.expired(now_s):
             key = (exp.job_id, exp.node)
             if key in self._lost:
                 continue
             self._lost.add(key)
             out.append(
-                JobFinding(exp.job_id, Finding(exp.node, None, now_s, exp.classification(), "heartbeat"))
+                JobEvidence(exp.job_id, Evidence(exp.node, None, now_s, exp.classification(), "heartbeat"))
             )
         for job_id, job in self._jobs.items():
             verdict = job.monitor.check(now_s)
@@ -234,5 +235,5 @@ class Detector:
             job.hang_reported = True
             rank = verdict.ranks[0] if verdict.ranks else None
             node = job.rank_nodes.get(rank, "") if rank is not None else ""
-            out.append(JobFinding(job_id, Finding(node, rank, now_s, verdict.classification(), "hang")))
+            out.append(JobEvidence(job_id, Evidence(node, rank, now_s, verdict.classification(), "hang")))
         return out

@@ -33,7 +33,7 @@ from unicornd.actions import Outcome, OutcomeStatus
 from unicornd.agentusers import AgentUsers
 from unicornd.core import Core
 from unicornd.decide import ClassificationLike
-from unicornd.detector import Detector, JobFinding
+from unicornd.detector import Detector, JobEvidence
 from unicornd.replan import PLANNED_STATES
 from unicornd.state import NodeHealth
 
@@ -107,11 +107,11 @@ class AgentInputs:
             job, node = msg.job_id, msg.node
             await self.core.decide(now, lambda s: decide.on_node_finished(s, job, node, now))
         for jf in found:
-            await self.on_finding(jf, finding_id=f"{entry_id}:{jf.finding.source}", now_s=now)
+            await self.on_finding(jf, finding_id=f"{entry_id}:{jf.evidence.source}", now_s=now)
 
-    async def on_finding(self, jf: JobFinding, finding_id: str, now_s: float | None = None) -> None:
+    async def on_finding(self, jf: JobEvidence, finding_id: str, now_s: float | None = None) -> None:
         """Decide on a finding (``now_s``: its input's time; default: now)."""
-        f = jf.finding
+        f = jf.evidence
         node = f.node
         task = self.core.snap.task_of_job(jf.job_id)
         if not node and task is not None and task.nodes:
@@ -123,7 +123,7 @@ class AgentInputs:
             return
         await self._decide_finding(jf, node, finding_id, jf.classification, now_s)
 
-    def _probe(self, jf: JobFinding, node: str, finding_id: str) -> None:
+    def _probe(self, jf: JobEvidence, node: str, finding_id: str) -> None:
         """Confirm a silent agent out of band (SSH) before deciding; one probe per agent at a time."""
         key = (jf.job_id, node)
         if key in self.probes:
@@ -156,13 +156,13 @@ class AgentInputs:
 
     async def _decide_finding(
         self,
-        jf: JobFinding,
+        jf: JobEvidence,
         node: str,
         finding_id: str,
         classification: ClassificationLike,
         now_s: float | None = None,
     ) -> None:
-        f = jf.finding
+        f = jf.evidence
         finding = decide.Finding.of(
             classification,
             finding_id=finding_id,
@@ -257,7 +257,7 @@ class Ticker:
     """Silence into findings every :data:`TICK_S`; deadlines and a flush every second."""
 
     def __init__(
-        self, core: Core, detector: Detector, on_finding: Callable[[JobFinding, str], object]
+        self, core: Core, detector: Detector, on_finding: Callable[[JobEvidence, str], object]
     ) -> None:
         self.core = core
         self.detector = detector
@@ -267,9 +267,9 @@ class Ticker:
         last_tick = 0.0
         while True:
             await asyncio.sleep(TICK_S)
-            found: Sequence[JobFinding] = self.detector.check(time.monotonic())
+            found: Sequence[JobEvidence] = self.detector.check(time.monotonic())
             for jf in found:
-                fid = f"{jf.finding.source}:{jf.job_id}:{jf.finding.node}:{time.time():.3f}"
+                fid = f"{jf.evidence.source}:{jf.job_id}:{jf.evidence.node}:{time.time():.3f}"
                 await self.on_finding(jf, fid)  # type: ignore[misc]
             now = time.time()
             if now - last_tick >= 1.0:

@@ -58,7 +58,7 @@ from unicorn_core.protocol import (  # noqa: E402
     encode,
 )
 from unicorn_core.slurm.cli import CliSlurm  # noqa: E402
-from unicornd.detector import Detector, JobFinding  # noqa: E402
+from unicornd.detector import Detector, JobEvidence  # noqa: E402
 from unicornd.ingest import StreamIngest  # noqa: E402
 
 DEV = REPO / "scripts" / "dev-cluster"
@@ -86,7 +86,7 @@ class Bench:
         self.args = args
         self.state = state
         self.env: dict[str, str] = {}
-        self.findings: list[tuple[float, JobFinding]] = []
+        self.findings: list[tuple[float, JobEvidence]] = []
         self.heartbeats: dict[str, Heartbeat] = {}
         self.agents: dict[str, Any] = {}
         self.job_id = 0
@@ -179,7 +179,7 @@ class Bench:
 
     async def wait_finding(
         self, since: float, pred: Any, timeout_s: float = 30.0
-    ) -> tuple[float, JobFinding]:
+    ) -> tuple[float, JobEvidence]:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for t, f in self.findings:
@@ -203,11 +203,11 @@ class Bench:
                 t0 = time.monotonic()
                 os.kill(pid, signal.SIGKILL)
                 t, _ = await self.wait_finding(
-                    t0, lambda f: f.finding.source == "exit" and f.finding.node == "n2"
+                    t0, lambda f: f.evidence.source == "exit" and f.evidence.node == "n2"
                 )
                 return t - t0
             if kind == "exception":
-                await self.wait_finding(0, lambda f: f.finding.source == "exception")
+                await self.wait_finding(0, lambda f: f.evidence.source == "exception")
                 return self.exception_latency
             if kind == "hang":
                 pid = self.rank_pid()
@@ -224,7 +224,7 @@ class Bench:
                 self.dev("kill-node", "n2")
                 try:
                     t, _ = await self.wait_finding(
-                        t0, lambda f: f.finding.source == "heartbeat" and f.finding.node == "n2"
+                        t0, lambda f: f.evidence.source == "heartbeat" and f.evidence.node == "n2"
                     )
                 finally:
                     self.dev("revive-node", "n2")
@@ -267,7 +267,7 @@ class Bench:
             alarms = [f for _, f in self.findings]
             return {
                 "false_alarms": len(alarms),
-                "false_alarm_detail": [f"{f.classification.status}:{f.finding.source}" for f in alarms][:10],
+                "false_alarm_detail": [f"{f.classification.status}:{f.evidence.source}" for f in alarms][:10],
                 "quiet_s": self.args.quiet_s,
                 "slow_checkpoint_steps": n_ckpt,
                 "last_iteration": self.detector.last_iteration(self.job_id),
