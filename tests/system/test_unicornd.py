@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from launcher.probe import find_agents
@@ -377,6 +378,20 @@ def test_a_relaunch_that_cannot_start_fails_its_rung_on_the_agents_answer(
             answers = [decode(f[PAYLOAD_FIELD.encode()]) for _i, f in r.xrange(c.keys.command_results(job))]
         ids = {m.command_id for m in answers if isinstance(m, CommandResult)}
         assert f"{inc.incident_id}/restart_processes/1/restart_ranks/n1" in ids, ids
+        # A command it cannot run is validated and answered, and the next one still is.
+        empty = msgspec.structs.replace(
+            command, command_id="test/empty-argv", argv=[], wall_time_s=time.time()
+        )
+        with c.client() as r:
+            r.xadd(c.keys.agent_commands(job, "n1"), {PAYLOAD_FIELD: encode(empty)})
+            deadline, reply = time.monotonic() + 30, None
+            while reply is None and time.monotonic() < deadline:
+                for _i, f in r.xrange(c.keys.command_results(job)):
+                    m = decode(f[PAYLOAD_FIELD.encode()])
+                    if isinstance(m, CommandResult) and m.command_id == "test/empty-argv":
+                        reply = m
+                time.sleep(0.1)
+        assert reply is not None and not reply.ok and "without a training command" in reply.detail, reply
 
 
 def test_an_operator_confirms_the_drain_the_limiter_held(cluster: DevCluster, tmp_path: Path) -> None:
