@@ -146,6 +146,8 @@ class Agent:
         self.grace_s = grace_s
         self.keys = RedisKeys(cfg.redis.key_prefix)
         self.counters = AgentCounters()
+        self.fence = 0
+        """The newest fencing token seen on a command (older ones come from a deposed unicornd)."""
         self.iteration: int | None = None
         self.supervisor: Supervisor | None = None
         self._seq = 0
@@ -518,6 +520,15 @@ class Agent:
                     CommandResult(**self._env(), command_id=command_id, ok=False, detail=f"rejected: {why}")
                 )
             return
+        if msg.fence and msg.fence < self.fence:
+            # From a deposed unicornd: not run, and not answered (the leader sends the same
+            # command ids; an answer would read as the failure of its own command).
+            self.counters.commands_rejected += 1
+            log.warning(
+                "command_from_deposed_leader", command_id=msg.command_id, fence=msg.fence, seen=self.fence
+            )
+            return
+        self.fence = max(self.fence, msg.fence)
         refusal = self._refusal(msg)
         if refusal is not None:
             ok, detail = False, f"rejected: {refusal}"

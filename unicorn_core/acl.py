@@ -94,6 +94,9 @@ def _status_keys(keys: RedisKeys) -> list[str]:
         keys.state(),
         keys.incidents(),
         keys.daemon_liveness(),
+        keys.leader(),
+        keys.fence(),
+        keys.standbys(),
         f"{keys.prefix}:hb:*",
         f"{keys.control()}:reply:*",
     ]

@@ -108,8 +108,24 @@ class RedisKeys:
         return self._key("hb", _job_id(job_id), _component("node", node))
 
     def daemon_liveness(self) -> str:
-        """String with TTL: present while unicornd is alive."""
+        """String with TTL: present while a leading unicornd is alive."""
         return self._key("unicornd", "alive")
+
+    def leader(self) -> str:
+        """String with TTL (the lease): ``<token>:<id>`` of the leading unicornd."""
+        return self._key("unicornd", "leader")
+
+    def fence(self) -> str:
+        """Counter: the newest fencing token granted; a commit with an older one is refused."""
+        return self._key("unicornd", "fence")
+
+    def standby(self, ident: str) -> str:
+        """String with TTL: a unicornd waiting to take over (its id, host and pid)."""
+        return self._key("unicornd", "standby", _component("standby id", ident))
+
+    def standbys(self) -> str:
+        """Pattern of every :meth:`standby` key (for SCAN)."""
+        return self._key("unicornd", "standby", "*")
 
     def incidents(self) -> str:
         """Stream: incident log written by unicornd."""

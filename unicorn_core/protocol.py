@@ -260,6 +260,8 @@ class AgentCommand(Envelope, frozen=True, kw_only=True, tag="cmd"):
 
     ``argv`` and ``env`` are the new training command for ``relaunch`` (``argv`` is empty
     for every other action). ``command_id`` is echoed in the :class:`CommandResult`.
+    ``fence``: the fencing token of the unicornd that sent it (0: unknown); an agent that
+    has seen a newer one refuses it, so a deposed leader cannot command agents.
     """
 
     command_id: str
@@ -267,6 +269,7 @@ class AgentCommand(Envelope, frozen=True, kw_only=True, tag="cmd"):
     argv: list[str] = msgspec.field(default_factory=list)
     env: dict[str, str] = msgspec.field(default_factory=dict)
     deadline_s: float
+    fence: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -277,6 +280,7 @@ class AgentCommand(Envelope, frozen=True, kw_only=True, tag="cmd"):
         )
         _check_finite(self.deadline_s, "deadline_s")
         _check(self.deadline_s > 0, f"deadline_s must be > 0, got {self.deadline_s}")
+        _check(self.fence >= 0, f"fence must be >= 0, got {self.fence}")
 
 
 class CommandResult(Envelope, frozen=True, kw_only=True, tag="result"):

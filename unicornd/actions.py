@@ -84,8 +84,9 @@ class SendCommand:
     argv: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
-    def message(self, wall_time_s: float) -> AgentCommand:
-        """The wire message; its ``command_id`` is this action's id (echoed in the result)."""
+    def message(self, wall_time_s: float, *, fence: int = 0) -> AgentCommand:
+        """The wire message; its ``command_id`` is this action's id (echoed in the result);
+        ``fence``: the sending unicornd's fencing token (agents ignore older ones)."""
         return AgentCommand(
             job_id=self.job_id,
             node=self.node,
@@ -95,6 +96,7 @@ class SendCommand:
             argv=list(self.argv),
             env=dict(self.env),
             deadline_s=self.deadline_s,
+            fence=fence,
         )
 
 

@@ -14,11 +14,16 @@ and the process exits non-zero, so systemd restarts it):
 - ``executor``: performs the owed actions (:class:`unicornd.executor.Executor`), the only
   code that changes Slurm or writes agent commands; their outcomes are inputs;
 - ``liveness``: the TTL key ``unicornctl status --check`` looks at;
-- ``alerts``: delivers alerts that follow commits.
+- ``alerts``: delivers alerts that follow commits;
+- ``lease``: renews the leader's lease; ends (and with it this unicornd) once it is lost.
 
 Every decision is a pure function of the snapshot, an input and the clock; its records
 and actions are committed together (:class:`unicornd.core.Core`) before the input is
 acknowledged, so kill -9 loses no event and performs no action twice.
+
+Leadership: any number of unicornd may run; one holds the lease in Redis and runs the
+root tasks, the others stand by (:mod:`unicornd.leader`). A deposed leader's commits are
+refused (fencing), so it exits non-zero and comes back as a standby.
 
 Signals: SIGTERM drains (stop taking inputs, finish the actions in flight, exit 0);
 SIGINT and SIGQUIT stop now (exit 0; owed actions stay owed and run after a restart).
@@ -54,6 +59,7 @@ from unicornd.detector import Detector
 from unicornd.executor import Executor
 from unicornd.ingest import StreamIngest
 from unicornd.inputs import AgentInputs, SlurmWatch, Ticker
+from unicornd.leader import Lease
 from unicornd.metrics import SnapshotMetrics, start_metrics_server
 from unicornd.replan import PlanContext
 from unicornd.requests import Requests
@@ -63,6 +69,9 @@ from unicornd.store import Store, prune
 log = get_logger(__name__)
 
 LIVENESS_TTL_S: Final = 5.0
+SHUTDOWN_S: Final = 10.0
+"""How long the root tasks may take to end once cancelled; a failed unicornd commits
+nothing more on its way out (what it held is delivered again to its successor)."""
 
 
 class Daemon:
@@ -78,6 +87,7 @@ class Daemon:
         classifier: Classifier | None = None,
         consumer: str = "unicornd",
         config_path: str | None = None,
+        ident: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.slurm = slurm
@@ -91,10 +101,13 @@ class Daemon:
         self.alerts = AlertSink(cfg.alerts)
         self.metrics = SnapshotMetrics(gpu=gpu_spec(cfg.plan.gpu))
         self.core = Core(self.store, PlanContext.from_config(cfg), followers=[self._follow])
+        self.lease = Lease(client, self.keys, cfg.leader, ident)
         self.agent_users = AgentUsers(client, self.keys, cfg.redis)
         self.agents = AgentInputs(cfg, self.core, self.detector)
         self.requests = Requests(cfg, self.core, slurm, client)
-        self.executor = Executor(cfg, self.core, slurm, client, self.agent_users, config_path=config_path)
+        self.executor = Executor(
+            cfg, self.core, slurm, client, self.agent_users, config_path=config_path, lease=self.lease
+        )
         self._stop = asyncio.Event()
         self._drain_only = False
 
@@ -148,6 +161,8 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self._drain)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGQUIT, self._stop.set)
+        if not await self._lead():
+            return 0
         # Roles first: the committed state is what clients wait for, and a client that
         # sees it must be able to log in as its role (a job's wrapper registering at once).
         if self.cfg.redis.operator_password_file or self.cfg.redis.user_password_file:
@@ -175,6 +190,7 @@ class Daemon:
             "executor": self._execute(),
             "liveness": self._liveness(),
             "alerts": self.alerts.run(),
+            "lease": self.lease.keep(),
         }
         server = start_metrics_server(self.cfg.metrics, self.metrics)
         if server is not None:
@@ -191,17 +207,37 @@ class Daemon:
                 log.error("root_task_ended", task=t.get_name(), error=repr(exc) if exc else "returned")
                 status = 1
         finally:
-            for t in [*tasks, stopper, *self.agents.probes.values()]:
+            others = [*self.agents.probes.values(), *self.executor.in_flight()]
+            for t in [*tasks, stopper, *others]:
                 t.cancel()
             if server is not None:
                 server.close()
-            await asyncio.gather(*tasks, stopper, return_exceptions=True)
-            with contextlib.suppress(UnicornError):
-                await self.core.flush()
-            with contextlib.suppress(UnicornError):
-                await redis_io.call(("DEL",), self.client.delete(self.keys.daemon_liveness()))
+            _, stuck = await asyncio.wait([*tasks, stopper, *others], timeout=SHUTDOWN_S)
+            if stuck:  # never hang on the way out: systemd restarts a unicornd that exits
+                log.error("shutdown_stuck", tasks=sorted(t.get_name() for t in stuck))
+                status = status or 1
+            if status == 0:  # a clean stop commits what it holds and hands over at once
+                with contextlib.suppress(UnicornError):
+                    await asyncio.wait_for(self.core.flush(), SHUTDOWN_S)
+                    await redis_io.call(("DEL",), self.client.delete(self.keys.daemon_liveness()))
+                    await self.lease.release()
         log.info("unicornd_stopped", status=status, actions_run=self.actions_run)
         return status
+
+    async def _lead(self) -> bool:
+        """Stand by until this unicornd holds the lease (True), or until it is told to stop
+        while standing by (False)."""
+        acquiring = asyncio.create_task(self.lease.acquire(), name="acquire")
+        stopping = asyncio.create_task(self._stop.wait(), name="stop")
+        done, _ = await asyncio.wait([acquiring, stopping], return_when=asyncio.FIRST_COMPLETED)
+        for t in (acquiring, stopping):
+            t.cancel()
+        if acquiring in done and not acquiring.cancelled():
+            acquiring.result()  # a Redis error ends the standby (systemd restarts it)
+            self.store.token = self.lease.token
+            return True
+        log.info("unicornd_stopped", status=0, why="stopped while standing by")
+        return False
 
     async def _execute(self) -> None:
         await self.executor.run(lambda: self._drain_only)

@@ -53,6 +53,7 @@ from unicornd.actions import (
 from unicornd.agentusers import AgentUsers
 from unicornd.core import Core
 from unicornd.launch import agent_argv, bin_dir
+from unicornd.leader import Lease
 from unicornd.store import Owed
 
 log = get_logger(__name__)
@@ -74,8 +75,10 @@ class Executor:
         agent_users: AgentUsers,
         *,
         config_path: str | None = None,
+        lease: Lease | None = None,
     ) -> None:
         self.cfg = cfg
+        self.lease = lease
         self.core = core
         self.slurm = slurm
         self.client = client
@@ -109,6 +112,10 @@ class Executor:
                 if t is not waits[0] and t.exception() is not None:
                     raise t.exception()  # type: ignore[misc]  # a bug: end unicornd
 
+    def in_flight(self) -> list[asyncio.Task[None]]:
+        """The actions being performed now (cancelled when unicornd stops)."""
+        return list(self._running.values())
+
     def _start(self, owed: Owed) -> None:
         aid = owed.action.action_id
         task = asyncio.create_task(self._perform(owed), name=f"action:{aid}")
@@ -118,6 +125,8 @@ class Executor:
     async def _perform(self, owed: Owed) -> None:
         action = owed.action
         t0 = time.monotonic()
+        if self.lease is not None:
+            await self.lease.check()  # a fenced-off leader performs nothing more (LeaseLost ends it)
         if await self.core.store.done(action.action_id):
             outcome = Outcome(action.action_id, action.kind, OutcomeStatus.DONE, "ran before a restart")
         else:
@@ -221,7 +230,8 @@ class Executor:
 
     async def _send(self, action: SendCommand) -> str:
         stream = self.keys.agent_commands(action.job_id, action.node)
-        payload = {PAYLOAD_FIELD: protocol.encode(action.message(time.time()))}
+        fence = self.lease.token if self.lease is not None else 0
+        payload = {PAYLOAD_FIELD: protocol.encode(action.message(time.time(), fence=fence))}
         await redis_io.call(("XADD", stream), self.client.xadd(stream, payload))  # type: ignore[arg-type]
         return f"{action.action.value} sent"
 

@@ -2,7 +2,7 @@
 
 One JSON document (``keys.state()``) holds every task, node and incident record and the
 plan generation; ``keys.actions_pending()`` lists the actions decided but not yet
-executed. :meth:`Store.commit` writes both in one MULTI/EXEC, so after a crash the
+executed. :meth:`Store.commit` writes both in one atomic script, so after a crash the
 snapshot and its owed actions always match. An action's outcome is committed in the same
 transaction that marks it done and removes it (``finished``), together with the decision
 on that outcome, so an action is executed at most once unless unicornd dies *during* it,
@@ -23,7 +23,7 @@ from typing import Any, Final, cast
 import redis.asyncio as aioredis
 
 from unicorn_core import redis_io
-from unicorn_core.errors import ProtocolError
+from unicorn_core.errors import ProtocolError, RedisCallError, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
 from unicornd.actions import Action, action_from_dict, action_to_dict
@@ -112,13 +112,46 @@ class Owed:
     action: Action
 
 
-class Store:
-    """Reads and writes unicornd's state (see the module docstring)."""
+_COMMIT: Final = """
+local token = tonumber(ARGV[1])
+if token > 0 and tonumber(redis.call('GET', KEYS[4]) or '0') ~= token then
+  return redis.error_reply('FENCED token ' .. ARGV[1] .. ', fence ' .. tostring(redis.call('GET', KEYS[4])))
+end
+redis.call('SET', KEYS[1], ARGV[2])
+local i = 3
+local n = tonumber(ARGV[i])
+for j = 1, n do redis.call('LREM', KEYS[2], 1, ARGV[i + j]) end
+i = i + n + 1
+n = tonumber(ARGV[i])
+for j = 1, n do redis.call('RPUSH', KEYS[2], ARGV[i + j]) end
+i = i + n + 1
+if ARGV[i] ~= '' then
+  redis.call('SADD', KEYS[3], ARGV[i + 1])
+  redis.call('LREM', KEYS[2], 1, ARGV[i])
+end
+return 1
+"""
+"""One commit, atomically. KEYS: state, owed list, done set, fence. ARGV: token (0: no
+election), snapshot, the voided entries (count first), the new entries (count first),
+the finished entry and its id ("" ""). Refused, changing nothing, when a token is given
+and the fence has moved past it (another unicornd took the lease)."""
 
-    def __init__(self, client: aioredis.Redis, keys: RedisKeys, policy: Policy) -> None:
+
+class Fenced(UnicornError):
+    """A commit was refused: the fence has moved past this unicornd's token."""
+
+
+class Store:
+    """Reads and writes unicornd's state (see the module docstring).
+
+    ``token``: this unicornd's fencing token (:mod:`unicornd.leader`); 0 when no election
+    guards the commits (tests, tools)."""
+
+    def __init__(self, client: aioredis.Redis, keys: RedisKeys, policy: Policy, *, token: int = 0) -> None:
         self.client = client
         self.keys = keys
         self.policy = policy
+        self.token = token
         self.commits = 0
 
     async def load(self, gpus_per_node: int) -> Snapshot:
@@ -138,9 +171,11 @@ class Store:
     ) -> list[Action]:
         """Persist ``snap``, void the owed actions whose id starts with one of ``cancels``,
         append ``actions`` to the owed list and, with ``finished``, record that action as
-        done and remove it: all in one MULTI/EXEC. Returns the voided actions.
+        done and remove it: all in one Lua script (atomic, as MULTI/EXEC), which refuses
+        with :class:`Fenced`, changing nothing, when another unicornd took the lease.
+        Returns the voided actions.
 
-        Only unicornd writes these keys, one commit at a time, so reading the owed list
+        Only the leading unicornd writes these keys, one commit at a time, so reading the owed list
         before the transaction (for the cancellations) is safe.
         """
         voided: list[Owed] = []
@@ -151,16 +186,21 @@ class Store:
                 if o.action.action_id.startswith(tuple(cancels))
                 and (finished is None or o.raw != finished.raw)
             ]
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(self.keys.state(), snapshot_to_json(snap))
-        for o in voided:
-            pipe.lrem(self.keys.actions_pending(), 1, o.raw)
-        if actions:
-            pipe.rpush(self.keys.actions_pending(), *(json.dumps(action_to_dict(a)) for a in actions))
-        if finished is not None:
-            pipe.sadd(self.keys.actions_done(), finished.action.action_id)
-            pipe.lrem(self.keys.actions_pending(), 1, finished.raw)
-        await redis_io.call(("MULTI", "SET", "RPUSH", self.keys.state()), pipe.execute())
+        k = self.keys
+        args: list[str | int] = [self.token, snapshot_to_json(snap), len(voided), *(o.raw for o in voided)]
+        args += [len(actions), *(json.dumps(action_to_dict(a)) for a in actions)]
+        args += [finished.raw, finished.action.action_id] if finished is not None else ["", ""]
+        try:
+            await redis_io.call(
+                ("EVAL", "commit", k.state()),
+                self.client.eval(
+                    _COMMIT, 4, k.state(), k.actions_pending(), k.actions_done(), k.fence(), *args
+                ),
+            )
+        except RedisCallError as e:
+            if "FENCED" in str(e):
+                raise Fenced(f"commit refused: {e}; another unicornd leads") from e
+            raise
         self.commits += 1
         return [o.action for o in voided]
 

@@ -209,3 +209,41 @@ def test_agent_rejects_and_counts_garbage_on_the_hook_socket(tmp_path: Path) -> 
     assert agent.counters.hook_rejected == 3
     assert agent.counters.hook_wrong_envelope == 1
     assert agent.iteration is None  # nothing was accepted
+
+
+def test_agent_answers_every_command_it_can_read_and_ignores_deposed_leaders(tmp_path: Path) -> None:
+    """Rejected commands are answered (so unicornd decides on them at once); a command that
+    raises is answered with the error; one from an older fencing token is not run."""
+    import asyncio
+
+    from launcher.agent import Agent
+    from unicorn_core.config import Config
+    from unicorn_core.protocol import AgentAction, AgentCommand, CommandResult, Message, encode
+
+    agent = Agent(Config(), job_id=5, node="n1", run_dir=tmp_path, argv=[])
+    sent: list[Message] = []
+    agent._emit = sent.append  # type: ignore[method-assign]
+
+    def cmd(cid: str, action: AgentAction, argv: list[str], fence: int, node: str = "n1") -> bytes:
+        return encode(
+            AgentCommand(
+                job_id=5, node=node, wall_time_s=1.0, command_id=cid, action=action, argv=argv,
+                deadline_s=5.0, fence=fence,
+            )
+        )  # fmt: skip
+
+    async def main() -> None:
+        await agent._handle_command(cmd("c1", AgentAction.RELAUNCH, [], 2))  # no argv: refused
+        await agent._handle_command(cmd("c2", AgentAction.RESTART_RANKS, [], 2))  # nothing to restart
+        await agent._handle_command(cmd("c3", AgentAction.STOP, [], 2, node="n9"))  # another node's
+        await agent._handle_command(cmd("c4", AgentAction.RELAUNCH, ["x"], 1))  # a deposed leader's
+        await agent._handle_command(b"\xc1 garbage")  # no id to answer to
+
+    asyncio.run(main())
+    answers = {m.command_id: m for m in sent if isinstance(m, CommandResult)}
+    assert set(answers) == {"c1", "c2", "c3"}, answers
+    assert not any(a.ok for a in answers.values())
+    assert "without a training command" in answers["c1"].detail
+    assert "no training command to restart" in answers["c2"].detail
+    assert "this agent is job 5 on n1" in answers["c3"].detail
+    assert agent.fence == 2 and agent.counters.commands_rejected == 3

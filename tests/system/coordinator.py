@@ -81,8 +81,12 @@ class Coordinator:
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
+        self.proc = self.spawn(self.log_path)
+
+    def spawn(self, log_path: Path) -> subprocess.Popen[bytes]:
+        """Another unicornd on the same keys (a standby while this one leads)."""
+        with log_path.open("ab") as log:
+            return subprocess.Popen(
                 [str(UNICORND)], env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
 

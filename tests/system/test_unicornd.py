@@ -441,3 +441,102 @@ def test_an_operator_confirms_the_drain_the_limiter_held(cluster: DevCluster, tm
             assert node_reason(cluster, "n4").startswith("unicorn: ecc_error")
         finally:
             cluster.slurm("scontrol", "update", "nodename=n4", "state=resume", check=False)
+
+
+def _election(c: Coordinator) -> tuple[str | None, int, list[str]]:
+    with c.client() as r:
+        held = r.get(c.keys.leader())
+        fence = r.get(c.keys.fence())
+        standbys = sorted(k.decode().rsplit(":", 1)[-1] for k in r.scan_iter(match=c.keys.standbys()))
+    return (held.decode().split(":", 1)[1] if held else None), int(fence or 0), standbys
+
+
+def _until(pred, what: str, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_the_standby_completes_a_recovery_when_the_leader_is_killed(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    with coordinator(cluster, tmp_path, **ENV) as c:
+        standby = c.spawn(tmp_path / "standby.log")
+        try:
+            _until(lambda: len(_election(c)[2]) == 1, "a standby", 30)
+            leader, token, (waiting,) = _election(c)
+            assert leader is not None and token >= 1 and waiting != leader
+            shown = unicornctl(c, "status", "--json")
+            doc = json.loads(shown.stdout)["unicorn"]
+            assert (doc["leader"], doc["fence"], doc["standbys"]) == (leader, token, [waiting]), doc
+            a = replace(task(c, "s", "n1,n2", 1.0, tmp_path), max_gpus=2)
+            c.register(a)
+            c.wait(running("s", 4), "s training", 180)
+            report = FaultReport(
+                job_id=a.job_id or 0,
+                node="n2",
+                wall_time_s=time.time(),
+                status="other_software_error",
+                severity="SEV2",
+                rule="injected",
+                rank=1,
+                evidence="RuntimeError: injected by the test",
+            )
+            with c.client() as r:
+                r.xadd(c.keys.events(report.job_id), {PAYLOAD_FIELD: encode(report)})
+            c.wait(lambda s: s.open_incident("s") is not None, "the restart decided", 60)
+            assert c.stop(signal.SIGKILL) == -signal.SIGKILL  # the leader dies mid-recovery
+            killed = time.monotonic()
+            c.proc = standby
+            _until(lambda: _election(c)[0] == waiting, "the standby leading", 30)
+            took = time.monotonic() - killed
+            print(f"standby leads {took:.2f} s after the leader was killed")
+            assert took <= 3.0 + 1.0 + 1.0  # lease_s + one renewal interval + polling
+            assert _election(c)[1] == token + 1
+            snap = c.wait(
+                lambda s: (
+                    bool(s.incidents)
+                    and not any(i.is_open for i in s.incidents.values())
+                    and running("s", 5)(s)
+                ),
+                "the standby completed the recovery",
+                180,
+            )
+            inc = next(iter(snap.incidents.values()))
+            assert LadderStage.RESTART_PROCESSES in [e.stage for e in inc.timeline]
+            assert all(n.health is NodeHealth.HEALTHY for n in snap.nodes.values())
+        finally:
+            if standby.poll() is None:
+                standby.send_signal(signal.SIGINT)
+                standby.wait(30)
+
+
+def test_a_paused_leader_that_resumes_is_fenced_off(cluster: DevCluster, tmp_path: Path) -> None:
+    with coordinator(cluster, tmp_path, **ENV) as c:
+        standby = c.spawn(tmp_path / "standby.log")
+        try:
+            _until(lambda: len(_election(c)[2]) == 1, "a standby", 30)
+            _old, token, (waiting,) = _election(c)
+            a = replace(task(c, "p", "n3,n4", 1.0, tmp_path), max_gpus=2)
+            c.register(a)
+            c.wait(running("p", 3), "p training", 180)
+            assert c.proc is not None
+            c.proc.send_signal(signal.SIGSTOP)  # paused (a long GC, a hung disk) past its lease
+            _until(lambda: _election(c)[0] == waiting, "the standby leading", 30)
+            state = c.snapshot()
+            c.proc.send_signal(signal.SIGCONT)
+            code = c.proc.wait(timeout=30)  # its renewal or its next commit is refused: it exits
+            assert code == 1, c.tail()
+            log = c.tail(200)
+            assert "lost the lease" in log or "commit refused" in log or "fenced off" in log, log
+            assert _election(c)[:2] == (waiting, token + 1)
+            c.proc = standby
+            after = c.wait(
+                running("p", (state.tasks["p"].last_iteration or 0) if state else 0), "p still training", 60
+            )
+            assert after.tasks["p"].nodes == ("n3", "n4")
+        finally:
+            if standby.poll() is None:
+                standby.send_signal(signal.SIGINT)
+                standby.wait(30)

@@ -169,7 +169,16 @@ def test_caller_config_picks_the_most_privileged_readable_password(tmp_path: Pat
 
 def test_status_reads_name_only_keys_unicorn_writes() -> None:
     reads = [rule for rule in acl.reader_rules(KEYS, "pw") if rule.startswith("%R~")]
-    names = ["t:state", "t:incidents", "t:unicornd:alive", "t:hb:*", "t:control:reply:*"]
+    names = [
+        "t:state",
+        "t:incidents",
+        "t:unicornd:alive",
+        "t:unicornd:leader",
+        "t:unicornd:fence",
+        "t:unicornd:standby:*",
+        "t:hb:*",
+        "t:control:reply:*",
+    ]
     assert reads == [f"%R~{name}" for name in names]
     operator_reads = [rule for rule in acl.operator_rules(KEYS, "pw") if rule.startswith("%R~")]
     assert operator_reads == [*reads, "%R~t:ops:reply:*"]

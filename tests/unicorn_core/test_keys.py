@@ -101,10 +101,14 @@ calls = st.one_of(
                 "actions_pending",
                 "control",
                 "operator_control",
+                "leader",
+                "fence",
+                "standbys",
             ]
         ),
         st.just(()),
     ),
+    st.tuples(st.just("standby"), st.tuples(names)),
     st.tuples(
         st.sampled_from(["events", "command_results", "agent_password", "job_env"]), st.tuples(job_ids)
     ),
@@ -136,6 +140,10 @@ def test_calls_strategy_covers_every_method() -> None:
         "reply",
         "agent_commands",
         "heartbeat",
+        "leader",
+        "fence",
+        "standby",
+        "standbys",
     }
     assert methods - {"prefix"} == covered
 

@@ -28,7 +28,14 @@ first two), ``coordinator`` (``[plan]``, ``[recovery]``, ``[ssh]``, ``[alerts]``
 the generic checks). Import from ``unicorn_core.config``, which re-exports them all.
 """
 
-from unicorn_core.config.coordinator import AlertsConfig, MetricsConfig, PlanConfig, RecoveryConfig, SshConfig
+from unicorn_core.config.coordinator import (
+    AlertsConfig,
+    LeaderConfig,
+    MetricsConfig,
+    PlanConfig,
+    RecoveryConfig,
+    SshConfig,
+)
 from unicorn_core.config.loader import (
     CONFIG_ENV,
     Config,
@@ -59,6 +66,7 @@ __all__ = [
     "CkptConfig",
     "Config",
     "DetectConfig",
+    "LeaderConfig",
     "LogConfig",
     "LogFormat",
     "LogLevel",

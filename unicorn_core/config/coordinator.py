@@ -389,3 +389,20 @@ class MetricsConfig(Section):
         except ConfigError:
             return [f"listen = {_show(self.listen)}: expected HOST:PORT (port 0-65535) or empty"]
         return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaderConfig(Section):
+    """Leader election among unicornd processes (one per head node): one leads, the others
+    stand by and take over when its lease in Redis runs out."""
+
+    lease_s: float = field(
+        default=3.0,
+        metadata=_meta(
+            "How long the leader's lease lasts without renewal; it renews every third of it. "
+            "A standby takes over at most lease_s + lease_s/3 after the leader stopped "
+            "(died, hung, cut off). Default 3 s: takeover within 4 s, and a leader must miss "
+            "two renewals (event-loop stalls of 2 s) before it loses the lease.",
+            gt=0.0,
+        ),
+    )

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
-from unicorn_core.config.coordinator import AlertsConfig, MetricsConfig, PlanConfig, RecoveryConfig, SshConfig
+from unicorn_core.config.coordinator import (
+    AlertsConfig,
+    LeaderConfig,
+    MetricsConfig,
+    PlanConfig,
+    RecoveryConfig,
+    SshConfig,
+)
 from unicorn_core.config.node import AgentConfig, CkptConfig, DetectConfig
 from unicorn_core.config.schema import (
     _BOUNDS,
@@ -65,6 +72,9 @@ class Config(Section):
     )
     metrics: MetricsConfig = field(
         default_factory=MetricsConfig, metadata=_meta("Prometheus endpoint of unicornd.")
+    )
+    leader: LeaderConfig = field(
+        default_factory=LeaderConfig, metadata=_meta("Leader election among unicornd processes.")
     )
     log: LogConfig = field(default_factory=LogConfig, metadata=_meta("Logging."))
 

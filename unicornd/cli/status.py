@@ -25,6 +25,7 @@ from unicorn_core.slurm.hostlist import compress
 from unicornd import store
 from unicornd.alerts import incident_milestones, stage_spans
 from unicornd.cli.common import clock, config_of, snapshot_of
+from unicornd.leader import election
 from unicornd.state import Incident, Snapshot, TaskRecord
 from unicornd.store import KEEP_CLOSED_S
 
@@ -38,6 +39,11 @@ class ClusterStatus:
     daemon_alive: bool = False
     snapshot: Snapshot | None = None
     state_error: str = ""
+    leader: str | None = None
+    """The leading unicornd's id (None: no lease held)."""
+    fence: int = 0
+    """The newest fencing token granted (the leader's, unless a takeover is under way)."""
+    standbys: tuple[str, ...] = ()
 
 
 async def gather_status(cfg: Config) -> ClusterStatus:
@@ -47,10 +53,13 @@ async def gather_status(cfg: Config) -> ClusterStatus:
         nodes, jobs = await asyncio.gather(slurm.list_nodes(), slurm.list_jobs())
         keys = RedisKeys(cfg.redis.key_prefix)
         alive, snap, state_error = False, None, ""
+        leader: str | None = None
+        fence, standbys = 0, list[str]()
         try:
             await redis_io.call(("PING",), client.ping())
             redis_ok, redis_error = True, ""
             alive = bool(await redis_io.call(("EXISTS",), client.exists(keys.daemon_liveness())))
+            leader, fence, standbys = await election(client, keys)
             try:
                 snap = await store.read_snapshot(client, keys, cfg.recovery)
             except (ProtocolError, InvalidArgument) as e:  # a document, but not a valid snapshot
@@ -59,15 +68,25 @@ async def gather_status(cfg: Config) -> ClusterStatus:
             redis_ok, redis_error = False, str(e)
     finally:
         await client.aclose()
-    return ClusterStatus(nodes, jobs, redis_ok, redis_error, alive, snap, state_error)
+    return ClusterStatus(
+        nodes, jobs, redis_ok, redis_error, alive, snap, state_error, leader, fence, tuple(standbys)
+    )
 
 
 def _unicorn_json(st: ClusterStatus) -> dict[str, Any]:
     snap = st.snapshot
+    election = {"leader": st.leader, "fence": st.fence, "standbys": list(st.standbys)}
     if snap is None:
-        return {"daemon_alive": st.daemon_alive, "tasks": [], "incidents": [], "error": st.state_error}
+        return {
+            "daemon_alive": st.daemon_alive,
+            **election,
+            "tasks": [],
+            "incidents": [],
+            "error": st.state_error,
+        }
     return {
         "daemon_alive": st.daemon_alive,
+        **election,
         "plan_generation": snap.plan_generation,
         "tasks": [
             {
@@ -163,6 +182,8 @@ def status(ctx: click.Context, as_json: bool, check: bool) -> None:
         click.echo(f"redis: {'ok' if st.redis_ok else 'UNREACHABLE: ' + st.redis_error}")
         u = _unicorn_json(st)
         click.echo(f"unicornd: {'alive' if st.daemon_alive else 'NOT RUNNING'}")
+        standing = ", ".join(st.standbys) or "none"
+        click.echo(f"  leader: {st.leader or 'none'} (fencing token {st.fence}); standbys: {standing}")
         for t in u["tasks"]:
             click.echo(
                 f"  task {t['task_id']:<12} {t['state']:<10} {t['layout'] or '-':<24} "

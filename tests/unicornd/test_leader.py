@@ -1,0 +1,82 @@
+"""Leader election with fencing on a real Redis: one lease, a token that only grows, and
+commits that a deposed leader can no longer make."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.unicornd.coord_world import task, world
+from unicorn_core.config import LeaderConfig
+from unicorn_core.keys import RedisKeys
+from unicornd.leader import Lease, LeaseLost, election
+from unicornd.state import Policy
+from unicornd.store import Fenced, Store, snapshot_to_json
+
+KEYS = RedisKeys("leadtest")
+CFG = LeaderConfig(lease_s=0.3)
+
+
+def run(redis_url: str, body):  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            await body(client)
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_one_leader_and_a_standby_that_takes_over_with_a_newer_token(redis_url: str) -> None:
+    async def body(client: aioredis.Redis) -> None:
+        a, b = Lease(client, KEYS, CFG, "head-a"), Lease(client, KEYS, CFG, "head-b")
+        assert await a.acquire() == 1
+        assert await b.try_acquire() == 0 and await a.try_acquire() == 1  # renewal keeps the token
+        waiting = asyncio.create_task(b.acquire())
+        await asyncio.sleep(0.15)
+        assert await election(client, KEYS) == ("head-a", 1, ["head-b"])
+        stopped = time.monotonic()  # a stops renewing (dead, hung or cut off)
+        assert await asyncio.wait_for(waiting, 5) == 2
+        took = time.monotonic() - stopped
+        assert took <= CFG.lease_s + CFG.lease_s / 3 + 0.2, took
+        assert await election(client, KEYS) == ("head-b", 2, [])
+        with pytest.raises(LeaseLost):
+            await a.check()
+        await b.check()
+
+    run(redis_url, body)
+
+
+def test_a_deposed_leaders_commit_is_refused_and_changes_nothing(redis_url: str) -> None:
+    async def body(client: aioredis.Redis) -> None:
+        a, b = Lease(client, KEYS, CFG, "head-a"), Lease(client, KEYS, CFG, "head-b")
+        old = Store(client, KEYS, Policy(), token=await a.acquire())
+        snap = world(2, [task("t", 1, ["n1"])])
+        await old.commit(snap)
+        await asyncio.sleep(CFG.lease_s + 0.1)  # a paused past its lease
+        new = Store(client, KEYS, Policy(), token=await b.acquire())
+        moved = snap.apply(nodes=[snap.nodes["n2"]], plan_generation=7)
+        await new.commit(moved)
+        with pytest.raises(Fenced, match="another unicornd leads"):
+            await old.commit(snap)  # a resumes and tries to commit what it decided
+        assert await client.get(KEYS.state()) == snapshot_to_json(moved).encode()
+        assert await old.owed() == []
+
+    run(redis_url, body)
+
+
+def test_renewal_notices_a_lost_lease_and_a_clean_stop_hands_over_at_once(redis_url: str) -> None:
+    async def body(client: aioredis.Redis) -> None:
+        a, b = Lease(client, KEYS, CFG, "head-a"), Lease(client, KEYS, CFG, "head-b")
+        await a.acquire()
+        await a.release()
+        started = time.monotonic()
+        assert await b.acquire() == 2 and time.monotonic() - started < 0.1, "no wait for the lease to run out"
+        with pytest.raises(LeaseLost, match="lost the lease"):
+            await asyncio.wait_for(a.keep(), 5)
+
+    run(redis_url, body)
