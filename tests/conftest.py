@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +25,36 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DEV_CLUSTER = REPO / "scripts" / "dev-cluster"
+AGENT_RUN_ROOT = Path("/tmp/unicorn")  # unicorn_core.paths.AGENT_RUN_ROOT: agents' run folders
+
+
+def _entries(folder: Path) -> set[Path]:
+    return set(folder.iterdir()) if folder.is_dir() else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leave_nothing_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One temporary folder per run, removed at the end: ``TMPDIR`` points there for the
+    tests and every process they start (unicornd, srun steps, agents, torchrun and its
+    ``torchelastic_*`` folders). The agents' run folders the run added under /tmp/unicorn
+    go too. pytest's own ``tmp_path`` folders stay where pytest keeps (and rotates) them."""
+    tmp_path_factory.getbasetemp()
+    run_dir = Path(tempfile.mkdtemp(prefix="unicorn-test-"))
+    saved = os.environ.get("TMPDIR")
+    agents_before = _entries(AGENT_RUN_ROOT)
+    os.environ["TMPDIR"] = str(run_dir)
+    tempfile.tempdir = None
+    try:
+        yield run_dir
+    finally:
+        if saved is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved
+        tempfile.tempdir = None
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for added in _entries(AGENT_RUN_ROOT) - agents_before:
+            shutil.rmtree(added, ignore_errors=True)
 
 
 @dataclass

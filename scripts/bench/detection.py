@@ -411,6 +411,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="unicorn-bench-") as tmp:
         state = Path(tmp) / "cluster"
         Path(tmp).chmod(0o755)
+        os.environ["TMPDIR"] = tmp  # torchrun's torchelastic_* folders go with the run
         bench = Bench(args, state)
         try:
             out = asyncio.run(bench.run())

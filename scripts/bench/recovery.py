@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -165,6 +166,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as d:
         root = Path(d)
         root.chmod(0o755)
+        os.environ["TMPDIR"] = str(root)  # torchrun's torchelastic_* folders go with the run
         cluster = start_cluster(root / "cluster", "--nodes", "4", "--gpus-per-node", "1")
         results: dict[str, list[dict[str, Any]]] = {f: [] for f in faults}
         try:

@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from unicorn_core import redis_io
 from unicorn_core.config import RedisConfig
 from unicorn_core.keys import RedisKeys
 from unicorn_core.model import ModelSpec
-from unicorn_core.paths import agent_run_dir
+from unicorn_core.paths import AGENT_RUN_ROOT, agent_run_dir
 from unicornd.control import ControlClient
 from unicornd.state import Policy, Snapshot, TaskRecord
 from unicornd.store import snapshot_from_json
@@ -176,3 +177,4 @@ def coordinator(cluster: DevCluster, tmp: Path, **env: str) -> Iterator[Coordina
         deadline = time.monotonic() + 30
         while cluster.slurm("squeue", "-h").stdout.strip() and time.monotonic() < deadline:
             time.sleep(0.5)
+        shutil.rmtree(AGENT_RUN_ROOT / prefix, ignore_errors=True)  # the agents' run folders
