@@ -52,6 +52,26 @@ class AgentUsers:
             "UNICORN_REDIS__PASSWORD_FILE": "",
         }
 
+    async def restore(self, snap: Snapshot) -> list[int]:
+        """Make again the users of the jobs whose tasks may still run, from their stored
+        passwords: Redis keeps users in its config, not in its data, so a Redis restart
+        (its append-only file brings the passwords back) leaves the running agents unable to
+        log in until unicornd, starting, restores them. Returns the jobs restored."""
+        if not self.cfg.agent_acl:
+            return []
+        restored = []
+        for job in sorted(
+            {t.job_id for t in snap.tasks.values() if t.job_id is not None and t.state not in _ENDED}
+        ):
+            key = self.keys.agent_password(job)
+            password = await redis_io.call(("GET", key), self.client.get(key))
+            if password is None:
+                continue  # its agents were never launched
+            rules = acl.agent_rules(self.keys, job, cast(bytes, password).decode())
+            await acl.set_user(self.client, acl.agent_user(self.keys, job), rules)
+            restored.append(job)
+        return restored
+
     async def forget_gone(self, snap: Snapshot, jobs: Mapping[int, JobInfo]) -> None:
         """Delete the Redis user, password and streams of jobs whose agents are gone for good:
         no task that may still run holds the job, and Slurm has no running or pending job by

@@ -147,6 +147,7 @@ class Daemon:
         snap = prune(snap.apply(nodes=added), time.time())
         await self.core.start(snap)
         self.detector.expect_running(snap, time.monotonic())
+        restored = await self.agent_users.restore(snap)
         log.info(
             "state_loaded",
             tasks=len(snap.tasks),
@@ -154,6 +155,7 @@ class Daemon:
             slurm_nodes=len(nodes),
             open_incidents=sum(i.is_open for i in snap.incidents.values()),
             owed_actions=len(await self.store.owed()),
+            agent_users_restored=restored,
         )
 
     async def run(self) -> int:

@@ -540,3 +540,41 @@ def test_a_paused_leader_that_resumes_is_fenced_off(cluster: DevCluster, tmp_pat
             if standby.poll() is None:
                 standby.send_signal(signal.SIGINT)
                 standby.wait(30)
+
+
+def test_state_and_pending_events_survive_a_redis_crash(cluster: DevCluster, tmp_path: Path) -> None:
+    """Redis runs with an append-only file (appendfsync everysec): SIGKILLed and started
+    again, it still holds unicornd's state and an event no one had read; the agents' Redis
+    users (kept in Redis's config, not its data) are made again when unicornd starts, so
+    the running agents go on reporting."""
+    with coordinator(cluster, tmp_path, **ENV) as c:
+        a = replace(task(c, "d", "n1,n2", 1.0, tmp_path), max_gpus=2)
+        c.register(a)
+        c.wait(running("d", 3), "d training", 180)
+        assert c.stop(signal.SIGKILL) == -signal.SIGKILL  # nobody reads the events for a while
+        report = FaultReport(
+            job_id=a.job_id or 0,
+            node="n2",
+            wall_time_s=time.time(),
+            status="connection_refused_reset",
+            severity="SEV3",
+            rule="injected",
+            rank=1,
+            evidence="ConnectionResetError: written before the Redis crash (injected by the test)",
+        )
+        with c.client() as r:
+            entry = r.xadd(c.keys.events(report.job_id), {PAYLOAD_FIELD: encode(report)})
+            state = r.get(c.keys.state())
+        restarted = cluster.script("restart-redis", check=False)
+        assert restarted.returncode == 0, restarted.stderr
+        with c.client() as r:
+            assert r.get(c.keys.state()) == state
+            assert [e[0] for e in r.xrange(c.keys.events(report.job_id), entry, entry)] == [entry]
+        c.start()
+        snap = c.wait(
+            lambda s: any("before the Redis crash" in i.evidence for i in s.incidents.values()),
+            "the event written before the crash decided",
+            60,
+        )
+        mark = snap.tasks["d"].last_iteration or 0
+        c.wait(running("d", mark + 3), "the agents reporting again", 120)
