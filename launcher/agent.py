@@ -87,6 +87,7 @@ _STDERR_TAIL_CHARS: Final = 8192
 _SOCKET_PATH_MAX: Final = 100
 _DATAGRAMS_PER_WAKEUP: Final = 256
 _COMMAND_BLOCK_MS: Final = 500
+_ANSWERS_KEPT: Final = 256
 _HANG_CHECK_S: Final = 0.02
 
 
@@ -148,6 +149,8 @@ class Agent:
         self.counters = AgentCounters()
         self.fence = 0
         """The newest fencing token seen on a command (older ones come from a deposed unicornd)."""
+        self._answered: dict[str, tuple[bool, str]] = {}
+        """The latest commands run, by id, with their answers (a command sent again is not run again)."""
         self.iteration: int | None = None
         self.supervisor: Supervisor | None = None
         self._seq = 0
@@ -529,6 +532,17 @@ class Agent:
             )
             return
         self.fence = max(self.fence, msg.fence)
+        earlier = self._answered.get(msg.command_id)
+        if earlier is not None:
+            # Sent again (unicornd died between sending it and recording that it did):
+            # answered as before, not run twice.
+            ok, detail = earlier
+            self._emit(
+                CommandResult(
+                    **self._env(), command_id=msg.command_id, ok=ok, detail=f"again: {detail}"[:4096]
+                )
+            )
+            return
         refusal = self._refusal(msg)
         if refusal is not None:
             ok, detail = False, f"rejected: {refusal}"
@@ -542,6 +556,9 @@ class Agent:
             except Exception as e:
                 ok, detail = False, f"{type(e).__name__}: {e}"
         self.counters.commands_done += 1
+        self._answered[msg.command_id] = (ok, detail)
+        while len(self._answered) > _ANSWERS_KEPT:
+            self._answered.pop(next(iter(self._answered)))
         log.info("command_done", command_id=msg.command_id, action=msg.action.value, ok=ok, detail=detail)
         self._emit(CommandResult(**self._env(), command_id=msg.command_id, ok=ok, detail=detail[:4096]))
         if ok and msg.action == AgentAction.STOP:

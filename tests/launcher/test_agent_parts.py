@@ -238,12 +238,15 @@ def test_agent_answers_every_command_it_can_read_and_ignores_deposed_leaders(tmp
         await agent._handle_command(cmd("c3", AgentAction.STOP, [], 2, node="n9"))  # another node's
         await agent._handle_command(cmd("c4", AgentAction.RELAUNCH, ["x"], 1))  # a deposed leader's
         await agent._handle_command(b"\xc1 garbage")  # no id to answer to
+        await agent._handle_command(cmd("c1", AgentAction.RELAUNCH, [], 2))  # sent again: not run again
 
     asyncio.run(main())
-    answers = {m.command_id: m for m in sent if isinstance(m, CommandResult)}
-    assert set(answers) == {"c1", "c2", "c3"}, answers
+    results = [m for m in sent if isinstance(m, CommandResult)]
+    assert [m.command_id for m in results] == ["c1", "c2", "c3", "c1"]
+    assert results[-1].detail.startswith("again: rejected: relaunch without")
+    answers = {m.command_id: m for m in results[:3]}
     assert not any(a.ok for a in answers.values())
     assert "without a training command" in answers["c1"].detail
     assert "no training command to restart" in answers["c2"].detail
     assert "this agent is job 5 on n1" in answers["c3"].detail
-    assert agent.fence == 2 and agent.counters.commands_rejected == 3
+    assert agent.fence == 2 and agent.counters.commands_rejected == 3 and agent.counters.commands_done == 2
