@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import pytest
@@ -60,6 +61,23 @@ def task(c: Coordinator, name: str, nodes: str, weight: float, tmp: Path, *extra
         job_id=job,
         nodes=held,
     )
+
+
+def inject(c: Coordinator, a: TaskRecord, node: str, status: str, severity: str, evidence: str) -> bytes:
+    """Write an agent's fault report for ``a``'s rank 1 on ``node`` to its job's events stream
+    (as the agent would); the entry id."""
+    report = FaultReport(
+        job_id=a.job_id or 0,
+        node=node,
+        wall_time_s=time.time(),
+        status=status,
+        severity=severity,
+        rule="injected",
+        rank=1,
+        evidence=evidence,
+    )
+    with c.client() as r:
+        return cast(bytes, r.xadd(c.keys.events(report.job_id), {PAYLOAD_FIELD: encode(report)}))
 
 
 def running(name: str, past: int = 0):  # type: ignore[no-untyped-def]
@@ -168,18 +186,14 @@ def test_sev3_is_retried_in_place(cluster: DevCluster, tmp_path: Path) -> None:
             a = task(c, "y", "n3,n4", 1.0, tmp_path)
             c.register(a)
             nodes = c.wait(running("y", 6), "y training", 180).tasks["y"].nodes
-            report = FaultReport(
-                job_id=a.job_id or 0,
-                node="n4",
-                wall_time_s=time.time(),
-                status="connection_refused_reset",
-                severity="SEV3",
-                rule="injected",
-                rank=1,
-                evidence="RuntimeError: Connection reset by peer (injected by the test)",
+            inject(
+                c,
+                a,
+                "n4",
+                "connection_refused_reset",
+                "SEV3",
+                "RuntimeError: Connection reset by peer (injected by the test)",
             )
-            with c.client() as r:
-                r.xadd(c.keys.events(report.job_id), {PAYLOAD_FIELD: encode(report)})
             snap = c.wait(
                 lambda s: any(i.stage is LadderStage.CLOSED for i in s.incidents.values()),
                 "the retry closed",
@@ -403,18 +417,7 @@ def test_an_operator_confirms_the_drain_the_limiter_held(cluster: DevCluster, tm
         a = replace(task(c, "h", "n3,n4", 1.0, tmp_path), max_gpus=2)
         c.register(a)
         c.wait(running("h", 4), "h training", 180)
-        report = FaultReport(
-            job_id=a.job_id or 0,
-            node="n4",
-            wall_time_s=time.time(),
-            status="ecc_error",
-            severity="SEV1",
-            rule="injected",
-            rank=1,
-            evidence="uncorrectable ECC error (injected by the test)",
-        )
-        with c.client() as r:
-            r.xadd(c.keys.events(report.job_id), {PAYLOAD_FIELD: encode(report)})
+        inject(c, a, "n4", "ecc_error", "SEV1", "uncorrectable ECC error (injected by the test)")
         try:
             snap = c.wait(
                 lambda s: (i := s.open_incident("h")) is not None and i.pending_drain == "n4",
@@ -473,18 +476,7 @@ def test_the_standby_completes_a_recovery_when_the_leader_is_killed(
             a = replace(task(c, "s", "n1,n2", 1.0, tmp_path), max_gpus=2)
             c.register(a)
             c.wait(running("s", 4), "s training", 180)
-            report = FaultReport(
-                job_id=a.job_id or 0,
-                node="n2",
-                wall_time_s=time.time(),
-                status="other_software_error",
-                severity="SEV2",
-                rule="injected",
-                rank=1,
-                evidence="RuntimeError: injected by the test",
-            )
-            with c.client() as r:
-                r.xadd(c.keys.events(report.job_id), {PAYLOAD_FIELD: encode(report)})
+            inject(c, a, "n2", "other_software_error", "SEV2", "RuntimeError: injected by the test")
             c.wait(lambda s: s.open_incident("s") is not None, "the restart decided", 60)
             assert c.stop(signal.SIGKILL) == -signal.SIGKILL  # the leader dies mid-recovery
             killed = time.monotonic()
@@ -552,24 +544,15 @@ def test_state_and_pending_events_survive_a_redis_crash(cluster: DevCluster, tmp
         c.register(a)
         c.wait(running("d", 3), "d training", 180)
         assert c.stop(signal.SIGKILL) == -signal.SIGKILL  # nobody reads the events for a while
-        report = FaultReport(
-            job_id=a.job_id or 0,
-            node="n2",
-            wall_time_s=time.time(),
-            status="connection_refused_reset",
-            severity="SEV3",
-            rule="injected",
-            rank=1,
-            evidence="ConnectionResetError: written before the Redis crash (injected by the test)",
-        )
+        evidence = "ConnectionResetError: written before the Redis crash (injected by the test)"
+        entry = inject(c, a, "n2", "connection_refused_reset", "SEV3", evidence)
         with c.client() as r:
-            entry = r.xadd(c.keys.events(report.job_id), {PAYLOAD_FIELD: encode(report)})
             state = r.get(c.keys.state())
         restarted = cluster.script("restart-redis", check=False)
         assert restarted.returncode == 0, restarted.stderr
         with c.client() as r:
             assert r.get(c.keys.state()) == state
-            assert [e[0] for e in r.xrange(c.keys.events(report.job_id), entry, entry)] == [entry]
+            assert [e[0] for e in r.xrange(c.keys.events(a.job_id or 0), entry, entry)] == [entry]
         c.start()
         snap = c.wait(
             lambda s: any("before the Redis crash" in i.evidence for i in s.incidents.values()),
