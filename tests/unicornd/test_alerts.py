@@ -115,7 +115,7 @@ def test_drain_limit_asks_the_operator_and_another_pending_node_asks_again() -> 
     needs = out[1]
     assert needs.operator_reason is OperatorReason.DRAIN_LIMIT
     assert needs.incident.pending_drain == "n4" and "drain limit" in needs.summary
-    # decide.py never moves a waiting drain to another node today; if it does, ask again.
+    # decide never moves a waiting drain to another node today; if it does, ask again.
     moved = replace(snap.incidents["b.1"], pending_drain="n3", last_action_s=now + 2)
     snap, out = step(snap, snap.apply(incidents=[moved]), now + 2)
     assert [(a.kind, a.operator_reason) for a in out] == [
