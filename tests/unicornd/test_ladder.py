@@ -446,3 +446,29 @@ def test_only_a_node_the_probe_could_not_reach_is_set_down_before_the_drain() ->
     ecc = finding("f3", 1, "n2", E.ECC_ERROR)
     drains = [of_kind(on_finding(snap, f, T0).actions, DrainNode) for f in (lost, silent, ecc)]
     assert [[a.down for a in d] for d in drains] == [[True], [False], [False]]  # type: ignore[attr-defined]
+
+
+def test_the_same_code_error_after_a_restart_stops_the_task_and_drains_nothing() -> None:
+    """A deterministic bug in the training code raises again after the restart: that is not
+    the node's fault, so the task stops and the operator is told; no node is drained."""
+    snap = world(4, [task("a", 1, ["n1", "n2"])])
+    first = replace(
+        finding("e1", 1, "n2", E.OTHER_SOFTWARE_ERROR, rank=1),
+        evidence="ValueError: shapes (4, 16) and (8, 16) not aligned at iteration 12",
+    )
+    snap = apply(snap, on_finding(snap, first, T0))
+    assert snap.incidents["a.1"].stage is L.RESTART_PROCESSES
+    again = replace(
+        first, finding_id="e2", evidence="ValueError: shapes (4, 16) and (8, 16) not aligned at iteration 13"
+    )
+    d = on_finding(snap, again, T0 + snap.policy.settle_s + 1)
+    after = apply(snap, d)
+    assert after.tasks["a"].state is TaskState.STOPPED
+    assert after.incidents["a.1"].stage is L.ESCALATED_TO_OPERATOR
+    assert "an error of the training code" in after.incidents["a.1"].note
+    assert not of_kind(d.actions, DrainNode)
+    assert all(n.health is NodeHealth.HEALTHY for n in after.nodes.values())
+    # Another error after the restart is not the same bug: the ladder climbs as before.
+    other = replace(again, finding_id="e3", evidence="RuntimeError: CUDA error: an illegal memory access")
+    d = on_finding(snap, other, T0 + snap.policy.settle_s + 1)
+    assert of_kind(d.actions, DrainNode)

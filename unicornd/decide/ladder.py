@@ -4,6 +4,7 @@ See :mod:`unicornd.decide` for the ladder's table."""
 
 from __future__ import annotations
 
+import re
 import zlib
 from dataclasses import replace
 from typing import Final
@@ -330,7 +331,40 @@ def _update_incident(draft: Draft, task: TaskRecord, inc: Incident, finding: Fin
         why = "secondary" if finding.secondary else f"within {draft.policy.settle_s:g} s of the last action"
         draft.notes.append(f"{inc.incident_id}: {where} absorbed ({why})")
         return
-    _climb(draft, task, inc, _target_rung(draft, inc, wanted), fault)
+    target = _target_rung(draft, inc, wanted)
+    if target is _L.ISOLATE and wanted is not _L.ISOLATE and _same_error_again(inc, finding):
+        # The restart ran the same code into the same error: a bug in the training, not a
+        # fault of the node. Draining would take a healthy node out and fix nothing.
+        why = (
+            f"the same {finding.status} again after {inc.attempts_at(_L.RESTART_PROCESSES)} restart(s) "
+            f"({finding.evidence[:200]}): an error of the training code, "
+            f"not of {finding.node}; not isolating it"
+        )
+        _stop_task(draft, task, inc, why)
+        return
+    _climb(draft, task, inc, target, fault)
+
+
+_VOLATILE: Final = re.compile(r"0x[0-9a-fA-F]+|\d+")
+
+
+def signature(status: ErrorStatus, evidence: str) -> str:
+    """What identifies an error across restarts: its status and the first line of its
+    evidence with numbers, addresses and pids masked (ranks, iterations and timestamps
+    differ between two runs of the same bug)."""
+    first = evidence.strip().splitlines()[0] if evidence.strip() else ""
+    return f"{status.value}|{_VOLATILE.sub('#', first)}"
+
+
+def _same_error_again(inc: Incident, finding: Finding) -> bool:
+    """A software error (an exception of the training code) after a restart repeats the
+    one that opened the incident. Node-level signals (a lost agent, exits, GPUs) are not
+    judged this way: the same one twice on a node does point at the node."""
+    if finding.status is not ErrorStatus.OTHER_SOFTWARE_ERROR or finding.rule in AGENT_RULES:
+        return False
+    if inc.attempts_at(_L.RESTART_PROCESSES) == 0:
+        return False
+    return signature(finding.status, finding.evidence) == signature(inc.status, inc.evidence)
 
 
 def _drainable(draft: Draft, node: str) -> bool:
