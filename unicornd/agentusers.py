@@ -10,7 +10,7 @@ agents does not lock out the others.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final, cast
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -19,11 +19,9 @@ from unicorn_core.config import RedisConfig
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
 from unicorn_core.slurm.types import JobInfo
-from unicornd.state import Snapshot, TaskState
+from unicornd.state import ENDED_STATES, Snapshot
 
 log = get_logger(__name__)
-
-_ENDED: Final = frozenset({TaskState.FINISHED, TaskState.FAILED, TaskState.STOPPED})
 
 
 class AgentUsers:
@@ -61,7 +59,7 @@ class AgentUsers:
             return []
         restored = []
         for job in sorted(
-            {t.job_id for t in snap.tasks.values() if t.job_id is not None and t.state not in _ENDED}
+            {t.job_id for t in snap.tasks.values() if t.job_id is not None and t.state not in ENDED_STATES}
         ):
             key = self.keys.agent_password(job)
             password = await redis_io.call(("GET", key), self.client.get(key))
@@ -82,7 +80,7 @@ class AgentUsers:
             t.job_id
             for t in snap.tasks.values()
             if t.job_id is not None
-            and (t.state not in _ENDED or (t.job_id in jobs and not jobs[t.job_id].state.finished))
+            and (t.state not in ENDED_STATES or (t.job_id in jobs and not jobs[t.job_id].state.finished))
         }
         for user in await acl.users(self.client):
             job = acl.agent_job(self.keys, user)

@@ -17,7 +17,6 @@ agents stopped or jobs requeued or ended are forgotten. No executor calls in her
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final
 
 from detect import (
     SLOW_STEP_TIMEOUT_S,
@@ -43,10 +42,7 @@ from unicorn_core.protocol import (
     SlowStep,
 )
 from unicornd.actions import Decision, LaunchAgents, Requeue, SendCommand
-from unicornd.state import Snapshot, TaskState
-
-_ENDED: Final = frozenset({TaskState.FINISHED, TaskState.FAILED, TaskState.STOPPED})
-_LIVE: Final = frozenset({TaskState.LAUNCHING, TaskState.RUNNING, TaskState.RECOVERING})
+from unicornd.state import ENDED_STATES, LIVE_TASK_STATES, Snapshot
 
 
 @dataclass(frozen=True)
@@ -144,14 +140,18 @@ class Detector:
                     self.expect_checkpoint(action.job_id, now_s)
         for task in after.tasks.values():
             old = before.tasks.get(task.task_id)
-            if task.job_id is not None and task.state in _ENDED and (old is None or old.state not in _ENDED):
+            if (
+                task.job_id is not None
+                and task.state in ENDED_STATES
+                and (old is None or old.state not in ENDED_STATES)
+            ):
                 self.forget_job(task.job_id)
 
     def expect_running(self, snapshot: Snapshot, now_s: float) -> None:
         """At start: expect the agents of every task that runs (their silence counts, after
         the initial grace), except jobs being requeued."""
         for task in snapshot.tasks.values():
-            if task.state in _LIVE and task.job_id is not None and task.requeue is None:
+            if task.state in LIVE_TASK_STATES and task.job_id is not None and task.requeue is None:
                 for node in task.nodes:
                     if node not in task.finished_nodes:
                         self.expect_agent(task.job_id, node, now_s)

@@ -88,6 +88,20 @@ class Executor:
         self.steps: dict[tuple[int, str], StepHandle] = {}
         self.actions_run = 0
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._handlers: dict[type[Any], Callable[[Any], Awaitable[str]]] = {
+            DrainNode: self._drain_node,
+            ResumeNode: self._resume_node,
+            SendCommand: self._send,
+            LaunchAgents: self._launch,
+            Shrink: self._shrink,
+            Grow: self._grow,
+            Requeue: self._requeue,
+            CheckNode: self._check_node,
+            NotifyOperator: self._notify,
+            CloseIncident: self._close,
+            Replan: self._request,
+            RestartAgent: self._request,
+        }
 
     async def run(self, draining: Callable[[], bool]) -> None:
         """Start every owed action whose resources are free, forever; with ``draining()``
@@ -173,21 +187,7 @@ class Executor:
                 backoff = min(5.0, backoff * 2)
 
     async def _execute(self, action: Action) -> str:
-        handlers: dict[type[Any], Callable[[Any], Awaitable[str]]] = {
-            DrainNode: self._drain_node,
-            ResumeNode: self._resume_node,
-            SendCommand: self._send,
-            LaunchAgents: self._launch,
-            Shrink: self._shrink,
-            Grow: self._grow,
-            Requeue: self._requeue,
-            CheckNode: self._check_node,
-            NotifyOperator: self._notify,
-            CloseIncident: self._close,
-            Replan: self._request,
-            RestartAgent: self._request,
-        }
-        return await handlers[type(action)](action)
+        return await self._handlers[type(action)](action)
 
     # --- one handler per kind: act, return a detail, raise UnicornError on failure ------
 

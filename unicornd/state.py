@@ -110,6 +110,11 @@ TASK_TRANSITIONS: Final[Mapping[TaskState, frozenset[TaskState]]] = {
 """Allowed next states of a task. ``running -> launching`` is a replan that moves a
 healthy task; ``-> pending`` is a plan that gives the task no GPUs."""
 
+LIVE_TASK_STATES: Final = frozenset({_T.LAUNCHING, _T.RUNNING, _T.RECOVERING})
+"""States in which a task has processes that can fail."""
+ENDED_STATES: Final = frozenset({_T.FINISHED, _T.FAILED, _T.STOPPED})
+"""States in which a task runs nothing until an operator registers it again."""
+
 _N = NodeHealth
 NODE_TRANSITIONS: Final[Mapping[NodeHealth, frozenset[NodeHealth]]] = {
     _N.HEALTHY: frozenset({_N.SUSPECT, _N.DRAINING, _N.DRAINED}),

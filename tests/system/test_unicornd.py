@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from typing import cast
 
 import msgspec
 import pytest
+import redis.asyncio as aioredis
 
 from launcher.probe import find_agents
 from tests.conftest import DevCluster, free_port, http_receiver, private_cluster
@@ -30,6 +32,7 @@ from tests.system.coordinator import (
 )
 from unicorn_core.keys import PAYLOAD_FIELD
 from unicorn_core.protocol import AgentAction, AgentCommand, CommandResult, FaultReport, decode, encode
+from unicornd.leader import election
 from unicornd.state import LadderStage, NodeHealth, Snapshot, TaskRecord, TaskState
 
 pytestmark = pytest.mark.system
@@ -447,11 +450,16 @@ def test_an_operator_confirms_the_drain_the_limiter_held(cluster: DevCluster, tm
 
 
 def _election(c: Coordinator) -> tuple[str | None, int, list[str]]:
-    with c.client() as r:
-        held = r.get(c.keys.leader())
-        fence = r.get(c.keys.fence())
-        standbys = sorted(k.decode().rsplit(":", 1)[-1] for k in r.scan_iter(match=c.keys.standbys()))
-    return (held.decode().split(":", 1)[1] if held else None), int(fence or 0), standbys
+    """What ``unicornctl status`` reads: leader, fencing token, standbys."""
+
+    async def read() -> tuple[str | None, int, list[str]]:
+        client = aioredis.Redis.from_url(c.env["UNICORN_REDIS__URL"])
+        try:
+            return await election(client, c.keys)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(read())
 
 
 def _until(pred, what: str, timeout_s: float) -> None:  # type: ignore[no-untyped-def]

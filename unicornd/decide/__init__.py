@@ -47,7 +47,6 @@ from unicornd.decide.common import (
     AGENT_LOST,
     AGENT_RULES,
     AGENT_SILENT,
-    LIVE_TASK_STATES,
     RUNG_OF_SEVERITY,
     SSH_UNREACHABLE,
     ClassificationLike,
@@ -74,6 +73,7 @@ from unicornd.decide.membership import (
 from unicornd.decide.outcomes import on_outcome
 from unicornd.decide.progress import on_progress
 from unicornd.decide.resolve import resolve, resolve_with_plan
+from unicornd.state import LIVE_TASK_STATES
 
 __all__ = [
     "AGENT_LOST",

@@ -20,7 +20,6 @@ from unicornd.state import (
     NodeRecord,
     Snapshot,
     TaskRecord,
-    TaskState,
 )
 
 _L = LadderStage
@@ -33,8 +32,6 @@ starts a new agent there instead of commanding the gone one."""
 SSH_UNREACHABLE: Final = "ssh_unreachable"
 """The out-of-band probe could not reach the node: dead, its drain sets it DOWN first."""
 
-LIVE_TASK_STATES: Final = frozenset({TaskState.LAUNCHING, TaskState.RUNNING, TaskState.RECOVERING})
-"""States in which a task has processes that can fail."""
 
 RUNG_OF_SEVERITY: Final[dict[Severity, LadderStage]] = {
     Severity.SEV3: _L.RETRY_IN_PLACE,

@@ -24,7 +24,6 @@ from unicornd.actions import (
 from unicornd.decide.common import (
     AGENT_RULES,
     EVIDENCE_CHARS,
-    LIVE_TASK_STATES,
     RUNG_LEVEL,
     RUNG_OF_SEVERITY,
     SSH_UNREACHABLE,
@@ -39,6 +38,7 @@ from unicornd.decide.common import (
     step_id,
 )
 from unicornd.state import (
+    LIVE_TASK_STATES,
     Incident,
     LadderStage,
     NodeHealth,

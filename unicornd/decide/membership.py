@@ -19,13 +19,14 @@ from unicornd.actions import (
     ResumeNode,
 )
 from unicornd.decide.common import (
-    LIVE_TASK_STATES,
     Draft,
     drain_reason,
     recent,
 )
 from unicornd.launch import Render
 from unicornd.state import (
+    ENDED_STATES,
+    LIVE_TASK_STATES,
     LadderStage,
     NodeHealth,
     Snapshot,
@@ -168,7 +169,7 @@ def on_task_stop(snapshot: Snapshot, task_id: str, now_s: float, *, why: str) ->
     task = snapshot.tasks.get(task_id)
     if task is None:
         raise InvalidArgument(f"unknown task {task_id!r}")
-    if task.state in (TaskState.FINISHED, TaskState.FAILED, TaskState.STOPPED):
+    if task.state in ENDED_STATES:
         return Decision()
     draft = Draft(snapshot, now_s)
     draft.put(replace(task.with_state(TaskState.STOPPED), nodes=(), requeue=None))

@@ -34,11 +34,11 @@ from typing import Final
 
 from detect.statuses import ErrorStatus, Severity
 from unicornd.actions import Decision, Outcome, Requeue
-from unicornd.decide.common import LIVE_TASK_STATES, Draft, Finding
+from unicornd.decide.common import Draft, Finding
 from unicornd.decide.ladder import on_finding, rung_failed, start_failed
 from unicornd.decide.membership import on_node_check
 from unicornd.replan import REQUEUE_TIMEOUT_S
-from unicornd.state import Incident, LadderStage, RequeueWait, Snapshot, TaskRecord
+from unicornd.state import LIVE_TASK_STATES, Incident, LadderStage, RequeueWait, Snapshot, TaskRecord
 
 _L = LadderStage
 _STARTS: Final = frozenset({"restart_ranks", "restart_agent", "relaunch", "launch"})

@@ -12,10 +12,10 @@ from unicornd.actions import (
 )
 from unicornd.decide.common import (
     AWAITING_PROGRESS,
-    LIVE_TASK_STATES,
     Draft,
 )
 from unicornd.state import (
+    LIVE_TASK_STATES,
     Incident,
     LadderStage,
     Snapshot,

@@ -51,11 +51,11 @@ def resolve_with_plan(
             actions.append(action)
     out = replace(decision, actions=tuple(actions), notes=(*decision.notes, *notes))
     plan = None
-    if reasons:
-        plan, transition = replan_decision(out.applied_to(snapshot), ctx, now_s)
+    if reasons:  # ``after`` is also what ``out`` leaves: only actions and notes changed
+        plan, transition = replan_decision(after, ctx, now_s)
         why = f"replan: {'; '.join(dict.fromkeys(reasons))}"
         out = out.then(replace(transition, notes=(why, *transition.notes)))
-    return _restarted(out.applied_to(snapshot), out), plan
+    return _restarted(snapshot, out), plan
 
 
 def _new_agent(snap: Snapshot, action: RestartAgent, ctx: PlanContext) -> LaunchAgents | None:
@@ -69,15 +69,17 @@ def _new_agent(snap: Snapshot, action: RestartAgent, ctx: PlanContext) -> Launch
     )
 
 
-def _restarted(snap: Snapshot, decision: Decision) -> Decision:
-    """Clear ``finished_nodes`` of the tasks whose ranks ``decision`` (re)starts."""
+def _restarted(snapshot: Snapshot, decision: Decision) -> Decision:
+    """Clear ``finished_nodes`` of the tasks whose ranks ``decision`` (re)starts (each task
+    as ``decision`` leaves it: its own record, else the snapshot's)."""
     jobs: set[int] = set()
     for a in decision.actions:
         if isinstance(a, LaunchAgents) or (
             isinstance(a, SendCommand) and a.action in (AgentAction.RESTART_RANKS, AgentAction.RELAUNCH)
         ):
             jobs.add(a.job_id)
-    tasks = [
-        replace(t, finished_nodes=()) for t in snap.tasks.values() if t.job_id in jobs and t.finished_nodes
-    ]
+    if not jobs:
+        return decision
+    latest = {**snapshot.tasks, **{t.task_id: t for t in decision.tasks}}
+    tasks = [replace(t, finished_nodes=()) for t in latest.values() if t.job_id in jobs and t.finished_nodes]
     return decision.then(Decision(tasks=tuple(tasks))) if tasks else decision
