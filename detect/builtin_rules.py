@@ -1,119 +1,473 @@
 """The built-in rule table: evidence from PyTorch, NCCL, CUDA, the NVIDIA driver, the
-kernel and Slurm, mapped to Unicron's statuses (schema: :mod:`detect.rules`).
+kernel, the launchers and Slurm, mapped to Unicron's statuses (schema: :mod:`detect.rules`).
 
 Order is priority (first match wins per line), grouped so that the most specific and
 most severe explanation of a line comes first:
 
-1. benign lines that would otherwise match a broader rule below;
-2. NVIDIA Xid codes, with NVIDIA's documented meanings (XID catalog,
-   docs.nvidia.com/deploy/xid-errors);
-3. hardware and driver (SEV1): ECC, GPU off the bus, driver failures, DMA/IOMMU, NVLink;
+1. benign lines (status ``none``), before everything else, so that they veto every rule
+   below: the line's own log level is INFO or WARNING (NCCL ``INFO``, glog/c10d
+   ``[W ...]``/``[I ...]``, Python logging, ``UserWarning``), it states a zero count or a
+   healthy state, it reports a retry that follows, or an exception that was ignored;
+2. NVIDIA Xid codes: every code of NVIDIA's Xid catalogue, with the catalogue's meaning
+   and resolution (see ``_XID_CATALOG``);
+3. hardware and driver (SEV1): ECC, GPU lost or off the bus, driver failures, DMA/IOMMU,
+   NVLink;
 4. CUDA errors raised in the process (SEV2);
-5. the process or node itself: segfaults, OOM kills, Slurm node failures;
+5. the process or node itself: crashes, OOM kills, launchers' failure summaries
+   (torchrun, DeepSpeed, Accelerate), Slurm;
 6. network and collectives (SEV3): NCCL timeouts and errors, resets, link flaps;
 7. generic catch-alls (a Python exception line, a C++ terminate, any ``NCCL WARN``).
 
-Every pattern is exercised by a real log line in ``tests/detect/test_detect_rules.py``.
+Every line rule is exercised by a line in ``tests/detect``: a real line with its public
+source (``data/real-log-lines.toml``, the corpus's train half) or, where none exists yet, a
+constructed example marked as such. Accuracy on real lines is measured by
+``scripts/bench/classify.py`` on the corpus's held-out half.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-_RANK = r"^\s*(?:\[(?:rank|default)\d+\]:\s*)?"
-"""Optional ``[rank3]:`` prefix that torchrun puts before each line of a rank's output."""
+_ERRORS = r"(?:errors?|failures?|faults?)"
+"""The nouns whose count a line may state."""
 
-_XIDS: Final[tuple[tuple[int, str, str, dict[str, object]], ...]] = (
+
+def _each(template: str, *words: str) -> str:
+    """``template`` with ``@`` replaced by each word, as top-level alternatives.
+
+    Spelled out this way (not ``(?:a|b)`` inside), every alternative keeps a literal at
+    the top level, which the prefilter (:mod:`detect.literals`) needs to skip the regex.
+    """
+    return "|".join(template.replace("@", word) for word in words)
+
+
+_NOUNS = ("errors?", "failures?", "faults?")
+_LEVELS = ("WARNING", "INFO", "DEBUG")
+
+_CATALOG = "NVIDIA Xid catalog, docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
+_ARCHIVE = "NVIDIA Xid errors for older GPUs, docs.nvidia.com/deploy/xid-errors/archive/index.html"
+
+
+def _described(description: str, *codes: int) -> dict[int, str]:
+    """``{code: description}`` for codes that share the catalogue's description."""
+    return dict.fromkeys(codes, description)
+
+
+_XidEntry = tuple[str, dict[int, str], str, str | None, str, dict[str, object]]
+"""(name suffix, {code: the catalogue's description}, status, severity (None: the
+status's), why this status and severity, extra rule keys). Each code becomes one rule,
+``xid_<code><suffix>``."""
+
+_XID_CATALOG: Final[tuple[_XidEntry, ...]] = (
+    # Severity follows the catalogue's "Resolution Bucket (Immediate Action)":
+    # RESET_GPU / RESTART_BM / CHECK_MECHANICALS -> SEV1 (the GPU or node must be serviced),
+    # RESTART_APP -> SEV2, IGNORE -> SEV3 (recorded, no action) or none for test events.
     (
-        13,
+        "_after_xid",
+        {13: "Graphics Engine Exception", 31: "GPU memory page fault"},
         "illegal_memory_access",
-        "Graphics Engine Exception: an illegal or out-of-range access in a kernel",
+        None,
+        "an application fault the line itself says an earlier Xid caused: a consequence, the named "
+        "Xid's own line is the cause",
+        {"secondary": True, "message": r"(?:caused by|due to|after) (?:an? )?(?:previous |earlier )?Xid\b"},
+    ),
+    (
+        "",
+        {13: "Graphics Engine Exception", 31: "GPU memory page fault (MMU fault)"},
+        "illegal_memory_access",
+        None,
+        "an application fault, typically an out-of-bounds access or illegal instruction (13) or an "
+        "illegal address (31); RESTART_APP",
         {},
     ),
     (
-        31,
-        "illegal_memory_access",
-        "GPU memory page fault (MMU fault), usually an illegal address in the application",
-        {},
-    ),
-    (32, "cuda_error", "Invalid or corrupted push buffer stream", {}),
-    (38, "gpu_driver_error", "Driver firmware error", {}),
-    (
-        43,
+        "",
+        {43: "GPU stopped processing", 45: "Preemptive cleanup, due to previous errors"},
         "cuda_error",
-        "GPU stopped processing: the faulting application's channel was stopped",
+        None,
+        "the application's channel was torn down: it hit a software-induced fault (43; the GPU stays "
+        "healthy) or it was aborted by Ctrl-C, SIGKILL, a GPU reset or another Xid (45): a consequence",
         {"secondary": True},
     ),
-    (44, "gpu_driver_error", "Graphics Engine fault during context switch", {}),
-    (45, "cuda_error", "Preemptive cleanup, due to previous errors", {"secondary": True}),
-    (48, "ecc_error", "Double Bit ECC Error (uncorrectable)", {}),
-    (61, "gpu_driver_error", "Internal micro-controller breakpoint/warning", {}),
-    (62, "gpu_driver_error", "Internal micro-controller halt", {}),
-    (63, "ecc_error", "ECC page retirement or row remapping recording event", {}),
-    (64, "ecc_error", "ECC page retirement or row remapper recording failure", {}),
-    (69, "cuda_error", "Graphics Engine class error", {}),
-    (74, "nvlink_error", "NVLink error", {}),
-    (79, "gpu_driver_error", "GPU has fallen off the bus", {}),
-    (92, "ecc_error", "High single-bit ECC error rate", {}),
     (
-        94,
+        "",
+        {
+            48: "Double Bit ECC Error",
+            64: "GPU memory remapping (page retirement) failure",
+            95: "Uncontained memory error",
+            140: "ECC Unrecovered Error",
+            168: "Errors found in WPR (reduced GPU memory capacity)",
+            171: "Uncorrectable DRAM error (details of an Xid 48)",
+            172: "Uncorrectable SRAM error (details of an Xid 48)",
+        },
         "ecc_error",
-        "Contained ECC error: only the applications using the bad memory must restart",
-        {"severity": "SEV2"},
+        None,
+        "an uncorrectable memory error the GPU cannot contain or repair; a GPU reset or node reboot is "
+        "needed (WORKFLOW_XID_48, RESET_GPU)",
+        {},
     ),
-    (95, "ecc_error", "Uncontained ECC error: the GPU must be reset", {}),
-    (109, "gpu_driver_error", "Context switch timeout", {}),
-    (119, "gpu_driver_error", "GSP RPC timeout", {}),
-    (120, "gpu_driver_error", "GSP error", {}),
-    (140, "ecc_error", "Unrecovered ECC error", {}),
-    (144, "nvlink_error", "NVLink SAW error", {}),
-    (145, "nvlink_error", "NVLink RLW error", {}),
-    (146, "nvlink_error", "NVLink TLW error", {}),
-    (147, "nvlink_error", "NVLink TREX error", {}),
-    (148, "nvlink_error", "NVLink NVLPW control error", {}),
-    (149, "nvlink_error", "NVLink NETIR error", {}),
-    (150, "nvlink_error", "NVLink MSE error", {}),
+    (
+        "",
+        {94: "Contained memory error"},
+        "ecc_error",
+        "SEV2",
+        "contained to one application, which must restart; the GPU keeps serving others (RESTART_APP)",
+        {},
+    ),
+    (
+        "",
+        {
+            63: "GPU memory remapping (page retirement) event",
+            92: "High single-bit ECC error rate",
+        },
+        "ecc_error",
+        "SEV3",
+        "memory errors the GPU handled (a row marked for remapping at the next reset, corrected "
+        "single-bit errors); the catalogue's immediate action is IGNORE",
+        {},
+    ),
+    (
+        "",
+        {
+            46: "GPU stopped processing (GPU timeout)",
+            61: "Internal micro-controller breakpoint/warning (Unused on Ampere and newer; older GPUs: "
+            "docs.nvidia.com/deploy/xid-errors/archive/index.html)",
+            62: "Internal micro-controller halt",
+            79: "GPU has fallen off the bus",
+            109: "Context Switch Timeout Error",
+            110: "Security Fault Error",
+            119: "GSP RPC Timeout",
+            120: "GSP Error",
+            143: "GPU Initialization Error",
+            156: "Resource Retirement Event",
+            158: "GPU Fatal Timeout",
+            167: "PCIE_FATAL_TIMEOUT",
+            169: "Internal micro-controller halt (SEC2)",
+        },
+        "gpu_driver_error",
+        None,
+        "the GPU or its firmware stopped working; RESET_GPU (79: RESTART_BM)",
+        {},
+    ),
+    (
+        "",
+        {
+            54: "Auxiliary power is not connected to the GPU board (CHECK_MECHANICALS)",
+            78: "vGPU Start Error (UPDATE_SWFW)",
+            151: "Key rotation Error (RESTART_VM)",
+        },
+        "gpu_driver_error",
+        None,
+        "the GPU cannot serve until someone acts on the node",
+        {},
+    ),
+    (
+        "",
+        {
+            37: "Driver firmware error",
+            38: "Driver firmware error",
+            44: "Graphics Engine fault during context switch",
+            66: "Illegal access by driver",
+            67: "Illegal access by driver",
+            93: "Non-fatal violation of provisioned InfoROM wear limit",
+            157: "Resource Retirement Failure",
+            159: "CHI Non-Data Error (CHECK_UVM: IGNORE without UVM/vGPU)",
+            163: "Power Smoothing HW Circuitry capability disengaged",
+            164: "Power Smoothing HW Circuitry low lifetime reached",
+            165: "Power Smoothing HW Circuitry lifetime exhausted",
+        },
+        "gpu_driver_error",
+        "SEV3",
+        "driver or firmware events the catalogue marks IGNORE (no immediate action)",
+        {},
+    ),
+    (
+        "",
+        {
+            74: "NVLINK Error",
+            136: "Link Training Failed",
+            155: "NVLINK: SW Defined Error (link down flagged intentional)",
+        },
+        "nvlink_error",
+        None,
+        "an NVLink connection to another GPU or NVSwitch failed; a GPU reset or node reboot is needed "
+        "(74: WORKFLOW_NVLINK_ERR; 136, 155: RESET_GPU)",
+        {},
+    ),
+    (
+        "_nonfatal",
+        {
+            144: "NVLINK: SAW Error",
+            145: "NVLINK: RLW Error",
+            146: "NVLINK: TLW Error",
+            147: "NVLINK: TREX Error",
+            148: "NVLINK: NVLPW_CTRL Error",
+            149: "NVLINK: NETIR Error",
+            150: "NVLINK: MSE Error",
+        },
+        "nvlink_error",
+        "SEV3",
+        "the line marks the NVLink5 error Nonfatal; the catalogue's 'XID 144-150 Decode' gives non-fatal "
+        "sub-codes IGNORE or XID_154_EVAL, not a reset",
+        {"message": r"\bNon-?fatal\b", "ignore_case": True},
+    ),
+    (
+        "",
+        {
+            144: "NVLINK: SAW Error",
+            145: "NVLINK: RLW Error",
+            146: "NVLINK: TLW Error",
+            147: "NVLINK: TREX Error",
+            148: "NVLINK: NVLPW_CTRL Error",
+            149: "NVLINK: NETIR Error",
+            150: "NVLINK: MSE Error",
+        },
+        "nvlink_error",
+        None,
+        "an NVLink5 error, Fatal or Link Fatal (WORKFLOW_NVLINK5_ERR: the decode says RESET_GPU)",
+        {},
+    ),
+    (
+        "",
+        {
+            108: "NVLINK_REMOTE_TRANSLATION_ERROR (Unused)",
+            121: "C2C Error (corrected errors on the C2C NVLink to a Grace CPU)",
+            166: "CC traffic seen prior to link properly being configured for encrypted traffic",
+            170: "Interrupt seen in CC mode",
+        },
+        "nvlink_error",
+        "SEV3",
+        "NVLink or C2C events with no immediate action (IGNORE, or confidential-computing mode only)",
+        {},
+    ),
+    (
+        "_reset",
+        {154: "GPU Recovery Action Changed"},
+        "gpu_driver_error",
+        None,
+        "the recovery action the other Xids need became GPU Reset Required, Node Reboot Required or "
+        "Drain and Reset",
+        {"message": r"\b(?:GPU Reset Required|Node Reboot Required|Drain and Reset)\b", "ignore_case": True},
+    ),
+    (
+        "_drain_p2p",
+        {154: "GPU Recovery Action Changed"},
+        "nvlink_error",
+        None,
+        "the recovery action became Drain P2P: peer-to-peer (NVLink) traffic must stop",
+        {"message": r"\bDrain P2P\b", "ignore_case": True},
+    ),
+    (
+        "",
+        {
+            14: "ROBUST_CHANNEL_FAKE_ERROR (fake or injected error)",
+            106: "SMBPBI Test Message",
+            107: "SMBPBI Test Message Silent",
+            154: "GPU Recovery Action Changed (to None)",
+            162: "Power Smoothing HW Circuitry capability reengaged",
+        },
+        "none",
+        None,
+        "not a fault: a test event, or information about another Xid",
+        {},
+    ),
+    (
+        "",
+        {
+            8: "GPU stopped processing",
+            11: "Invalid or corrupted push buffer stream",
+            25: "Invalid or illegal push buffer stream",
+            32: "Invalid or corrupted push buffer stream",
+            60: "Video processor exception",
+            69: "Graphics Engine class error",
+            80: "Corrupted data sent to GPU",
+            86: "OFA Exception",
+            139: "OFA1 Error",
+            142: "NVENC3 Error",
+            **_described("Copy Engine Exception", 39, 40, 41),
+            **_described("Copy Engine: Unknown Error", 70, 71, 72, 75, 76, 77, 85, *range(126, 136)),
+            **_described("NVDEC Error", 68, 83, 84, 88, 89, 96, 97, 98),
+            **_described("NVJPG Error", 82, 99, 100, 101, 102, 103, 104, 105),
+        },
+        "cuda_error",
+        None,
+        "a fault in one application's channel or engine; RESTART_APP",
+        {},
+    ),
+    (
+        "",
+        {137: "NVLink Privilege Error"},
+        "illegal_memory_access",
+        None,
+        "the remote MMU rejected an illegal NVLink peer-to-peer access, typically an application bug "
+        "(XID_137_FLOW)",
+        {},
+    ),
+    (
+        "",
+        {
+            141: "CUDA Fast Path Error",
+            152: "DLA SMMU Error",
+            153: "DLA timeout Error",
+            160: "Channel Retirement Event",
+            161: "Channel Retirement Failure",
+        },
+        "cuda_error",
+        "SEV3",
+        "channel events the catalogue marks IGNORE",
+        {},
+    ),
+)
+"""Every code of NVIDIA's Xid catalogue (1-172) that is in use on current GPUs, with the
+catalogue's description; the codes it lists as Unused fall to ``xid_other``. Source:
+``_CATALOG``."""
+
+_XID_RULES: Final = tuple(
+    {
+        "name": f"xid_{code}{suffix}",
+        "status": status,
+        "xid": [code],
+        "doc": f"Xid {code}, {description}: {why} ({_CATALOG})",
+        **({"severity": severity} if severity is not None else {}),
+        **extra,
+    }
+    for suffix, codes, status, severity, why, extra in _XID_CATALOG
+    for code, description in codes.items()
 )
 
 BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
-    # 1. benign lines (status none) that broader rules below would otherwise catch
-    {
-        "name": "torchelastic_closing_signal",
-        "status": "none",
-        "pattern": r"Sending process \d+ closing signal SIG\w+",
-        "doc": "torchrun stopping the remaining workers after a failure: a reaction, not evidence",
-    },
-    {
-        "name": "cuda_async_hint",
-        "status": "none",
-        "pattern": _RANK + r"(?:CUDA kernel errors might be asynchronously reported|For debugging consider "
-        r"passing CUDA_LAUNCH_BLOCKING|Compile with `TORCH_USE_CUDA_DSA`)",
-        "doc": "the hint PyTorch prints after every CUDA error; the error line itself is classified",
-    },
+    # 1. benign lines (status none): they veto every rule below
     {
         "name": "nccl_info",
         "status": "none",
         "pattern": r"\bNCCL INFO\b",
         "doc": "NCCL informational output (including 'connect returned Connection refused, retrying')",
     },
+    {
+        "name": "log_level_glog",
+        "status": "none",
+        # [IWD] first, then a look back at the character before it: a pattern that starts with a
+        # character set is scanned for in C, one that starts with a look-behind is tried everywhere
+        "pattern": r"[IWD](?<![^\s:\]\[][IWD])(?:\d{3,4} \d\d:\d\d:\d\d[.\d]*\s+(?:\d+\s+)?[^\s\]]+:\d+\]|"
+        r"(?<=\[[IWD]) [^\s\]]+:\d+\])",
+        "doc": "an INFO or WARNING line of glog/c10d (PyTorch's C++ log: '[W1206 18:44:12.7 "
+        "socket.cpp:752]', "
+        "'[W socket.cpp:558]', 'W0325 20:57:27.62 2606 api.py:869]'): the failure, if any, is reported at "
+        "ERROR level (e.g. c10d's connect warnings while rendezvous retries)",
+    },
+    {
+        "name": "log_level_python",
+        "status": "none",
+        "pattern": _each(r"^\s*@:[\w.]+:|\[@\s*[]|]|\| @\s+\||\s- @ -\s|^@ \d\d-\d\d ", *_LEVELS),
+        "doc": "a Python logging line at INFO or WARNING level (logging's 'WARNING:name:', DeepSpeed's "
+        "'[INFO]', torch.distributed.run's '[WARNING]', loguru's '| INFO |', vLLM's 'INFO 03-07')",
+    },
+    {
+        "name": "python_warning",
+        "status": "none",
+        "pattern": r"\b[A-Z]\w*Warning: |^\s*warnings\.warn\(|^\s*(?:\[[^\]]*\]:?\s*)?Warning: ",
+        "doc": "a Python warning (UserWarning, FutureWarning, DeprecationWarning, ...) or a line printed as "
+        "'Warning: ...' (e.g. 'Warning: NaN or Inf found in input tensor.' while the loss scaler adjusts): "
+        "not a failure",
+    },
+    {
+        "name": "zero_count",
+        "status": "none",
+        "pattern": _each(r"\b(?:no|zero|0)\s+(?:[\w.-]+\s+){0,2}@\b", *_NOUNS)
+        + "|"
+        + _each(r"\b@(?:\s+count)?\s*[:=]?\s*(?:0|none)\b(?![.\d])", *_NOUNS)
+        + "|"
+        + _each(r"\b@\s*[:=]?\s*0\b(?![.\d])", r"exit\s*code", "exit status", "return code")
+        + "|"
+        + _each(r"\b@\w*\b(?: \w+)?\s*:\s*(?:No|False|None)\s*$", "error", "fail", "fault", "pending")
+        + r"|\bUncorr\w*\.?\s+ECC\b\D*\b0\b(?![.\d])",
+        "unless": rf"\b{_ERRORS}(?:\s+count)?\s*[:=]?\s*[1-9]|\b[1-9]\d*\s+(?:[\w.-]+\s+)?{_ERRORS}\b",
+        "ignore_case": True,
+        "doc": "a zero count ('NVLink errors: 0', '0 errors', 'no errors', 'error count 0', "
+        "'Uncorr. ECC ... 0', "
+        "'exit code 0', 'Remapping Failure Occurred : No'), unless the same line also states a "
+        "non-zero count",
+    },
+    {
+        "name": "benign_phrasing",
+        "status": "none",
+        "pattern": r"\brunning fine\b|\bno (?:problems?|issues?) (?:found|detected)\b|\bwithout "
+        r"(?:any )?errors?\b|"
+        r"\berror[- ]free\b|\brecovery was successful\b|\b(?:recovered|reconnected) successfully\b|"
+        r"\bsuccessfully (?:recovered|reconnected)\b|\ball (?:checks|tests) passed\b",
+        "ignore_case": True,
+        "doc": "a line that says things are fine (a health report, a recovery that worked)",
+    },
+    {
+        "name": "retrying",
+        "status": "none",
+        "pattern": r"\bretrying\b|\bwill (?:be )?retr(?:y|ied)\b|\bretry(?:ing)? in \d",
+        "unless": r"giving up|gave up|\b(?:max(?:imum)?|all) (?:number of )?(?:retries|attempts)|"
+        r"retries exhausted|no more retries|after \d+ (?:retries|attempts|tries)|failed after|last attempt",
+        "ignore_case": True,
+        "doc": "an operation that failed and will be retried: only the final failure (giving up) is evidence",
+    },
+    {
+        "name": "ignored_exception",
+        "status": "none",
+        "pattern": r"\bException ignored\b|\(ignored\)|\bignor(?:ed|ing) (?:the )?(?:above |following )?"
+        r"(?:error|exception)s?\b",
+        "ignore_case": True,
+        "doc": "an exception Python or the program reports as ignored (e.g. in __del__ at shutdown)",
+    },
+    {
+        "name": "interpreter_shutdown_noise",
+        "status": "none",
+        "pattern": r"can only test a child process|Can't get attribute '\w+' on None\b|"
+        r"Python is likely shutting down|during interpreter shutdown|after interpreter shutdown",
+        "doc": "exceptions raised in __del__ or atexit while Python tears modules down (DataLoader "
+        "workers at exit: 'can only test a child process', globals already None): Python ignores them",
+    },
+    {
+        "name": "torchelastic_closing_signal",
+        "status": "none",
+        "pattern": r"Sending process \d+ closing signal SIG\w+",
+        "doc": "torchrun stopping the remaining workers after a failure: a reaction, not evidence",
+    },
     # 2. NVIDIA Xid codes
-    *(
-        {"name": f"xid_{code}", "status": status, "xid": [code], "doc": f"Xid {code}: {meaning}", **extra}
-        for code, status, meaning, extra in _XIDS
-    ),
+    *_XID_RULES,
     {
         "name": "xid_other",
         "status": "cuda_error",
         "xid": [],
         "generic": True,
-        "doc": "an Xid not in the table: a GPU-side error of unknown kind; restart the process",
+        "doc": "an Xid the catalogue lists as Unused on current GPUs, or one it does not list: a GPU-side "
+        f"error of unknown kind; restart the process ({_CATALOG})",
     },
     # 3. hardware and driver
     {
         "name": "ecc_uncorrectable",
         "status": "ecc_error",
-        "pattern": r"uncorrectable ECC error|ECC_UNCORRECTABLE|cudaErrorECCUncorrectable|double[- ]bit ECC",
+        "pattern": r"uncorrectable ECC|ECC_UNCORRECTABLE|cudaErrorECCUncorrectable|double[- ]bit ECC|"
+        r"\bDBE\b|Row Remapper: New row marked|row remapp?ing (?:failure|failed)|Remapping failure|"
+        r"retired pages? pending|page retirement (?:failure|failed)|uncorrectable (?:memory|DRAM|SRAM) error|"
+        r"\bECC errors? (?:detected|encountered|occurred)"
+        r"|Uncorr\w*\.?\s+ECC\b\D*[1-9]",
         "ignore_case": True,
+        "doc": "an uncorrectable GPU memory error, or a row remap or page retirement it caused",
+    },
+    {
+        "name": "ecc_corrected",
+        "status": "ecc_error",
+        "severity": "SEV3",
+        "pattern": r"single[- ]bit ECC|\bSBE\b|\bcorrect(?:ed|able) ECC|EDAC \w+: \d+ CE\b"
+        r"|Corrected error, no action required",
+        "ignore_case": True,
+        "doc": "a corrected memory error (GPU single-bit, host EDAC CE): recorded, no action needed",
+    },
+    {
+        "name": "host_memory_error",
+        "status": "ecc_error",
+        "pattern": r"EDAC \w+: \d+ UE\b|\[Hardware Error\]|Machine check events logged|"
+        r"\bmce: .*(?:uncorrected|fatal)|Uncorrected hardware memory error|Memory failure: 0x[0-9a-f]+"
+        r"|HANDLING MCE MEMORY ERROR",
+        "ignore_case": True,
+        "doc": "the host's memory or CPU reported a hardware error (EDAC uncorrectable, machine check)",
     },
     {
         "name": "gpu_fallen_off_bus",
@@ -124,46 +478,170 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "gpu_lost",
         "status": "gpu_driver_error",
-        "pattern": r"GPU is lost|GPU requires reset|Unable to determine the device handle for GPU",
+        "pattern": r"GPU_IS_LOST|GPU is lost|GPU requires reset|Unable to determine the device "
+        r"handle for GPU|"
+        r"RmInitAdapter failed|probe routine failed|rm_init_adapter failed|GPU \S+ is lost|"
+        r"GPU has been removed|failed to initialize the GPU|GPU crash dump has been created|"
+        r"GSP-FMC reported an error|kgspBootstrap\w*: .*error"
+        r"|RmInitAdapter\b.*\b(?:fail|Cannot|error)"
+        r"|config space inaccessible"
+        r"|can't change power state from \w+ to D0"
+        r"|Detected Critical Xid Error"
+        r"|\|\s*ERR!\s*\|"
+        r"|\bGPU [0-9A-Fa-f:.]+: (?:Unknown Error|GPU is lost)"
+        r"|nvidia: probe of \S+ failed"
+        r"|nvidia-modeset: ERROR"
+        r"|\[drm:nv\w*\] \*ERROR\*"
+        r"|PCI I/O region assigned to your NVIDIA device is invalid"
+        r"|NVRM: BAR\d is 0M @ 0x0"
+        r"|BIOS may have misconfigured your GPU"
+        r"|NVIDIA probe routine was not called"
+        r"|No NVIDIA devices probed",
         "ignore_case": True,
+        "doc": "the driver lost the GPU or could not bring it up (NV_ERR_GPU_IS_LOST, RmInitAdapter)",
+    },
+    {
+        "name": "gsp_failure",
+        "status": "gpu_driver_error",
+        "pattern": r"_kgspLogXid\d+|kflcnCoreDump|_kgspRpc\w*|GSP RPC timeout|kgspDumpGspLogs|"
+        r"_issueRpcAndWait\w*: rpc\w* failed"
+        r"|kgsp\w*: .*\b(?:cannot|fail\w*|error)\b"
+        r"|NVRM: GPU\d+ (?:GSP )?RPC (?:event )?(?:history|buffer contains)"
+        r"|NVRM:\s+-?\d+\s+\d+\s+GSP_RM_\w+"
+        r"|NVRM:\s+entry\s+function\s+data0"
+        r"|Timeout after \d+s of waiting for RPC response",
+        "ignore_case": True,
+        "doc": "the driver's report of a failed GPU System Processor (the banner and crash dump it prints "
+        "with Xid 119/120, RPC timeouts)",
     },
     {
         "name": "nvidia_driver_unusable",
         "status": "gpu_driver_error",
         "pattern": r"Driver/library version mismatch|couldn't communicate with the NVIDIA driver|"
         r"NVIDIA driver on your system is too old|Found no NVIDIA driver|no CUDA-capable device is detected|"
-        r"CUDA driver initialization failed|all CUDA-capable devices are busy or unavailable|"
-        r"CUDA_ERROR_NO_DEVICE|cudaErrorNoDevice|NVML_ERROR_GPU_IS_LOST|RmInitAdapter failed",
+        r"CUDA driver initialization failed|CUDA-capable devices? (?:\(s\) )?(?:is|are|is/are) busy "
+        r"or unavailable|"
+        r"CUDA_ERROR_NO_DEVICE|cudaErrorNoDevice|No CUDA GPUs are available|Failed to initialize NVML|"
+        r"driver version is insufficient for CUDA runtime|unsupported display driver / cuda driver "
+        r"combination"
+        r"|API mismatch: the client has the version"
+        r"|installed in this system is not supported"
+        r"|No NVIDIA GPU found"
+        r"|^\s*No devices were found\s*$"
+        r"|cudaErrorDevicesUnavailable"
+        r"|Unexpected error from cudaGetDeviceCount"
+        r"|GPU does not have the necessary power cables"
+        r"|nvml error: driver not loaded"
+        r"|cudaErrorInsufficientDriver"
+        r"|CUDA_ERROR_NOT_INITIALIZED",
         "ignore_case": True,
+        "doc": "the node's driver cannot serve CUDA (missing, mismatched, too old, or no usable GPU)",
+    },
+    {
+        "name": "fabric_manager_down",
+        "status": "gpu_driver_error",
+        "pattern": r"Fabric ?Manager (?:is )?not running|nvidia-fabricmanager\S* .*\bfail|"
+        r"cudaErrorSystemNotReady|system not yet initialized|CUDA_ERROR_SYSTEM_NOT_READY",
+        "ignore_case": True,
+        "doc": "NVSwitch systems: without the fabric manager CUDA reports 'system not yet initialized' (802)",
+    },
+    {
+        "name": "gpu_overheat_line",
+        "status": "gpu_driver_error",
+        "pattern": r"\bGPU \S* ?(?:is )?over ?(?:heat(?:ing|ed)?|temperature)\b|thermal (?:shutdown|"
+        r"violation)|"
+        r"HW Thermal Slowdown\s*: Active|HW Slowdown\s*: Active",
+        "ignore_case": True,
+        "doc": "the GPU overheats: it throttles, then shuts down (the line form of gpu_overheat)",
+    },
+    {
+        "name": "nvrm_assert",
+        "status": "gpu_driver_error",
+        "pattern": r"NVRM: nvAssert\w*Failed|NVRM: .*Assertion failed|\bGPU \S+ (?:is )?broken\b",
+        "doc": "the NVIDIA driver's own consistency check failed, or a GPU tool reports the GPU broken",
+    },
+    {
+        "name": "pcie_fatal",
+        "status": "gpu_driver_error",
+        "pattern": r"AER: Uncorrected \((?:Fatal|Non-Fatal)\) error|PCIe Bus Error: severity=Uncorrected",
+        "ignore_case": True,
+        "doc": "an uncorrectable PCIe error on the node (GPU or NIC link): the device may be lost",
     },
     {
         "name": "iommu_dma_fault",
         "status": "invalid_dma_mapping",
-        "pattern": r"DMAR: \[DMA (?:Read|Write)|DMAR: DRHD: handling fault|"
+        "pattern": r"DMAR: \[DMA (?:Read|Write)|DMAR: DRHD: handling fault|dmar_fault|"
         r"AMD-Vi: Event logged \[IO_PAGE_FAULT|IO_PAGE_FAULT|DMA mapping error|dma_map\w* failed|"
-        r"invalid DMA mapping",
+        r"invalid DMA mapping|IOMMU (?:page )?fault|\bsmmu\w*: .*\b(?:fault|event 0x)"
+        r"|\[fault reason \w+\]",
         "ignore_case": True,
         "doc": "the IOMMU rejected a device DMA: a bad mapping between GPU/NIC and host memory",
+    },
+    {
+        "name": "sxid_nonfatal",
+        "status": "nvlink_error",
+        "severity": "SEV3",
+        "pattern": r"\bSXid\b.*\bNon-?fatal\b",
+        "ignore_case": True,
+        "doc": "an NVSwitch error (SXid) the switch driver marks non-fatal (Fabric Manager User Guide, SXid "
+        "errors): the fabric keeps working",
+    },
+    {
+        "name": "nvswitch_fatal",
+        "status": "nvlink_error",
+        "pattern": r"\bSXid\b|NVSwitch fatal error|detected NVSwitch (?:fatal|non-fatal) error",
+        "ignore_case": True,
+        "doc": "an NVSwitch error (SXid) or Fabric Manager's 'detected NVSwitch fatal error': the "
+        "NVLink fabric "
+        "of the node is degraded",
+    },
+    {
+        "name": "nvlink_counter",
+        "status": "nvlink_error",
+        "severity": "SEV3",
+        "pattern": r"^\s*Link \d+: (?:\w+ )*(?:CRC|Replay|Recovery)\w* Errors?: [1-9]",
+        "ignore_case": True,
+        "doc": "nvidia-smi nvlink error counters: CRC, replay and recovery errors are corrected by the link "
+        "layer (retransmission), so a non-zero count alone is recorded, not acted on",
+    },
+    {
+        "name": "nvrm_nvlink_failure",
+        "status": "nvlink_error",
+        "pattern": r"NVRM: \w*nvlink\w*.*\b(?:fail\w*|errors?|fatal|timeout|timed out)\b",
+        "ignore_case": True,
+        "doc": "the driver's NVLink code reports a failure (e.g. 'knvlinkDiscoverPostRxDetLinks_GH100: "
+        "Getting peer0's postRxDetLinkMask failed!')",
     },
     {
         "name": "nvlink_failure",
         "status": "nvlink_error",
         "pattern": r"NVLink\b.*\b(?:errors?|fail\w*|fatal|down|inactive|fault)\b",
         "ignore_case": True,
+        "doc": "an NVLink link or error report (zero counts and healthy reports are vetoed above)",
+    },
+    {
+        "name": "nvrm_failure",
+        "status": "gpu_driver_error",
+        "pattern": r"NVRM: .*\b(?:fail(?:ed|ure)?|error|timed out|timeout|Check failed)\b",
+        "ignore_case": True,
+        "generic": True,
+        "doc": "the NVIDIA kernel driver reports a failure that no specific rule names",
     },
     # 4. CUDA errors in the process
     {
         "name": "cuda_illegal_address",
         "status": "illegal_memory_access",
         "pattern": r"illegal memory access|CUDA_ERROR_ILLEGAL_ADDRESS|cudaErrorIllegalAddress|"
-        r"misaligned address",
+        r"misaligned address"
+        r"|Warp (?:Illegal|Out-of-range|Misaligned) Address",
         "ignore_case": True,
     },
     {
         "name": "cuda_out_of_memory",
         "status": "other_software_error",
         "pattern": r"CUDA out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|"
-        r"CUBLAS_STATUS_ALLOC_FAILED",
+        r"CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory|Cuda failure '?out of memory|"
+        r"Failed to CUDA calloc",
         "doc": "the job asked for more GPU memory than exists: a configuration problem, the node is fine",
     },
     {
@@ -175,33 +653,59 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "cuda_device_assert",
         "status": "cuda_error",
-        "pattern": r"device-side assert triggered",
+        "pattern": r"device-side assert triggered"
+        r"|\.cu:\d+: \w+: block: \[\d+"
+        r"|cudaErrorAssert",
     },
     {
         "name": "nccl_cuda_failure",
         "status": "cuda_error",
-        "pattern": r"NCCL WARN Cuda failure|ncclUnhandledCudaError|unhandled cuda error",
+        "pattern": r"Cuda failure \d*\s*'|NCCL WARN Cuda failure|ncclUnhandledCudaError|unhandled cuda error",
         "ignore_case": True,
     },
     {
         "name": "cuda_error",
         "status": "cuda_error",
         "pattern": r"CUDA error\b|CUDA_ERROR_\w+|cudaError\w+|cuda runtime error|CUDNN_STATUS_(?!SUCCESS)\w+|"
-        r"CUBLAS_STATUS_(?!SUCCESS)\w+",
+        r"CUBLAS_STATUS_(?!SUCCESS)\w+|cuDNN error"
+        r"|CUDA driver error"
+        r"|CUDA call failed"
+        r"|NVML_SUCCESS == .* INTERNAL ASSERT FAILED"
+        r"|instance of 'c10::CUDAError'"
+        r"|Error \[CUDA\]"
+        r"|CUDA Exception"
+        r"|DeferredCudaCallError"
+        r"|nvrtc: error|NVRTC_ERROR"
+        r"|\bcuda[A-Z]\w*(?:\(\))? failed",
+        "ignore_case": True,
         "generic": True,
+    },
+    {
+        "name": "cuda_async_hint",
+        "status": "cuda_error",
+        "pattern": r"CUDA kernel errors might be asynchronously reported|For debugging consider "
+        r"passing CUDA_LAUNCH_BLOCKING|Compile with `TORCH_USE_CUDA_DSA`",
+        "generic": True,
+        "doc": "the hint PyTorch prints only after a CUDA error: evidence of one, but the error line itself "
+        "(a specific rule) names it",
     },
     # 5. the process and the node
     {
         "name": "slurm_node_failure",
         "status": "lost_connection",
-        "pattern": r"DUE TO NODE FAILURE|Node failure on \S+|\bNODE_FAIL\b",
-        "doc": "Slurm lost a node of the job (slurmd unreachable)",
+        "pattern": r"DUE TO NODE FAILURE|Node failure on \S+|NODE_FAIL\b"
+        r"|Communication connection failure"
+        r"|due to failure of node \S+"
+        r"|on failed node \S+",
+        "ignore_case": True,
+        "doc": "Slurm lost a node of the job (slurmd unreachable; also a cloud scheduler's node_fail event)",
     },
     {
         "name": "host_oom_kill",
         "status": "exited_abnormally",
         "pattern": r"Out of memory: Kill(?:ed)? process|invoked oom-killer|\boom-kill:|oom_reaper: reaped|"
-        r"Memory cgroup out of memory|Detected \d+ oom[-_]kill event",
+        r"Memory cgroup out of memory|Detected \d+ oom[-_]kill event"
+        r"|Exceeded (?:step|job) memory limit",
         "doc": "the kernel's OOM killer (host memory) killed a process",
     },
     {
@@ -213,6 +717,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "bus_error",
         "status": "exited_abnormally",
         "pattern": r"\bBus error\b|SIGBUS",
+        "ignore_case": True,
     },
     {
         "name": "fatal_python_error",
@@ -220,24 +725,147 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"Fatal Python error",
     },
     {
+        "name": "process_crashed",
+        "status": "exited_abnormally",
+        "pattern": r"\(core dumped\)|^\s*Killed\s*$|\bline \d+:\s+\d+ (?:Killed|Aborted)|"
+        r"Signal \d+ \(SIG\w+\) received by PID|terminated with signal SIG\w+|"
+        r"\bFloating point exception\b|\bIllegal instruction\b(?! was encountered)|"
+        r"DataLoader worker \(pids?\(?s?\)? ?[\d, ]+\) (?:is killed by signal|exited unexpectedly)"
+        r"|\*\*\* SIG\w+ received at time"
+        r"|\(interrupted by signal \d+: SIG\w+\)"
+        r"|\bOOMKilled\b"
+        r"|ActorDiedError|RayActorError|WorkerCrashedError|The actor died unexpectedly"
+        r"|^\[\d+\]\s+\d+ killed|^\[\d+\]\s+\d+ abort"
+        r"|^\s*Aborted\s*$"
+        r"|exited on signal \d+"
+        r"|returned\s+a non-zero exit code"
+        r"|exited with non-zero status"
+        r"|Worker group FAILED",
+        "doc": "a process died of a signal (the shell's 'Killed' / '(core dumped)', torch.multiprocessing's "
+        "'terminated with signal', torchelastic's 'Signal 9 (SIGKILL) received by PID')",
+    },
+    {
         "name": "torchelastic_worker_failed",
         "status": "exited_abnormally",
-        "pattern": r"failed \(exitcode: -?\d+\) local_rank: \d+|ChildFailedError",
+        "pattern": r"failed \(exitcode: -?\d+\) local_rank: \d+|ChildFailedError|"
+        r"process \d+ terminated with exit code [1-9]|SignalException: Process \d+ got signal|"
+        r"Force Terminated (?:job|step)",
         "secondary": True,
         "doc": "torchrun reporting a worker's death; the worker's own output says why",
+    },
+    {
+        "name": "torchelastic_summary",
+        "status": "exited_abnormally",
+        # anchored at the start: cheap on every line, so no prefilter needed
+        "pattern": r"^\s*(?:Root Cause \(first observed failure\)|<NO_OTHER_FAILURES>|\S+\.py FAILED\s*$|"
+        r"Failures:\s*$|(?:time|host|rank)\s{2,}: \S|(?:exitcode|error_file|traceback)\s*: )",
+        "secondary": True,
+        "doc": "a line of torchrun's failure summary ('Root Cause', 'exitcode  : -9 (pid: 123)', 'host', "
+        "'rank', 'error_file', 'traceback : Signal 9 (SIGKILL) received by PID 123'); printed only when "
+        "a worker failed",
+    },
+    {
+        "name": "launcher_child_failed",
+        "status": "exited_abnormally",
+        "pattern": r"exits with return code = -?\d+|returned non-zero exit status -?\d+|"
+        r"died with <Signals\.SIG\w+|exited with (?:exit )?code [1-9]\d*|ssh exited with exit code"
+        r"|Received \S+ death signal"
+        r"|forcing job termination"
+        r"|\bexit (?:code|status)\s*[:=]?\s*(?:[1-9]\d*|-\d+)\b",
+        "secondary": True,
+        "doc": "a launcher reporting that a worker exited with an error (DeepSpeed 'exits with return code "
+        "= -9', Accelerate's CalledProcessError 'returned non-zero exit status 1', pdsh)",
+    },
+    {
+        "name": "slurm_task_failed",
+        "status": "exited_abnormally",
+        "pattern": r"srun: error: \S+: tasks? [\d\-,\[\]]+: (?!Exited with exit code 0\b)|"
+        r"slurmstepd: error: \*\*\* (?:STEP|JOB) \S+ ON \S+ CANCELLED AT"
+        r"|_job_complete: JobId=\d+ WTERMSIG \d+"
+        r"|_job_complete: JobId=\d+ WEXITSTATUS [1-9]",
+        "doc": "srun reporting a task that died ('task 11: Killed', 'Out Of Memory', 'Exited with exit code "
+        "1'), or slurmstepd cancelling a step with an error (node failures are matched above)",
+    },
+    {
+        "name": "slurm_node_not_responding",
+        "status": "lost_connection",
+        "pattern": r"\bNodes? \S+ not responding\b|update_node: node \S+ (?:reason set to|state set to "
+        r"(?:DOWN|DRAIN|FAIL))",
+        "ignore_case": True,
+        "doc": "slurmctld lost contact with a node, or took it out of service (update_node: reason set to)",
+    },
+    {
+        "name": "kernel_hung_task",
+        "status": "task_hang",
+        "pattern": r"task \S+ blocked for more than \d+ seconds|soft lockup - CPU#\d+ stuck|"
+        r"self-detected stall on CPU|detected stalls on CPUs",
+        "doc": "the kernel saw a task stuck in uninterruptible sleep (often a process waiting on a hung GPU)",
+    },
+    {
+        "name": "slurm_error",
+        "status": "exited_abnormally",
+        "pattern": r"^\s*(?:srun|slurmstepd(?:-\S+)?|salloc|sbatch): error: ",
+        "generic": True,
+        "doc": "Slurm reporting an error that no specific rule names",
+    },
+    {
+        "name": "program_usage_error",
+        "status": "other_software_error",
+        "pattern": r"^\S+\.py: error: |OutOfResources: out of resource|\bBackendCompilerFailed\b",
+        "doc": "the program rejected its arguments (argparse), or a compiler (Triton, Inductor) failed",
+    },
+    {
+        "name": "state_dict_mismatch",
+        "status": "other_software_error",
+        "pattern": r"size mismatch for \S+: copying a param|(?:Missing|Unexpected) key\(s\) in state_dict|"
+        r"Error\(s\) in loading state_dict",
+        "doc": "a checkpoint that does not fit the model (the lines after 'Error(s) in loading state_dict')",
+    },
+    {
+        "name": "ray_unhandled_error",
+        "status": "other_software_error",
+        "pattern": r"Unhandled error \(suppress with '?RAY_IGNORE_UNHANDLED_ERRORS"
+        r"|RayTaskError\b",
+        "doc": "Ray reporting an exception a remote task raised and nobody retrieved",
+    },
+    {
+        "name": "training_nan",
+        "status": "other_software_error",
+        "pattern": r"found (?:NaN|Inf) in (?:local )?(?:grad norm|forward loss)|\bloss is (?:nan|inf)\b|"
+        r"Detected (?:NaN|Inf)\b|Unexpected result nan",
+        "ignore_case": True,
+        "doc": "training diverged (Megatron-LM's 'found NaN in local grad norm', a NaN loss)",
     },
     # 6. network and collectives
     {
         "name": "nccl_watchdog_timeout",
         "status": "nccl_timeout",
         "pattern": r"Watchdog caught collective operation timeout|ProcessGroupNCCL.*timed out|"
-        r"Timeout at NCCL work|Some NCCL operations have failed or timed out",
+        r"Timeout at NCCL work|Some NCCL operations have failed or timed out|"
+        r"Exception \(either an error or timeout\) detected by watchdog|Heartbeat monitor timed out|"
+        r"watchdog got stuck for \d+ seconds|collective operation timeout|"
+        r"To avoid data inconsistency, we are taking the entire process down|"
+        r"Stack trace of the failed collective"
+        r"|ProcessGroupNCCL preparing to dump debug info"
+        r"|Received a (?:global )?dump signal"
+        r"|flight recorder dump signal"
+        r"|First PG on this rank to signal dumping"
+        r"|ran for \d+ milliseconds before timing out",
+        "doc": "the NCCL watchdog found a collective that failed or timed out, and takes the process down",
     },
     {
         "name": "gloo_timeout",
         "status": "nccl_timeout",
-        "pattern": r"gloo.*Timed out waiting \d+ms for \w+ operation",
+        "pattern": r"Timed out waiting \d+ms for \w+ operation",
         "doc": "a CPU (gloo) collective timed out: the same symptom as an NCCL timeout",
+    },
+    {
+        "name": "terminate_dist_backend",
+        "status": "nccl_timeout",
+        "pattern": r"instance of 'c10::DistBackendError'",
+        "generic": True,
+        "secondary": True,
+        "doc": "the NCCL watchdog aborting the process (usually after a timeout; the what() line says which)",
     },
     {
         "name": "nccl_comm_aborted",
@@ -256,7 +884,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "nccl_invalid_usage",
         "status": "other_software_error",
-        "pattern": r"ncclInvalidUsage|ncclInvalidArgument|invalid usage, NCCL version",
+        "pattern": r"ncclInvalidUsage|ncclInvalidArgument|invalid usage, NCCL version"
+        r"|NCCL Error 5\b",
     },
     {
         "name": "connection_reset",
@@ -274,22 +903,47 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "link_flap",
         "status": "link_flapping",
-        "pattern": r"Got async event : port error|IBV_EVENT_PORT_ERR|Link DOWN\b|link status definitely down|"
-        r"NIC Link is Down|Lost carrier",
-        "doc": "a NIC or InfiniBand port went down (and usually back up)",
+        # the drivers' own spellings, case and all: a bare "link up" is too common to mean a flap
+        "pattern": r"Got async event : port error|IBV_EVENT_PORT_ERR|Link DOWN\b|Link UP\b|Link down\b|"
+        r"Link ACTIVE\b|link status definitely (?:down|up)|link status up again|NIC Link is (?:Down|Up)|"
+        r"[Ll]ost carrier|carrier (?:lost|off)\b|\blink is (?:down|up)\b|link state changed to (?:UP|DOWN)\b|"
+        r"port \d+ state changed to (?:UP|DOWN|ACTIVE)\b",
+        "unless": r"\bSATA\b|\bata\d+",
+        "doc": "a NIC or InfiniBand port went down or came back up while the job ran: a flap (not a disk's "
+        "SATA link)",
     },
     {
         "name": "nccl_net_failure",
         "status": "other_network_error",
         "pattern": r"NET/(?:IB\w*|OFI|Socket)\s*:?.*\b(?:completion|error|failed|failure)\b|ncclSystemError|"
-        r"unhandled system error|ncclInternalError|internal error, NCCL version",
+        r"unhandled system error|ncclInternalError|internal error, NCCL version"
+        r"|internal error - please report this issue to the NCCL developers"
+        r"|NCCL Error [23]\b"
+        r"|got completion with error"
+        r"|third_party/gloo/gloo/transport/"
+        r"|\bibv_\w+ (?:failed|returned)"
+        r"|UCX\s+ERROR"
+        r"|\bfi_\w+\b.*\bfailed"
+        r"|Gloo connectFullMesh failed",
         "ignore_case": True,
     },
     {
         "name": "socket_failure",
         "status": "other_network_error",
         "pattern": r"Connection timed out|errno: 110\b|No route to host|Network is unreachable|"
-        r"DistNetworkError|DistStoreError|RendezvousTimeoutError|RendezvousConnectionError|Socket Timeout",
+        r"DistNetworkError|DistStoreError|RendezvousTimeoutError|RendezvousConnectionError|Socket Timeout|"
+        r"client socket has failed to connect|client socket has timed out|connect\(\) timed out|"
+        r"Timed out initializing process group|server socket has failed to (?:listen|bind)|errno: 98\b|"
+        r"retry counter exceeded|RETRY_EXC_ERR|Max retries exceeded with url|NewConnectionError|"
+        r"Temporary failure in name resolution|Name or service not known|Timed out after \d+ "
+        r"seconds waiting for "
+        r"clients"
+        r"|Rendezvous\w*Error"
+        r"|Address already in use"
+        r"|Could not resolve hostname"
+        r"|failed to resolve"
+        r"|socket\.timeout"
+        r"|ConnectionAbortedError",
         "ignore_case": True,
     },
     # 7. generic catch-alls
@@ -301,17 +955,36 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "doc": "NCCL reported a problem that no specific rule names",
     },
     {
+        "name": "nccl_error_other",
+        "status": "other_network_error",
+        "pattern": r"NCCL error in: |\bDist(?:Backend|Network|Store)?Error\b",
+        "generic": True,
+        "doc": "an NCCL or torch.distributed error that no specific rule names",
+    },
+    {
         "name": "cpp_terminate",
         "status": "other_software_error",
-        "pattern": r"terminate called after throwing an instance of",
+        "pattern": r"terminate called after throwing an instance of"
+        r"|std::bad_alloc",
         "generic": True,
     },
     {
         "name": "python_exception",
         "status": "other_software_error",
-        "pattern": _RANK + r"(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?::|$)",
+        # the exception's own name, after a separator or its module's dot ('torch.cuda.OutOfMemoryError')
+        "pattern": _each(r"[A-Z](?<![^\s\]:>.)][A-Z])\w*@(?::\s|:?$)", "Error", "Exception"),
+        "unless": r"^\s*(?:raise|except|from|import|class|def|assert|return)\b|^\s*File \"",
         "generic": True,
         "doc": "an exception line of a Python traceback that no specific rule explains",
+    },
+    {
+        "name": "error_level_line",
+        "status": "other_software_error",
+        "pattern": _each(r"^\s*@:[\w.]*:|\[@\]", "ERROR", "CRITICAL", "FATAL") + r"|\[Errno \d+\]",
+        "generic": True,
+        "doc": "a Python logging line at ERROR level, or an OS error ('[Errno 2] No such file or "
+        "directory'), "
+        "that no specific rule explains",
     },
     # exceptions reported by the training hook (type and message)
     {

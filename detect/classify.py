@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Final
 
 from detect.builtin_rules import BUILTIN_RULES
-from detect.literals import needles
+from detect.literals import Gate, NeedleSet, gates, lowered
 from detect.rules import Rule, RuleKind, load_rules_file, merge_rules, parse_rules
 from detect.statuses import ErrorStatus, Severity, worst
 from unicorn_core.errors import InvalidArgument
@@ -30,7 +30,8 @@ MAX_LINE_CHARS: Final = 8192
 EVIDENCE_CHARS: Final = 1000
 """Evidence is cut to this many characters (the line that matched, or a summary)."""
 
-_XID = re.compile(r"\bXid\b\s*(?:\([^)]*\))?\s*:?\s*(\d{1,5})\b")
+_XID = re.compile(r"\bXID\b\s*(?:\([^)]*\))?\s*[:=]?\s*(\d{1,5})\b", re.IGNORECASE)
+"""The Xid code of a line: ``NVRM: Xid (PCI:0000:0a:00): 79, ...``, ``XID 48 ...``, ``Xid=79``."""
 _MAX_SIGNAL: Final = 64
 _SIGNAL_EXIT_BASE: Final = 128
 
@@ -102,20 +103,36 @@ class _Match:
         return (self.rule.generic, self.rule.severity.level, self.position)
 
 
+class _XidBlock:
+    """Consecutive XID rules, indexed by code (the rules a code can match, in order)."""
+
+    def __init__(self, rules: Sequence[Rule]) -> None:
+        self.catch_all = tuple(r for r in rules if not r.xids)
+        codes = {code for r in rules for code in r.xids}
+        self.by_code = {code: tuple(r for r in rules if not r.xids or code in r.xids) for code in codes}
+
+    def find(self, code: int, line: str) -> Rule | None:
+        """The first rule of the block for ``code`` whose message and veto agree with ``line``."""
+        return next((r for r in self.by_code.get(code, self.catch_all) if r.matches_xid(code, line)), None)
+
+
+_Step = tuple[tuple[Gate, ...], frozenset[str] | None, Rule | None, _XidBlock | None]
+"""One step of line matching: (the rule's pattern as gated alternatives, the needles of
+which one must be present (None: always try), the rule), or an Xid block."""
+
+
 class Classifier:
     """Applies an ordered rule list; for each piece of evidence the first matching rule wins."""
 
     def __init__(self, rules: Sequence[Rule], *, prefilter: bool = True) -> None:
         """``prefilter=False`` runs every line rule's regex on every line (for measurements)."""
         self.rules: tuple[Rule, ...] = tuple(rules)
-        self._line_rules = tuple(r for r in self.rules if r.kind in (RuleKind.LINE, RuleKind.XID))
         self._xid_rules = tuple(r for r in self.rules if r.kind is RuleKind.XID)
         self._exit_rules = tuple(r for r in self.rules if r.kind is RuleKind.EXIT)
         self._exception_rules = tuple(r for r in self.rules if r.kind is RuleKind.EXCEPTION)
         self._gpu_rules = tuple(r for r in self.rules if r.kind is RuleKind.GPU)
-        self._line_checks = tuple(
-            (rule, _ascii_needles(rule) if prefilter else None) for rule in self._line_rules
-        )
+        self._steps = _steps(self.rules, prefilter)
+        self._needles = NeedleSet(n for step in self._steps for n, _ in step[0] if n is not None)
 
     def rule_named(self, name: str) -> Rule | None:
         """The rule called ``name`` (e.g. the ``rule`` of a ``FaultReport``), if this classifier has it."""
@@ -125,24 +142,25 @@ class Classifier:
 
     def _line_rule(self, line: str) -> Rule | None:
         text = line[:MAX_LINE_CHARS]
-        xid_match = _XID.search(text) if "Xid" in text else None
+        low = lowered(text)
+        xid_match = _XID.search(text) if "xid" in low else None
         xid = int(xid_match.group(1)) if xid_match is not None else None
-        lowered = text.lower()
-        ascii_text = text.isascii()
-        for rule, required in self._line_checks:
-            if rule.kind is RuleKind.XID:
-                if xid is not None and rule.matches_xid(xid):
-                    return rule
+        present = self._needles.find(low)
+        for parts, required, rule, block in self._steps:
+            if block is not None:
+                if xid is not None:
+                    found = block.find(xid, text)
+                    if found is not None:
+                        return found
                 continue
-            assert rule.pattern is not None
-            if (
-                required is not None
-                and (ascii_text or not rule.pattern.flags & re.IGNORECASE)
-                and not any(needle in lowered for needle in required)
-            ):
+            assert rule is not None
+            if required is not None and required.isdisjoint(present):
                 continue  # none of the literals this pattern needs is in the line
-            if rule.pattern.search(text):
-                return rule
+            for needle, pattern in parts:
+                if (needle is None or needle in present) and pattern.search(text):
+                    if not rule.vetoed(text):
+                        return rule
+                    break
         return None
 
     def classify_line(self, line: str) -> Classification:
@@ -267,7 +285,7 @@ class Classifier:
                 raise InvalidArgument(f"an Xid code is a non-negative integer, got {value:g}")
             code = int(value)
             rule = next((r for r in self._xid_rules if r.matches_xid(code)), None)
-            if rule is None:
+            if rule is None or rule.status is ErrorStatus.NONE:
                 return BENIGN
             return _from_rule(rule, f"xid = {code}" + (f": {rule.doc}" if rule.doc else ""))
         for rule in self._gpu_rules:
@@ -292,12 +310,24 @@ def _ending(exit_code: int | None, number: int | None) -> str:
     return f"exit code {exit_code}" if exit_code is not None else "exit status unknown"
 
 
-def _ascii_needles(rule: Rule) -> tuple[str, ...] | None:
-    """The rule's prefilter (see :mod:`detect.literals`); only ASCII needles are trusted."""
-    if rule.pattern is None:
-        return None
-    found = needles(rule.pattern)
-    return found if found is not None and all(n.isascii() for n in found) else None
+def _steps(rules: Sequence[Rule], prefilter: bool) -> tuple[_Step, ...]:
+    """Line rules in order, each run of consecutive XID rules as one indexed block."""
+    steps: list[_Step] = []
+    run: list[Rule] = []
+    for rule in (*rules, None):
+        if rule is not None and rule.kind is RuleKind.XID:
+            run.append(rule)
+            continue
+        if run:
+            steps.append(((), None, None, _XidBlock(run)))
+            run = []
+        if rule is not None and rule.kind is RuleKind.LINE:
+            assert rule.pattern is not None
+            parts = gates(rule.pattern) if prefilter else ((None, rule.pattern),)
+            found = [needle for needle, _ in parts]
+            required = None if None in found else frozenset(n for n in found if n is not None)
+            steps.append((parts, required, rule, None))
+    return tuple(steps)
 
 
 def _weight(rule: Rule, floor: Severity) -> tuple[bool, int]:

@@ -12,14 +12,17 @@ built-in table (:mod:`detect.builtin_rules`) and rule files use the same schema,
                                         #   connection_refused_reset and task_hang
     generic = false                     # optional: a catch-all; in a text any specific match wins
     doc = "why this evidence means that" # optional
-    pattern = "Fabric Manager .* not running"   # the matcher (see below)
-    ignore_case = true                  # optional, for pattern and message
+    pattern = "Fabric Manager .* (?:not running|failed)"   # the matcher (see below)
+    unless = '\\bwill retry\\b'             # optional veto (see below)
+    ignore_case = true                  # optional, for pattern, message and unless
 
 Exactly one matcher says what the rule looks at:
 
 - ``pattern``: a regular expression searched in one log line;
 - ``xid = [79, 95]``: NVIDIA Xid codes, from kernel lines ``NVRM: Xid (PCI:...): 79, ...``
-  or NVML events; an empty list matches every Xid;
+  or NVML events; an empty list matches every Xid. With ``message = "..."`` (a regex
+  searched in the Xid line) the rule matches only lines that say so, never a bare NVML
+  event, which has no text (e.g. ``Fatal`` vs ``Nonfatal`` NVLink Xids);
 - ``exit_codes = [42]`` and/or ``signals = ["SIGKILL", 11]``: how a process ended (an exit
   code 128+N from a shell counts as signal N);
 - ``exception_type = "OutOfMemoryError"`` (a regex matched against the whole type name,
@@ -28,8 +31,16 @@ Exactly one matcher says what the rule looks at:
 - ``gpu_kind = "temperature"`` with optional ``min_value = 90``: an NVML health event
   whose reading is at least ``min_value``.
 
+``unless = "..."`` (pattern, xid and exception rules) is a veto: a regex searched in the
+same text (the line, or the exception message); when it is found the rule does not match
+and the next rules are tried. It states what makes matching text *not* evidence (a zero
+count, a retry that follows), so the matcher can stay broad.
+
 Order is priority: for each piece of evidence the first matching rule wins. Rules from a
-file come before the built-ins; a file rule with a built-in's name replaces it.
+file come before the built-ins; a file rule with a built-in's name replaces it. A rule
+with status ``none`` that matches makes the evidence benign, so benign rules placed first
+veto every rule after them (the built-ins start with such a group: log levels, zero
+counts, retries, ignored exceptions).
 """
 
 from __future__ import annotations
@@ -74,7 +85,10 @@ class Rule:
     """A catch-all: within one text, any specific match wins over it."""
     doc: str
     pattern: re.Pattern[str] | None = None
-    """LINE: searched in the line. EXCEPTION: searched in the message (None: any)."""
+    """LINE: searched in the line. XID: searched in the Xid line, EXCEPTION: in the message
+    (None: any)."""
+    unless: re.Pattern[str] | None = None
+    """A veto searched in the same text as ``pattern``: found means no match."""
     exception_type: re.Pattern[str] | None = None
     xids: frozenset[int] = frozenset()
     exit_codes: frozenset[int] = frozenset()
@@ -82,9 +96,19 @@ class Rule:
     gpu_kind: GpuFaultKind | None = None
     min_value: float = 0.0
 
-    def matches_xid(self, code: int) -> bool:
-        """XID rules: ``code`` is listed, or the rule lists none (a catch-all)."""
-        return not self.xids or code in self.xids
+    def matches_xid(self, code: int, line: str | None = None) -> bool:
+        """XID rules: ``code`` is listed (or the rule lists none: a catch-all), and the
+        rule's ``message`` is in ``line`` and its ``unless`` is not. ``line`` None is an
+        NVML event without text: a rule that needs a message cannot match it."""
+        if self.xids and code not in self.xids:
+            return False
+        if line is None:
+            return self.pattern is None
+        return (self.pattern is None or self.pattern.search(line) is not None) and not self.vetoed(line)
+
+    def vetoed(self, text: str) -> bool:
+        """The rule's ``unless`` is found in ``text``."""
+        return self.unless is not None and self.unless.search(text) is not None
 
     def matches_exception(self, exc_type: str, message: str) -> bool:
         """EXCEPTION rules: the type matches (whole name or last part) and so does the message."""
@@ -93,15 +117,15 @@ class Rule:
         short = name.rsplit(".", 1)[-1]
         if not (self.exception_type.fullmatch(name) or self.exception_type.fullmatch(short)):
             return False
-        return self.pattern is None or self.pattern.search(message) is not None
+        return (self.pattern is None or self.pattern.search(message) is not None) and not self.vetoed(message)
 
 
 _COMMON_KEYS: Final = frozenset({"name", "status", "severity", "secondary", "generic", "doc"})
 _KIND_KEYS: Final[dict[RuleKind, frozenset[str]]] = {
-    RuleKind.LINE: frozenset({"pattern", "ignore_case"}),
-    RuleKind.XID: frozenset({"xid"}),
+    RuleKind.LINE: frozenset({"pattern", "unless", "ignore_case"}),
+    RuleKind.XID: frozenset({"xid", "message", "unless", "ignore_case"}),
     RuleKind.EXIT: frozenset({"exit_codes", "signals"}),
-    RuleKind.EXCEPTION: frozenset({"exception_type", "message", "ignore_case"}),
+    RuleKind.EXCEPTION: frozenset({"exception_type", "message", "unless", "ignore_case"}),
     RuleKind.GPU: frozenset({"gpu_kind", "min_value"}),
 }
 _TRIGGERS: Final[dict[str, RuleKind]] = {
@@ -187,6 +211,7 @@ def _kind(table: Mapping[str, object]) -> RuleKind:
 @dataclass(frozen=True)
 class _Matcher:
     pattern: re.Pattern[str] | None = None
+    unless: re.Pattern[str] | None = None
     exception_type: re.Pattern[str] | None = None
     xids: frozenset[int] = frozenset()
     exit_codes: frozenset[int] = frozenset()
@@ -197,10 +222,12 @@ class _Matcher:
 
 def _matcher(table: Mapping[str, object], kind: RuleKind) -> _Matcher:
     flags = re.IGNORECASE if _bool(table, "ignore_case", False) else 0
+    unless = _regex(table, "unless", flags) if "unless" in table else None
     if kind is RuleKind.LINE:
-        return _Matcher(pattern=_regex(table, "pattern", flags))
+        return _Matcher(pattern=_regex(table, "pattern", flags), unless=unless)
     if kind is RuleKind.XID:
-        return _Matcher(xids=_ints(table, "xid", 0, 1 << 16))
+        message = _regex(table, "message", flags) if "message" in table else None
+        return _Matcher(pattern=message, unless=unless, xids=_ints(table, "xid", 0, 1 << 16))
     if kind is RuleKind.EXIT:
         matcher = _Matcher(exit_codes=_ints(table, "exit_codes", 1, 255), signals=_signals(table))
         if not matcher.exit_codes and not matcher.signals:
@@ -208,7 +235,7 @@ def _matcher(table: Mapping[str, object], kind: RuleKind) -> _Matcher:
         return matcher
     if kind is RuleKind.EXCEPTION:
         message = _regex(table, "message", flags) if "message" in table else None
-        return _Matcher(pattern=message, exception_type=_regex(table, "exception_type", 0))
+        return _Matcher(pattern=message, unless=unless, exception_type=_regex(table, "exception_type", 0))
     gpu_kind, min_value = _gpu(table)
     return _Matcher(gpu_kind=gpu_kind, min_value=min_value)
 
@@ -252,6 +279,7 @@ def _rule(table: Mapping[str, object]) -> Rule:
         generic=_bool(table, "generic", False),
         doc=_str(table, "doc", default=""),
         pattern=matcher.pattern,
+        unless=matcher.unless,
         exception_type=matcher.exception_type,
         xids=matcher.xids,
         exit_codes=matcher.exit_codes,

@@ -102,11 +102,16 @@ class SshError(ExternalCallError):
 
 
 class SshUnreachable(SshError):
-    """No SSH session could be opened to the host (refused, timed out, host key rejected)."""
+    """No SSH session could be opened to the host (refused, timed out, host key rejected).
 
-    def __init__(self, command: Sequence[str], detail: str) -> None:
+    ``network``: no route to a live sshd (refused, timed out, connection lost). False
+    when the host answered but the session was refused (authentication, host key): the
+    host is up, only the probe's credentials are wrong."""
+
+    def __init__(self, command: Sequence[str], detail: str, *, network: bool = True) -> None:
         super().__init__(command, None, stderr=detail, message="unreachable")
         self.detail = detail
+        self.network = network
 
 
 class RedisCallError(ExternalCallError):

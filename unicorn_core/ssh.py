@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,7 +76,12 @@ async def run(
             timeout=connect_timeout_s + 1.0,
         )
     except (OSError, asyncssh.Error, TimeoutError) as e:
-        raise SshUnreachable(shown, f"{type(e).__name__}: {e}".strip()) from e
+        # No route, no answer, refused, dropped: nothing on the node answers. A name that
+        # does not resolve or a refused login says nothing about the node (configuration).
+        network = isinstance(e, OSError | TimeoutError | asyncssh.ConnectionLost) and not isinstance(
+            e, socket.gaierror
+        )
+        raise SshUnreachable(shown, f"{type(e).__name__}: {e}".strip(), network=network) from e
     try:
         async with conn:
             try:

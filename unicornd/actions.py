@@ -64,11 +64,17 @@ class ResumeNode:
 
 @dataclass(frozen=True)
 class CheckNode:
-    """Run the node check on a returning node; its outcome goes to ``on_node_check``."""
+    """Run the node check on ``node``: a returning node (outcome to ``on_node_check``) or
+    the suspect of an incident, to confirm a fault before its node is drained
+    (:mod:`detect.isolation`). ``paired``: run the paired check across these nodes (all
+    of the job ``job_id``'s) instead, to find which one stalls the job's collectives; its
+    outcome names the bad nodes (:attr:`Outcome.nodes`)."""
 
     kind: ClassVar[str] = "check_node"
     action_id: str
     node: str
+    paired: tuple[str, ...] = ()
+    job_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -338,7 +344,7 @@ def resources(action: Action) -> frozenset[str]:
     if isinstance(action, DrainNode | ResumeNode):
         return frozenset({ALLOCATION, f"node:{action.node}"})
     if isinstance(action, CheckNode):
-        return frozenset({f"node:{action.node}"})
+        return frozenset({f"node:{n}" for n in (action.node, *action.paired)})
     if isinstance(action, Shrink | Grow | Requeue):
         return frozenset({ALLOCATION, f"job:{action.job_id}"})
     if isinstance(action, SendCommand | LaunchAgents | RestartAgent):
@@ -365,6 +371,8 @@ class Outcome:
     echoed). ``kind`` is the action's kind, or ``agent_command`` for an agent's answer
     (a :class:`SendCommand` is *done* once written; its effect is the agent's answer).
     ``detail`` carries the error (command, exit code, output) or the agent's text.
+    ``nodes``: the nodes a failed node check found at fault (its own node; for a paired
+    check the nodes it convicted, possibly none when it could not tell).
     """
 
     action_id: str
@@ -372,6 +380,7 @@ class Outcome:
     status: OutcomeStatus
     detail: str = ""
     node: str = ""
+    nodes: tuple[str, ...] = ()
 
     AGENT_COMMAND: ClassVar[str] = "agent_command"
 

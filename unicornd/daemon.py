@@ -188,7 +188,7 @@ class Daemon:
             "events": events.run(),
             "control": control.run(),
             "ticker": Ticker(self.core, self.detector, self.agents.on_finding).run(),
-            "slurm": SlurmWatch(self.core, self.slurm, self.agent_users).run(),
+            "slurm": SlurmWatch(self.core, self.slurm, self.agent_users, self.detector).run(),
             "executor": self._execute(),
             "liveness": self._liveness(),
             "alerts": self.alerts.run(),

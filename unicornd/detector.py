@@ -26,6 +26,7 @@ from detect import (
     Evidence,
     HeartbeatTracker,
     IterationMonitor,
+    Liveness,
     Severity,
 )
 from unicorn_core.config import AgentConfig, DetectConfig
@@ -155,6 +156,10 @@ class Detector:
                 for node in task.nodes:
                     if node not in task.finished_nodes:
                         self.expect_agent(task.job_id, node, now_s)
+
+    def silent(self, job_id: int, node: str, now_s: float) -> bool:
+        """The agent of ``job_id`` on ``node`` is silent past its heartbeat timeout at ``now_s``."""
+        return self.liveness.state(job_id, node, now_s) is Liveness.EXPIRED
 
     def last_iteration(self, job_id: int) -> int | None:
         state = self._jobs.get(job_id)

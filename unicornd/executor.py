@@ -25,6 +25,7 @@ from typing import Any, Final
 
 import redis.asyncio as aioredis
 
+from launcher.paircheck import paired_check
 from unicorn_core import protocol, redis_io
 from unicorn_core.config import Config
 from unicorn_core.errors import CommandFailed, CommandTimeout, UnicornError
@@ -61,6 +62,17 @@ log = get_logger(__name__)
 RETRY_FOR_S: Final = 60.0
 NODE_CHECK_TIMEOUT_S: Final = 120.0
 IDLE_WAIT_S: Final = 1.0
+PAIRED_CHECK_TIMEOUT_S: Final = 60.0
+"""Per test of the paired check (each test: an all-gather and a matmul on 2-3 nodes)."""
+
+
+class CheckFailed(UnicornError):
+    """A node check (or the paired check) found ``nodes`` at fault (none: it could not
+    tell which); ``detail`` says what failed. Final: the check ran and answered."""
+
+    def __init__(self, nodes: tuple[str, ...], detail: str) -> None:
+        super().__init__(detail)
+        self.nodes = nodes
 
 
 class Executor:
@@ -175,6 +187,9 @@ class Executor:
                 return Outcome(action.action_id, action.kind, OutcomeStatus.DONE, detail, node)
             except ResizeUnsupported as e:
                 return Outcome(action.action_id, action.kind, OutcomeStatus.UNSUPPORTED, str(e), node)
+            except CheckFailed as e:
+                log.warning("check_failed", action=action.action_id, nodes=list(e.nodes), detail=str(e))
+                return Outcome(action.action_id, action.kind, OutcomeStatus.FAILED, str(e), node, e.nodes)
             except UnicornError as e:
                 if not e.temporary or time.monotonic() + backoff > deadline:
                     status = (
@@ -220,13 +235,37 @@ class Executor:
         return f"job {action.job_id} requeued onto {','.join(action.nodes) or '(held)'}"
 
     async def _check_node(self, action: CheckNode) -> str:
+        if action.paired:
+            return await self._paired_check(action)
         argv = [str(bin_dir(self.cfg.agent) / "unicorn-node-check")]
-        out = await self.slurm.run_on_nodes([action.node], argv, timeout_s=NODE_CHECK_TIMEOUT_S)
+        try:
+            out = await self.slurm.run_on_nodes([action.node], argv, timeout_s=NODE_CHECK_TIMEOUT_S)
+        except CommandTimeout as e:  # a node that cannot finish its check is not fit to run
+            raise CheckFailed((action.node,), f"node check did not finish: {e}") from e
         detail = (out.stderr or out.stdout).strip()[-300:]
         log.info("node_check", node=action.node, passed=out.exit_code == 0, detail=detail)
         if out.exit_code != 0:
-            raise CommandFailed(argv, out.exit_code, out.stdout, out.stderr, message=detail or "unhealthy")
+            why = f"node check failed (exit {out.exit_code}): {detail or 'unhealthy'}"
+            raise CheckFailed((action.node,), why)
         return detail or "passed"
+
+    async def _paired_check(self, action: CheckNode) -> str:
+        report = await paired_check(
+            self.slurm,
+            list(action.paired),
+            master_addr=self.cfg.agent.rendezvous_host or None,
+            timeout_s=PAIRED_CHECK_TIMEOUT_S,
+            job_id=action.job_id,
+            python=str(bin_dir(self.cfg.agent) / "python"),
+        )
+        d = report.diagnosis
+        tests = "; ".join(f"{','.join(r.nodes)} {'ok' if r.ok else 'FAILED'}" for r in report.results)
+        log.info("paired_check", nodes=list(action.paired), bad=list(d.bad), unresolved=list(d.unresolved))
+        if d.bad or d.unresolved:
+            bad, unresolved = ",".join(d.bad) or "-", ",".join(d.unresolved) or "-"
+            why = f"paired check: bad {bad}, unresolved {unresolved} ({tests})"
+            raise CheckFailed(tuple(d.bad), why)
+        return f"paired check passed ({tests})"
 
     async def _send(self, action: SendCommand) -> str:
         stream = self.keys.agent_commands(action.job_id, action.node)

@@ -21,13 +21,15 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Final
 
+from detect.isolation import Confirmation
+from detect.statuses import ErrorStatus, Severity
 from unicorn_core.config import Config
 from unicorn_core.errors import UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
 from unicorn_core.protocol import CommandResult, IterationTiming, Message, ProcessExit
 from unicorn_core.slurm.backend import SlurmBackend
-from unicorn_core.slurm.types import JobState
+from unicorn_core.slurm.types import JobState, NodeInfo, NodeState
 from unicornd import decide, oob
 from unicornd.actions import Outcome, OutcomeStatus
 from unicornd.agentusers import AgentUsers
@@ -35,12 +37,13 @@ from unicornd.core import Core
 from unicornd.decide import ClassificationLike
 from unicornd.detector import Detector, JobEvidence
 from unicornd.replan import PLANNED_STATES
-from unicornd.state import NodeHealth
+from unicornd.state import LIVE_TASK_STATES, NodeHealth
 
 log = get_logger(__name__)
 
 TICK_S: Final = 0.05
 SLURM_POLL_S: Final = 1.0
+SLURM_NOT_RESPONDING: Final = "slurm_not_responding"
 
 
 def entry_time(entry_id: str) -> float:
@@ -134,6 +137,7 @@ class AgentInputs:
             try:
                 result = await oob.probe_node(self.cfg.ssh, self.cfg.agent, node, jf.job_id)
                 found = oob.verdict(result, jf.classification.evidence, self.detector.classifier)
+                confirmed_by = oob.confirmation(result, found)
                 log.warning(
                     "probe",
                     job_id=jf.job_id,
@@ -142,13 +146,14 @@ class AgentInputs:
                     agents=list(result.agent_states),
                     kernel_lines=len(result.kernel_lines),
                     rule=found.rule,
+                    confirmed_by=confirmed_by or "-",
                     s=round(result.elapsed_s, 3),
                 )
-            except Exception as e:  # a broken probe must not hide the silence
+            except Exception as e:  # a broken probe must not hide the silence (nor confirm it)
                 log.error("probe_failed", job_id=jf.job_id, node=node, error=repr(e))
-                found = jf.classification
+                found, confirmed_by = jf.classification, ""
             try:
-                await self._decide_finding(jf, node, f"{finding_id}:probe", found)
+                await self._decide_finding(jf, node, f"{finding_id}:probe", found, confirmed_by=confirmed_by)
             finally:
                 self.probes.pop(key, None)
 
@@ -161,8 +166,12 @@ class AgentInputs:
         finding_id: str,
         classification: ClassificationLike,
         now_s: float | None = None,
+        *,
+        confirmed_by: str = "",
     ) -> None:
         f = jf.evidence
+        if f.source == "gpu":  # the agent's NVML readings: the device's own report
+            confirmed_by = Confirmation.NVML
         finding = decide.Finding.of(
             classification,
             finding_id=finding_id,
@@ -170,6 +179,7 @@ class AgentInputs:
             node=node,
             rank=f.rank,
             rank_died=f.source == "exit",
+            confirmed_by=confirmed_by,
         )
         if finding is None:
             return
@@ -182,6 +192,7 @@ class AgentInputs:
             severity=str(finding.severity),
             rule=finding.rule,
             source=f.source,
+            confirmed_by=confirmed_by or "-",
         )
         now = time.time() if now_s is None else now_s
         await self.core.decide(now, lambda s: decide.on_finding(s, finding, now))
@@ -190,10 +201,13 @@ class AgentInputs:
 class SlurmWatch:
     """Polls Slurm once a second and turns what changed into decisions."""
 
-    def __init__(self, core: Core, slurm: SlurmBackend, agent_users: AgentUsers) -> None:
+    def __init__(
+        self, core: Core, slurm: SlurmBackend, agent_users: AgentUsers, detector: Detector | None = None
+    ) -> None:
         self.core = core
         self.slurm = slurm
         self.agent_users = agent_users
+        self.detector = detector
 
     async def run(self) -> None:
         while True:
@@ -210,14 +224,7 @@ class SlurmWatch:
             return
         core = self.core
         now = time.time()
-        for info in nodes:
-            rec = core.snap.nodes.get(info.name)
-            if rec is None or (info.usable and rec.health is NodeHealth.DRAINED):
-                await core.decide(now, partial(decide.on_node_join, node=info.name, now_s=now))
-            elif not info.usable and info.drained and rec.health in (NodeHealth.HEALTHY, NodeHealth.DRAINING):
-                await core.decide(
-                    now, partial(decide.on_node_drained, node=info.name, now_s=now, reason=info.reason)
-                )
+        await self._nodes(nodes, now)
         render = core.ctx.render_for
         for task in list(core.snap.tasks.values()):
             if task.job_id is None or task.state not in PLANNED_STATES:
@@ -251,6 +258,55 @@ class SlurmWatch:
             await self.agent_users.forget_gone(core.snap, jobs)
         except UnicornError as e:
             log.warning("agent_user_cleanup_failed", error=str(e))
+
+    async def _nodes(self, nodes: Sequence[NodeInfo], now: float) -> None:
+        """Nodes that joined, were drained outside unicorn, or stopped responding."""
+        core = self.core
+        for info in nodes:
+            rec = core.snap.nodes.get(info.name)
+            if rec is None or (info.usable and rec.health is NodeHealth.DRAINED):
+                await core.decide(now, partial(decide.on_node_join, node=info.name, now_s=now))
+            elif not info.usable and info.drained and rec.health in (NodeHealth.HEALTHY, NodeHealth.DRAINING):
+                await core.decide(
+                    now, partial(decide.on_node_drained, node=info.name, now_s=now, reason=info.reason)
+                )
+        for info in nodes:
+            if not info.responding or info.state is NodeState.DOWN:
+                await self._silent_and_not_responding(info, now)
+
+    async def _silent_and_not_responding(self, info: NodeInfo, now: float) -> None:
+        """Slurm's view confirms a lost agent: its node is NOT_RESPONDING or DOWN while the
+        agent of a live task there is silent past its heartbeat timeout. Both together are
+        a confirmed node loss (:mod:`detect.isolation`); either alone is not (slurmd can
+        die on a node that trains on, and an agent can die on a node that is fine)."""
+        core = self.core
+        rec = core.snap.nodes.get(info.name)
+        task = core.snap.owner(info.name)
+        if rec is None or rec.health not in (NodeHealth.HEALTHY, NodeHealth.SUSPECT):
+            return
+        if (
+            task is None
+            or task.job_id is None
+            or task.state not in LIVE_TASK_STATES
+            or task.requeue is not None
+        ):
+            return
+        if self.detector is None or not self.detector.silent(task.job_id, info.name, time.monotonic()):
+            return
+        flags = ",".join(sorted(info.flags)) or "-"
+        finding = decide.Finding(
+            finding_id=f"slurm:{info.name}:{rec.joins}:{task.job_id}",
+            job_id=task.job_id,
+            node=info.name,
+            rank=None,
+            status=ErrorStatus.LOST_CONNECTION,
+            severity=Severity.SEV1,
+            rule=SLURM_NOT_RESPONDING,
+            evidence=f"slurmctld: {info.name} {info.state} ({flags}) {info.reason}; agent silent",
+            confirmed_by=Confirmation.SLURM,
+        )
+        log.warning("finding", job_id=task.job_id, node=info.name, rule=finding.rule, confirmed_by="slurm")
+        await core.decide(now, partial(decide.on_finding, finding=finding, now_s=now))
 
 
 class Ticker:

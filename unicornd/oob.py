@@ -8,16 +8,23 @@ a healthy node for a dead agent costs the task a transition and the cluster a no
 :func:`probe_node` (I/O) asks the node through :mod:`unicorn_core.ssh` to run
 ``unicorn-probe``; :func:`verdict` (pure) turns the answer into a classification:
 
-===========================================  ===============  ==============
-probe answer                                 status           severity, rule
-===========================================  ===============  ==============
-no SSH session (refused, timeout, host key)  lost_connection  SEV1 ssh_unreachable
-kernel log has a fault line (Xid, ECC, MCE)  from the rules   the rule's (Xid 79: SEV1)
-no agent process for the job                 lost_connection  SEV2 agent_lost
-agent process stopped (T) or a zombie        lost_connection  SEV2 agent_silent
-agent process running or sleeping            lost_connection  SEV3 agent_slow
-probe ran but its answer is unreadable       lost_connection  SEV1 probe_failed
-===========================================  ===============  ==============
+===========================================  ===============  ====================  ==========
+probe answer                                 status           severity, rule        confirms
+===========================================  ===============  ====================  ==========
+no route to sshd (refused, timeout, lost)    lost_connection  SEV1 ssh_unreachable  ssh
+session refused (auth, host key): host up    lost_connection  SEV2 probe_denied     -
+kernel log has a fault line (Xid, ECC, MCE)  from the rules   the rule's (Xid 79:   kernel_log
+                                                              SEV1)
+no agent process for the job                 lost_connection  SEV2 agent_lost       -
+agent process stopped (T) or a zombie        lost_connection  SEV2 agent_silent     -
+agent process running or sleeping            lost_connection  SEV3 agent_slow       -
+probe ran but its answer is unreadable       lost_connection  SEV2 probe_failed     -
+===========================================  ===============  ====================  ==========
+
+Only the first and third rows confirm a node fault (:mod:`detect.isolation`): the node
+did not answer at all, or its own kernel logged a fault. A host that answers SSH is up,
+so a refused login or an unreadable answer restarts the agent; it never drains the node
+(a probe misconfigured at a site must not drain its cluster).
 
 A stopped or dead agent cannot take commands (it reads them from the same Redis), so its
 restart rung starts a new agent. A running agent that is late is starved or cut off from
@@ -33,6 +40,7 @@ import time
 from dataclasses import dataclass
 
 from detect.classify import Classification, Classifier
+from detect.isolation import Confirmation
 from detect.statuses import ErrorStatus, Severity, worst
 from unicorn_core.config import AgentConfig, SshConfig
 from unicorn_core.errors import CommandTimeout, SshUnreachable
@@ -41,6 +49,11 @@ from unicornd.decide import AGENT_LOST, AGENT_SILENT, SSH_UNREACHABLE
 from unicornd.launch import bin_dir
 
 _EVIDENCE_CHARS = 900
+PROBE_DENIED = "probe_denied"
+PROBE_FAILED = "probe_failed"
+_PROBE_RULES = frozenset(
+    {SSH_UNREACHABLE, PROBE_DENIED, PROBE_FAILED, AGENT_LOST, AGENT_SILENT, "agent_slow"}
+)
 _DEAD_STATES = frozenset({"stopped", "traced", "zombie"})
 
 
@@ -57,6 +70,8 @@ class ProbeResult:
     kernel_lines: tuple[str, ...] = ()
     kernel_error: str = ""
     elapsed_s: float = 0.0
+    network: bool = True
+    """When not ``reachable``: no route to sshd (False: the host answered and refused the session)."""
 
 
 def endpoint_of(cfg: SshConfig, node: str) -> Endpoint:
@@ -83,7 +98,7 @@ async def probe_node(cfg: SshConfig, agent: AgentConfig, node: str, job_id: int)
             command_timeout_s=cfg.command_timeout_s,
         )
     except SshUnreachable as e:
-        return ProbeResult(node, job_id, False, e.detail, elapsed_s=time.monotonic() - t0)
+        return ProbeResult(node, job_id, False, e.detail, elapsed_s=time.monotonic() - t0, network=e.network)
     except CommandTimeout as e:
         return ProbeResult(node, job_id, True, str(e), elapsed_s=time.monotonic() - t0)
     elapsed = time.monotonic() - t0
@@ -105,7 +120,10 @@ def verdict(result: ProbeResult, silence: str, classifier: Classifier) -> Classi
     """
     where = f"ssh {result.node}"
     if not result.reachable:
-        return _lost(Severity.SEV1, SSH_UNREACHABLE, f"{silence}; {where}: {result.detail}")
+        if result.network:
+            return _lost(Severity.SEV1, SSH_UNREACHABLE, f"{silence}; {where}: {result.detail}")
+        where += ": host up, session refused"
+        return _lost(Severity.SEV2, PROBE_DENIED, f"{silence}; {where}: {result.detail}")
     kernel = [classifier.classify_line(line) for line in result.kernel_lines]
     faults = [c for c in kernel if c.is_fault]
     if faults:
@@ -115,15 +133,36 @@ def verdict(result: ProbeResult, silence: str, classifier: Classifier) -> Classi
         evidence = f"kernel log of {result.node}: {lines}; {silence}"
         return Classification(first.status, first.severity, first.rule, evidence[:_EVIDENCE_CHARS])
     if not result.answered:
-        return _lost(Severity.SEV1, "probe_failed", f"{silence}; {where}: {result.detail}")
+        return _lost(Severity.SEV2, PROBE_FAILED, f"{silence}; {where}: {result.detail}")
     note = f"; kernel log unreadable: {result.kernel_error}" if result.kernel_error else ""
-    if not result.agent_states:
-        return _lost(Severity.SEV2, AGENT_LOST, f"{silence}; {where}: node up, agent not running{note}")
     states = ", ".join(result.agent_states)
-    evidence = f"{silence}; {where}: node up, agent {states} but silent{note}"
-    if all(s in _DEAD_STATES for s in result.agent_states):
-        return _lost(Severity.SEV2, AGENT_SILENT, evidence)
-    return _lost(Severity.SEV3, "agent_slow", evidence)
+    if not result.agent_states:
+        severity, rule, evidence = (
+            Severity.SEV2,
+            AGENT_LOST,
+            f"{silence}; {where}: node up, agent not running{note}",
+        )
+    elif all(s in _DEAD_STATES for s in result.agent_states):
+        severity, rule, evidence = (
+            Severity.SEV2,
+            AGENT_SILENT,
+            f"{silence}; {where}: node up, agent {states} but silent{note}",
+        )
+    else:
+        severity, rule, evidence = (
+            Severity.SEV3,
+            "agent_slow",
+            f"{silence}; {where}: node up, agent {states} but silent{note}",
+        )
+    return _lost(severity, rule, evidence)
+
+
+def confirmation(result: ProbeResult, found: Classification) -> str:
+    """What the probe's verdict ``found`` confirms (a :class:`Confirmation` value, "" for
+    nothing): no route to the node (``ssh``), or a fault in its kernel log (``kernel_log``)."""
+    if not result.reachable:
+        return Confirmation.SSH if result.network else ""
+    return "" if found.rule in _PROBE_RULES else Confirmation.KERNEL_LOG
 
 
 def _lost(severity: Severity, rule: str, evidence: str) -> Classification:

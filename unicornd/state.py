@@ -405,7 +405,10 @@ class Incident(_Record):
     ``attempts`` counts actions per rung; ``last_action_s`` is when the latest one was
     issued (findings soon after it are its consequences, and stage deadlines run from
     it). ``isolated_nodes`` are the nodes this incident drained; ``pending_drain`` the
-    node waiting for an operator's confirmation. ``finding_ids`` (the newest
+    node waiting for an operator's confirmation; ``pending_check`` the nodes whose node
+    check must confirm the fault before any is drained (:mod:`detect.isolation`);
+    ``confirmed_by`` what confirmed the last drain (a
+    :class:`detect.isolation.Confirmation` value). ``finding_ids`` (the newest
     :attr:`Policy.remembered_findings`) make a redelivered finding a no-op.
     """
 
@@ -426,6 +429,8 @@ class Incident(_Record):
     isolated_nodes: tuple[str, ...] = ()
     pending_drain: str | None = None
     note: str = ""
+    pending_check: tuple[str, ...] = ()
+    confirmed_by: str = ""
 
     def __post_init__(self) -> None:
         if not self.incident_id:

@@ -31,7 +31,16 @@ from tests.system.coordinator import (
     trainer_command,
 )
 from unicorn_core.keys import PAYLOAD_FIELD
-from unicorn_core.protocol import AgentAction, AgentCommand, CommandResult, FaultReport, decode, encode
+from unicorn_core.protocol import (
+    AgentAction,
+    AgentCommand,
+    CommandResult,
+    FaultReport,
+    GpuFaultKind,
+    GpuHealthEvent,
+    decode,
+    encode,
+)
 from unicornd.leader import election
 from unicornd.state import LadderStage, NodeHealth, Snapshot, TaskRecord, TaskState
 
@@ -81,6 +90,23 @@ def inject(c: Coordinator, a: TaskRecord, node: str, status: str, severity: str,
     )
     with c.client() as r:
         return cast(bytes, r.xadd(c.keys.events(report.job_id), {PAYLOAD_FIELD: encode(report)}))
+
+
+def inject_gpu(c: Coordinator, a: TaskRecord, node: str, kind: GpuFaultKind, value: float) -> bytes:
+    """Write the NVML reading an agent's GPU monitor sends for ``node`` (device evidence,
+    which confirms a GPU fault, unlike a line the training printed); the entry id."""
+    event = GpuHealthEvent(
+        job_id=a.job_id or 0,
+        node=node,
+        wall_time_s=time.time(),
+        gpu_index=0,
+        kind=kind,
+        value=value,
+        detail=f"{kind} {value:g} (injected by the test)",
+        injected=True,
+    )
+    with c.client() as r:
+        return cast(bytes, r.xadd(c.keys.events(event.job_id), {PAYLOAD_FIELD: encode(event)}))
 
 
 def running(name: str, past: int = 0):  # type: ignore[no-untyped-def]
@@ -324,7 +350,9 @@ def test_kernel_evidence_from_the_probe_drains(cluster: DevCluster, tmp_path: Pa
         # a false hang may have opened and closed an earlier one (see the closing notes).
         (inc,) = [i for i in snap.incidents.values() if "n4" in i.isolated_nodes]
         assert inc.isolated_nodes == ("n4",) and any(f.endswith(":probe") for f in inc.finding_ids), inc
-        reason = node_reason(cluster, "n4")
+        deadline = time.monotonic() + 30  # the drain is committed before the executor runs it
+        while not (reason := node_reason(cluster, "n4")) and time.monotonic() < deadline:
+            time.sleep(0.2)
         expected = f"unicorn: gpu_driver_error {inc.incident_id} xid_79: kernel log of n4: "
         assert reason.startswith(expected), reason
         assert "GPU has fallen off the bus" in reason
@@ -420,7 +448,8 @@ def test_an_operator_confirms_the_drain_the_limiter_held(cluster: DevCluster, tm
         a = replace(task(c, "h", "n3,n4", 1.0, tmp_path), max_gpus=2)
         c.register(a)
         c.wait(running("h", 4), "h training", 180)
-        inject(c, a, "n4", "ecc_error", "SEV1", "uncorrectable ECC error (injected by the test)")
+        # The same words printed by a rank would only restart it: only device evidence confirms.
+        inject_gpu(c, a, "n4", GpuFaultKind.ECC_UNCORRECTABLE, 2)
         try:
             snap = c.wait(
                 lambda s: (i := s.open_incident("h")) is not None and i.pending_drain == "n4",
@@ -569,3 +598,39 @@ def test_state_and_pending_events_survive_a_redis_crash(cluster: DevCluster, tmp
         )
         mark = snap.tasks["d"].last_iteration or 0
         c.wait(running("d", mark + 3), "the agents reporting again", 120)
+
+
+def test_a_collective_timeout_drains_the_node_the_paired_check_names_not_the_reporter(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    """Rank 1 on n1 keeps reporting NCCL timeouts; n1 is not the culprit and nothing out of
+    band names one. With restarts used up (0 here), unicornd runs the paired check across
+    the job's 4 nodes on the real cluster; n2 (planted bad: its all-gather is corrupt) is
+    convicted and drained, n1 is not, and the task trains again without n2."""
+    quick = {
+        "UNICORN_RECOVERY__MAX_RETRIES_IN_PLACE": "0",
+        "UNICORN_RECOVERY__MAX_PROCESS_RESTARTS": "0",
+        "UNICORN_PAIRTEST_FAULT_NODE": "n2",
+    }
+    with coordinator(cluster, tmp_path, **ENV, **quick) as c:
+        a = replace(task(c, "q", "n1,n2,n3,n4", 1.0, tmp_path), max_gpus=4)
+        c.register(a)
+        c.wait(running("q", 3), "q training", 240)
+        inject(c, a, "n1", "nccl_timeout", "SEV3", "Watchdog caught collective operation timeout (injected)")
+        snap = c.wait(
+            lambda s: s.nodes["n2"].health in (NodeHealth.DRAINING, NodeHealth.DRAINED),
+            "the paired check to convict n2",
+            240,
+        )
+        (inc,) = [i for i in snap.incidents.values() if i.task_id == "q"]
+        assert inc.isolated_nodes == ("n2",), inc
+        assert any("paired check" in e.detail for e in inc.timeline), inc.timeline
+        assert snap.nodes["n1"].health is NodeHealth.HEALTHY and not node_reason(cluster, "n1")
+        deadline = time.monotonic() + 30
+        while not (reason := node_reason(cluster, "n2")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert reason.startswith(f"unicorn: nccl_timeout {inc.incident_id}") and "check" in reason, reason
+        snap = c.wait(running("q", (snap.tasks["q"].last_iteration or 0)), "q training without n2", 240)
+        assert "n2" not in snap.tasks["q"].nodes
+        c.resume("n2")
+        c.wait(lambda s: s.nodes["n2"].health is NodeHealth.HEALTHY, "n2 back", 120)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from detect.isolation import CONFIRMED_BY, Confirmation
 from detect.statuses import ErrorStatus, Severity, default_severity
 from plan.memory import MemoryEstimate
 from plan.perf import LayoutEstimate
@@ -67,9 +68,16 @@ def finding(
     rank_died: bool = False,
     secondary: bool = False,
     severity: Severity | None = None,
+    confirmed_by: str | None = None,
 ) -> Finding:
+    """A finding; ``confirmed_by`` None: confirmed as the real source would for its status
+    (``ssh`` for a lost node, ``nvml`` for GPU faults, ``node_check`` otherwise; nothing
+    for statuses that never isolate), so ladder tests exercise the ladder. Pass "" for the
+    training's own, unconfirmed output."""
     sev = severity or default_severity(status)
     assert sev is not None
+    if confirmed_by is None:
+        confirmed_by = typical_confirmation(status)
     return Finding(
         finding_id=finding_id,
         job_id=job_id,
@@ -81,7 +89,17 @@ def finding(
         evidence=f"evidence for {status.value}",
         rank_died=rank_died,
         secondary=secondary,
+        confirmed_by=confirmed_by,
     )
+
+
+def typical_confirmation(status: ErrorStatus) -> str:
+    """What confirms a node fault of ``status`` in practice ("" when nothing can)."""
+    options = CONFIRMED_BY.get(status, frozenset())
+    for source in (Confirmation.SSH, Confirmation.NVML, Confirmation.NODE_CHECK):
+        if source in options:
+            return source.value
+    return ""
 
 
 def apply(snapshot: Snapshot, decision: Decision) -> Snapshot:

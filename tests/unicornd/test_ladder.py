@@ -18,6 +18,8 @@ from unicornd.actions import (
     Decision,
     DrainNode,
     NotifyOperator,
+    Outcome,
+    OutcomeStatus,
     Replan,
     ResumeNode,
     SendCommand,
@@ -30,6 +32,7 @@ from unicornd.decide import (
     on_node_drained,
     on_node_join,
     on_operator_confirm_drain,
+    on_outcome,
     on_progress,
     on_task_arrived,
     on_task_finished,
@@ -174,8 +177,20 @@ def test_tick_climbs_rungs_that_see_no_iteration() -> None:
     snap = apply(snap, on_tick(snap, now))
     assert snap.incidents["a.1"].stage is L.RESTART_PROCESSES
     d = on_tick(snap, now + POLICY.restart_timeout_s)
-    assert [a.node for a in of_kind(d.actions, DrainNode)] == ["n2"]  # type: ignore[union-attr]
+    # Restarts used up, nothing confirmed: a connection fault names no culprit, so the
+    # paired check runs across the task's nodes before anything is drained.
+    assert not of_kind(d.actions, DrainNode)
+    checks = of_kind(d.actions, CheckNode)
+    assert [(c.node, c.paired, c.job_id) for c in checks] == [("n2", ("n1", "n2"), 1)]  # type: ignore[union-attr]
     assert on_tick(snap, now + POLICY.restart_timeout_s) == d, "deterministic"
+    snap = apply(snap, d)
+    assert snap.incidents["a.1"].stage is L.ISOLATE and snap.incidents["a.1"].pending_check == ("n1", "n2")
+    convicted = Outcome(
+        checks[0].action_id, "check_node", OutcomeStatus.FAILED, "paired check: bad n1", nodes=("n1",)
+    )
+    d = on_outcome(snap, convicted, now + POLICY.restart_timeout_s + 30)
+    assert [a.node for a in of_kind(d.actions, DrainNode)] == ["n1"]  # type: ignore[union-attr]
+    assert apply(snap, d).incidents["a.1"].stage is L.REPLAN
 
 
 def test_tick_after_a_failed_transition_with_nothing_left_to_isolate_asks_the_operator() -> None:
@@ -428,15 +443,21 @@ def test_finding_from_a_detect_classification() -> None:
     from detect.classify import BENIGN, Classification
 
     c = Classification(E.ECC_ERROR, Severity.SEV1, "xid-48", "Xid 48: DBE", secondary=False)
-    f = Finding.of(c, finding_id="1-0", job_id=1, node="n2", rank=3, rank_died=True)
-    assert f is not None and (f.status, f.severity, f.rule, f.evidence, f.rank) == (
-        E.ECC_ERROR, Severity.SEV1, "xid-48", "Xid 48: DBE", 3,
+    f = Finding.of(c, finding_id="1-0", job_id=1, node="n2", rank=3, rank_died=True, confirmed_by="nvml")
+    assert f is not None and (f.status, f.severity, f.rule, f.evidence, f.rank, f.confirmed_by) == (
+        E.ECC_ERROR, Severity.SEV1, "xid-48", "Xid 48: DBE", 3, "nvml",
     )  # fmt: skip
     assert Finding.of(BENIGN, finding_id="1-1", job_id=1, node="n2") is None
     d = on_finding(two_tasks(), f, T0)
     assert [a.reason for a in of_kind(d.actions, DrainNode)] == [
         "unicorn: ecc_error a.1 xid-48 rank 3: Xid 48: DBE"
     ]  # type: ignore[union-attr]
+    # The same line printed by a rank, with nothing out of band behind it: restart in place.
+    printed = Finding.of(c, finding_id="1-2", job_id=1, node="n2", rank=3, rank_died=True)
+    assert printed is not None and printed.confirmed_by == ""
+    d = on_finding(two_tasks(), printed, T0)
+    assert not of_kind(d.actions, DrainNode) and not of_kind(d.actions, CheckNode)
+    assert sorted(n for n, _ in commands(d, AgentAction.RESTART_RANKS)) == ["n1", "n2"]
 
 
 def test_only_a_node_the_probe_could_not_reach_is_set_down_before_the_drain() -> None:
@@ -468,7 +489,14 @@ def test_the_same_code_error_after_a_restart_stops_the_task_and_drains_nothing()
     assert "an error of the training code" in after.incidents["a.1"].note
     assert not of_kind(d.actions, DrainNode)
     assert all(n.health is NodeHealth.HEALTHY for n in after.nodes.values())
-    # Another error after the restart is not the same bug: the ladder climbs as before.
-    other = replace(again, finding_id="e3", evidence="RuntimeError: CUDA error: an illegal memory access")
+    # A CUDA error after the restart can be the GPU's: the node check runs before any drain.
+    other = replace(
+        again,
+        finding_id="e3",
+        status=E.CUDA_ERROR,
+        evidence="RuntimeError: CUDA error: unspecified launch failure",
+        confirmed_by="",
+    )
     d = on_finding(snap, other, T0 + snap.policy.settle_s + 1)
-    assert of_kind(d.actions, DrainNode)
+    assert not of_kind(d.actions, DrainNode)
+    assert [a.node for a in of_kind(d.actions, CheckNode)] == ["n2"]  # type: ignore[union-attr]

@@ -40,7 +40,7 @@ T0 = 1_700_000_000.0
         (ProbeResult("n2", 1, True, "", True), "lost_connection", "SEV2", "agent_lost", "agent not running"),
         (ProbeResult("n2", 1, True, "", True, ("stopped",)), "lost_connection", "SEV2", "agent_silent",
          "agent stopped but silent"),
-        (ProbeResult("n2", 1, True, "probe exited 127: not found"), "lost_connection", "SEV1", "probe_failed",
+        (ProbeResult("n2", 1, True, "probe exited 127: not found"), "lost_connection", "SEV2", "probe_failed",
          "not found"),
         (ProbeResult("n2", 1, True, "", True, (), (XID79,)),
          "gpu_driver_error", "SEV1", "xid_79", "kernel log of n2: NVRM: Xid"),

@@ -14,6 +14,7 @@ from unicorn_core.protocol import AgentAction
 from unicornd.actions import (
     CheckNode,
     Decision,
+    DrainNode,
     Grow,
     LaunchAgents,
     NotifyOperator,
@@ -45,11 +46,12 @@ def failed(action_id: str, detail: str = "boom", node: str = "n1") -> Outcome:
     return Outcome(action_id, Outcome.AGENT_COMMAND, OutcomeStatus.FAILED, detail, node)
 
 
-def restarting() -> tuple[Snapshot, str]:
-    """Task a on n1,n2 after a SEV2: restart_processes #1 (of 3) was ordered; the n1 command's id."""
+def restarting(status: ErrorStatus = ErrorStatus.OTHER_SOFTWARE_ERROR) -> tuple[Snapshot, str]:
+    """Task a on n1,n2 after a SEV2 (``status``): restart_processes #1 (of 3) was ordered;
+    the n1 command's id."""
     policy = Policy(max_process_restarts=3, no_progress_limit=10, recovery_budget=10)
     snap = world(4, [task("a", 1, ["n1", "n2"])], policy)
-    snap = apply(snap, on_finding(snap, finding("f1", 1, "n1", ErrorStatus.OTHER_SOFTWARE_ERROR), T0))
+    snap = apply(snap, on_finding(snap, finding("f1", 1, "n1", status, confirmed_by=""), T0))
     inc = snap.incidents["a.1"]
     assert inc.stage is L.RESTART_PROCESSES and inc.attempts_at(L.RESTART_PROCESSES) == 1
     return snap, "a.1/restart_processes/1/restart_ranks/n1"
@@ -96,12 +98,43 @@ def test_a_command_that_keeps_failing_to_start_asks_the_operator_and_drains_noth
 
 def test_a_launch_that_srun_refuses_climbs_as_a_node_fault() -> None:
     """Not the training command but the step onto the node failed: the ladder climbs as usual."""
-    snap, _ = restarting()
+    snap, _ = restarting(ErrorStatus.CUDA_ERROR)
     for attempt in range(1, snap.policy.max_process_restarts + 1):
         aid = f"a.1/restart_processes/{attempt}/restart_ranks/n1"
         out = Outcome(aid, "send_command", OutcomeStatus.FAILED, "XADD refused")
         snap = apply(snap, resolve(snap, on_outcome(snap, out, T0 + attempt), CTX, T0 + attempt))
+    # Restarts used up: the node check confirms before the drain.
+    inc = snap.incidents["a.1"]
+    assert inc.stage is L.ISOLATE and inc.pending_check == ("n1",)
+    assert snap.nodes["n1"].health is NodeHealth.HEALTHY
+    aid = f"a.1/isolate/{inc.attempts_at(L.ISOLATE)}/check/n1"
+    sick = Outcome(
+        aid, "check_node", OutcomeStatus.FAILED, "node check failed (exit 1): gpu 0", nodes=("n1",)
+    )
+    now = T0 + 60
+    snap = apply(snap, resolve(snap, on_outcome(snap, sick, now), CTX, now))
     assert snap.nodes["n1"].health is NodeHealth.DRAINING
+
+
+def test_a_node_that_passes_its_check_is_not_drained_and_the_task_stops() -> None:
+    """Restarts used up on an unconfirmed fault and the node passes its check: the fault is
+    not the node's; the task stops, the operator is told, nothing is drained."""
+    snap, _ = restarting(ErrorStatus.CUDA_ERROR)
+    for attempt in range(1, snap.policy.max_process_restarts + 1):
+        aid = f"a.1/restart_processes/{attempt}/restart_ranks/n1"
+        out = Outcome(aid, "send_command", OutcomeStatus.FAILED, "XADD refused")
+        snap = apply(snap, resolve(snap, on_outcome(snap, out, T0 + attempt), CTX, T0 + attempt))
+    inc = snap.incidents["a.1"]
+    aid = f"a.1/isolate/{inc.attempts_at(L.ISOLATE)}/check/n1"
+    stale = on_outcome(snap, Outcome("a.1/isolate/0/check/n1", "check_node", OutcomeStatus.DONE), T0 + 59)
+    assert not stale.actions and apply(snap, stale).incidents["a.1"].stage is L.ISOLATE, "stale attempt"
+    d = on_outcome(snap, Outcome(aid, "check_node", OutcomeStatus.DONE, "gpu: skipped; disk ok"), T0 + 60)
+    snap = apply(snap, resolve(snap, d, CTX, T0 + 60))
+    inc = snap.incidents["a.1"]
+    assert inc.stage is L.ESCALATED_TO_OPERATOR and "passed the node check" in inc.note
+    assert snap.tasks["a"].state is TaskState.STOPPED
+    assert all(n.health is NodeHealth.HEALTHY for n in snap.nodes.values())
+    assert not of_kind(d.actions, DrainNode)
 
 
 def transition(snap: Snapshot, gpus: dict[str, int], now: float) -> tuple[Snapshot, Decision]:

@@ -222,11 +222,14 @@ class SshConfig(Section):
     over SSH to tell a dead node (drain) from a dead agent (relaunch it, no drain)."""
 
     enabled: bool = field(
-        default=False,
+        default=True,
         metadata=_meta(
-            "Probe a node over SSH before acting on a lost heartbeat. Off = a silent agent is "
-            "treated as a dead node (SEV1; the drain limiter caps the damage). Default: false "
-            "(needs keys and host keys set up; the dev cluster turns it on)."
+            "Probe a node over SSH when its agent falls silent. A node that does not answer "
+            "at all (no route, timeout, refused: every node must run sshd) is confirmed dead "
+            "and drained at once; one that answers gets a new agent and is never drained for "
+            "the silence. Off, or when the probe cannot log in (keys, host keys): only "
+            "Slurm's view confirms a dead node (NOT_RESPONDING/DOWN while the agent is "
+            "silent), which takes slurmctld's SlurmdTimeout. Default: true."
         ),
     )
     hosts: tuple[str, ...] = field(

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from detect.isolation import Confirmation
 from detect.statuses import ErrorStatus, Severity
 from plan.cli import plan as plan_group
 from plan.planner import Plan
@@ -56,9 +57,10 @@ def outlook(snap: Snapshot, decision: Decision, cfg: Config, now_s: float) -> Ou
 
 
 def what_if_fail(snap: Snapshot, node: str, cfg: Config, now_s: float) -> Outlook:
-    """What unicornd would do if ``node`` failed now: a SEV1 lost connection on it (what a dead
-    node gives), decided by :func:`unicornd.decide.on_finding`, then its replan. Raises
-    InvalidArgument for a node unicornd does not know."""
+    """What unicornd would do if ``node`` failed now: a confirmed SEV1 lost connection on it
+    (what a dead node gives once SSH or Slurm confirms it), decided by
+    :func:`unicornd.decide.on_finding`, then its replan. Raises InvalidArgument for a node
+    unicornd does not know."""
     if node not in snap.nodes:
         raise InvalidArgument(
             f"unknown node {node!r}; unicornd knows: {compress(sorted(snap.nodes)) or 'none'}"
@@ -76,6 +78,7 @@ def what_if_fail(snap: Snapshot, node: str, cfg: Config, now_s: float) -> Outloo
         severity=Severity.SEV1,
         rule="what_if",
         evidence=f"unicornctl plan --what-if-fail {node}",
+        confirmed_by=Confirmation.SSH,
     )
     return outlook(snap, on_finding(snap, finding, now_s), cfg, now_s)
 

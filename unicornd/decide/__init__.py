@@ -16,7 +16,11 @@ SEV2, or retries exhausted  ``restart_processes``: ``restart_ranks`` on every no
                             the task, same nodes, same layout, nearest saved state
 SEV1, or restarts exhausted ``isolate``: drain the node (``unicorn: <status> <detail>``),
                             then ``replan``; :func:`unicornd.replan.plan_transition`
-                            moves the incident to ``transition``
+                            moves the incident to ``transition``. Gated by
+                            :mod:`detect.isolation`: an unconfirmed SEV1 restarts in
+                            place; exhausted restarts run the node check (paired for
+                            collective faults) before any drain; a software error
+                            never drains (the task stops)
 an iteration after that     ``resumed`` then ``closed`` (:func:`on_progress`)
 ==========================  ===========================================================
 
@@ -47,6 +51,7 @@ from unicornd.decide.common import (
     AGENT_LOST,
     AGENT_RULES,
     AGENT_SILENT,
+    HEARTBEAT_TIMEOUT,
     RUNG_OF_SEVERITY,
     SSH_UNREACHABLE,
     ClassificationLike,
@@ -79,6 +84,7 @@ __all__ = [
     "AGENT_LOST",
     "AGENT_RULES",
     "AGENT_SILENT",
+    "HEARTBEAT_TIMEOUT",
     "LIVE_TASK_STATES",
     "RUNG_OF_SEVERITY",
     "SSH_UNREACHABLE",

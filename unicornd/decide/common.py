@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Final, Protocol
 
+from detect.isolation import Verdict, verdict
 from detect.statuses import ErrorStatus, Severity, worst
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.protocol import AgentAction
@@ -26,9 +27,12 @@ _L = LadderStage
 
 AGENT_LOST: Final = "agent_lost"
 AGENT_SILENT: Final = "agent_silent"
-AGENT_RULES: Final = frozenset({AGENT_LOST, AGENT_SILENT})
-"""Rules of a silent agent on a node that is up (:mod:`unicornd.oob`): its restart rung
-starts a new agent there instead of commanding the gone one."""
+HEARTBEAT_TIMEOUT: Final = "heartbeat_timeout"
+AGENT_RULES: Final = frozenset({AGENT_LOST, AGENT_SILENT, HEARTBEAT_TIMEOUT, "probe_denied", "probe_failed"})
+"""Rules of a silent agent (:mod:`unicornd.oob`; ``heartbeat_timeout`` when nothing
+confirmed the node dead): its restart rung starts a new agent there instead of
+commanding the gone one. If the node is in fact dead, that start fails and Slurm's or
+the probe's confirmation isolates it."""
 SSH_UNREACHABLE: Final = "ssh_unreachable"
 """The out-of-band probe could not reach the node: dead, its drain sets it DOWN first."""
 
@@ -79,6 +83,9 @@ class Finding:
     ``job_id`` None means evidence from outside a job (e.g. an SSH probe found the node
     dead). ``rank_died``: the rank's process is gone (so a retry must restart it).
     ``secondary``: usually a consequence of a failure elsewhere (peers' NCCL timeouts).
+    ``confirmed_by``: the out-of-band source that vouches the node is at fault (a
+    :class:`detect.isolation.Confirmation` value; "" for the training's own output and
+    unconfirmed silence). Only a confirmed finding can drain a node.
     """
 
     finding_id: str
@@ -91,6 +98,7 @@ class Finding:
     evidence: str = ""
     rank_died: bool = False
     secondary: bool = False
+    confirmed_by: str = ""
 
     def __post_init__(self) -> None:
         if not self.finding_id:
@@ -108,6 +116,7 @@ class Finding:
         node: str,
         rank: int | None = None,
         rank_died: bool = False,
+        confirmed_by: str = "",
     ) -> Finding | None:
         """A finding from a classification; None when it is benign (no severity)."""
         if classification.severity is None:
@@ -123,6 +132,7 @@ class Finding:
             evidence=classification.evidence,
             rank_died=rank_died,
             secondary=classification.secondary,
+            confirmed_by=confirmed_by,
         )
 
 
@@ -204,12 +214,23 @@ class Fault:
     detail: str
     rank_died: bool = False
     rule: str = ""
+    confirmed_by: str = ""
 
     @classmethod
     def of(cls, finding: Finding) -> Fault:
         rank = "" if finding.rank is None else f" rank {finding.rank}"
         detail = f"{finding.rule}{rank}: {finding.evidence}".strip()
-        return cls(finding.node, finding.status.value, detail, finding.rank_died, finding.rule)
+        return cls(
+            finding.node, finding.status.value, detail, finding.rank_died, finding.rule, finding.confirmed_by
+        )
+
+    def verdict(self) -> Verdict:
+        """May this fault drain its node now (:func:`detect.isolation.verdict`)."""
+        try:
+            status = ErrorStatus(self.status)
+        except ValueError:  # a timeout's status name: judged as the hang it is
+            status = ErrorStatus.TASK_HANG
+        return verdict(status, self.confirmed_by)
 
 
 def recent(times: tuple[float, ...], now_s: float, window_s: float) -> tuple[float, ...]:

@@ -9,10 +9,12 @@ import zlib
 from dataclasses import replace
 from typing import Final
 
+from detect.isolation import PAIRED_CHECK, Confirmation, Verdict
 from detect.statuses import ErrorStatus, Severity
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.protocol import AgentAction
 from unicornd.actions import (
+    CheckNode,
     CloseIncident,
     Decision,
     DrainNode,
@@ -193,8 +195,98 @@ def _mark_suspect(draft: Draft, fault: Fault) -> None:
         draft.put(rec.with_health(NodeHealth.SUSPECT, drain_reason(draft, fault.status, fault.detail)))
 
 
+def _never_why(inc: Incident, fault: Fault) -> str:
+    restarts = inc.attempts_at(_L.RESTART_PROCESSES)
+    again = " (the same error again)" if _same_error_again(inc, fault) else ""
+    return (
+        f"{fault.status} after {restarts} restart(s){again}: {fault.detail[:200]}; an error of the "
+        f"training code, its data or configuration, never of a node: not isolating {fault.node}"
+    )
+
+
+def _confirm(draft: Draft, task: TaskRecord, inc: Incident, fault: Fault) -> None:
+    """An unconfirmed fault asks for isolation: run the node check before any drain.
+
+    For a collective or network fault (:data:`detect.isolation.PAIRED_CHECK`) the
+    reporting rank's node is not the suspect: the paired check runs across all of the
+    job's nodes in service and names the bad one. The outcome comes back through
+    :func:`on_check_outcome`."""
+    now_s = draft.now_s
+    inc = _enter(inc, _L.ISOLATE, now_s)
+    attempt = inc.attempts_at(_L.ISOLATE)
+    try:
+        paired_status = ErrorStatus(fault.status) in PAIRED_CHECK
+    except ValueError:
+        paired_status = True
+    in_service = tuple(n for n in task.nodes if _drainable(draft, n))
+    if paired_status and len(in_service) >= 2 and task.job_id is not None:
+        nodes = in_service
+        action = CheckNode(
+            step_id(inc, _L.ISOLATE, attempt, "check", "paired"), fault.node, nodes, task.job_id
+        )
+        what = f"paired check across {', '.join(nodes)}"
+    else:
+        nodes = (fault.node,)
+        action = CheckNode(step_id(inc, _L.ISOLATE, attempt, "check", fault.node), fault.node)
+        what = f"node check on {fault.node}"
+    why = f"{fault.status} not confirmed by any out-of-band source: {what} before any drain"
+    draft.put(replace(inc.noted(why, now_s), pending_check=nodes, note=why))
+    draft.put(draft.task(task.task_id).with_state(TaskState.RECOVERING))
+    draft.act(action)
+    draft.notes.append(f"{inc.incident_id}: {why}")
+
+
+def on_check_outcome(
+    draft: Draft, task: TaskRecord, inc: Incident, *, ok: bool, nodes: tuple[str, ...], detail: str
+) -> None:
+    """The node check :func:`_confirm` asked for came back.
+
+    Failed on some nodes: each is confirmed bad (``node_check``) and isolated. Passed:
+    the nodes are fine, so the fault is not theirs; restarts are already used up, so the
+    task stops and the operator is told (nothing is drained). Failed without naming a
+    node (the paired check could not tell): the operator is asked."""
+    now_s = draft.now_s
+    checked = inc.pending_check
+    inc = replace(inc.noted(f"node check: {detail}", now_s), pending_check=())
+    if ok:
+        which = ", ".join(checked) or inc.node
+        why = (
+            f"{which} passed the node check ({detail[:200]}): the {inc.status} is not a fault of "
+            f"{'these nodes' if len(checked) > 1 else 'the node'}; nothing drained"
+        )
+        _stop_task(draft, task, inc, why)
+        return
+    bad = [n for n in nodes if n in checked and _drainable(draft, n)]
+    if not bad:
+        why = f"the node check could not name a bad node ({detail[:200]}); nothing drained"
+        draft.put(replace(inc.moved(_L.ESCALATED_TO_OPERATOR, now_s), note=why, last_action_s=now_s))
+        draft.act(NotifyOperator(f"{inc.incident_id}/notify/unconfirmed", inc.incident_id, why))
+        draft.notes.append(f"{inc.incident_id}: {why}")
+        return
+    for node in bad:
+        fault = Fault(
+            node, inc.status.value, f"node check failed: {detail}", confirmed_by=Confirmation.NODE_CHECK
+        )
+        current = draft.incidents.get(inc.incident_id, inc)
+        if current.stage is _L.ESCALATED_TO_OPERATOR or not current.is_open:
+            break
+        _climb(draft, draft.task(task.task_id), current, _L.ISOLATE, fault)
+
+
 def _climb(draft: Draft, task: TaskRecord, inc: Incident, target: LadderStage, fault: Fault) -> None:
-    """Run rung ``target`` for the task's incident (breakers first)."""
+    """Run rung ``target`` for the task's incident (breakers first).
+
+    Isolation is gated by :mod:`detect.isolation`: a fault no node can cause stops the
+    task; an unconfirmed one runs the node check first (:func:`_confirm`); only a
+    confirmed one drains."""
+    if target is _L.ISOLATE:
+        gate = fault.verdict()
+        if gate is Verdict.NEVER:
+            _stop_task(draft, task, inc, _never_why(inc, fault))
+            return
+        if gate is Verdict.CHECK:
+            _confirm(draft, task, inc, fault)
+            return
     acts = target is not _L.RETRY_IN_PLACE or fault.rank_died
     why = _breaker(draft, task) if acts else None
     if why is not None:
@@ -233,6 +325,19 @@ def _climb(draft: Draft, task: TaskRecord, inc: Incident, target: LadderStage, f
     draft.put(inc)
     what = f"restart_ranks on {', '.join(nodes)}" if acts else "wait"
     draft.notes.append(f"{inc.incident_id}: {target.value} #{attempt} ({fault.status}): {what}")
+
+
+def _wanted(draft: Draft, finding: Finding) -> LadderStage:
+    """The rung a finding asks for: its severity's, except that a SEV1 whose node fault is
+    not confirmed (or that no node can cause) restarts in place (:mod:`detect.isolation`)."""
+    wanted = RUNG_OF_SEVERITY[finding.severity]
+    if wanted is _L.ISOLATE and Fault.of(finding).verdict() is not Verdict.DRAIN:
+        draft.notes.append(
+            f"finding {finding.finding_id}: {finding.status} on {finding.node} not confirmed "
+            "out of band; restart in place"
+        )
+        return _L.RESTART_PROCESSES
+    return wanted
 
 
 def _new_incident(incident_id: str, task_id: str | None, finding: Finding, now_s: float) -> Incident:
@@ -281,7 +386,7 @@ def on_finding(snapshot: Snapshot, finding: Finding, now_s: float) -> Decision:
         number = task.incidents_opened + 1
         inc = _new_incident(f"{task.task_id}.{number}", task.task_id, finding, now_s)
         draft.put(replace(task, incidents_opened=number).with_state(TaskState.RECOVERING))
-        target = _target_rung(draft, inc, RUNG_OF_SEVERITY[finding.severity])
+        target = _target_rung(draft, inc, _wanted(draft, finding))
         _climb(draft, draft.task(task.task_id), inc, target, Fault.of(finding))
         return draft.decision()
     _update_incident(draft, task, remember(draft, inc, finding), finding)
@@ -290,7 +395,7 @@ def on_finding(snapshot: Snapshot, finding: Finding, now_s: float) -> Decision:
 
 def _update_incident(draft: Draft, task: TaskRecord, inc: Incident, finding: Finding) -> None:
     """A further finding for a task with an open incident: absorb it or climb."""
-    wanted = RUNG_OF_SEVERITY[finding.severity]
+    wanted = _wanted(draft, finding)
     fault = Fault.of(finding)
     where = f"{finding.status} on {finding.node}"
     if inc.stage is _L.ESCALATED_TO_OPERATOR:
@@ -332,16 +437,6 @@ def _update_incident(draft: Draft, task: TaskRecord, inc: Incident, finding: Fin
         draft.notes.append(f"{inc.incident_id}: {where} absorbed ({why})")
         return
     target = _target_rung(draft, inc, wanted)
-    if target is _L.ISOLATE and wanted is not _L.ISOLATE and _same_error_again(inc, finding):
-        # The restart ran the same code into the same error: a bug in the training, not a
-        # fault of the node. Draining would take a healthy node out and fix nothing.
-        why = (
-            f"the same {finding.status} again after {inc.attempts_at(_L.RESTART_PROCESSES)} restart(s) "
-            f"({finding.evidence[:200]}): an error of the training code, "
-            f"not of {finding.node}; not isolating it"
-        )
-        _stop_task(draft, task, inc, why)
-        return
     _climb(draft, task, inc, target, fault)
 
 
@@ -356,15 +451,12 @@ def signature(status: ErrorStatus, evidence: str) -> str:
     return f"{status.value}|{_VOLATILE.sub('#', first)}"
 
 
-def _same_error_again(inc: Incident, finding: Finding) -> bool:
-    """A software error (an exception of the training code) after a restart repeats the
-    one that opened the incident. Node-level signals (a lost agent, exits, GPUs) are not
-    judged this way: the same one twice on a node does point at the node."""
-    if finding.status is not ErrorStatus.OTHER_SOFTWARE_ERROR or finding.rule in AGENT_RULES:
-        return False
+def _same_error_again(inc: Incident, fault: Fault) -> bool:
+    """The fault's evidence has the incident's signature (see :func:`signature`)."""
     if inc.attempts_at(_L.RESTART_PROCESSES) == 0:
         return False
-    return signature(finding.status, finding.evidence) == signature(inc.status, inc.evidence)
+    detail = fault.detail.split(": ", 1)[-1]
+    return signature(inc.status, detail) == signature(inc.status, inc.evidence)
 
 
 def _drainable(draft: Draft, node: str) -> bool:
@@ -390,6 +482,11 @@ def _on_node_finding(draft: Draft, finding: Finding) -> Decision:
         return draft.decision()
     if finding.severity is not Severity.SEV1 or not _drainable(draft, finding.node):
         return draft.note(f"finding {finding.finding_id}: {finding.severity} on idle {finding.node}; noted")
+    if Fault.of(finding).verdict() is not Verdict.DRAIN:
+        return draft.note(
+            f"finding {finding.finding_id}: {finding.status} on idle {finding.node} not confirmed "
+            "out of band; noted, not drained"
+        )
     inc = _new_incident(f"node.{finding.node}.{finding.finding_id}", None, finding, draft.now_s)
     _isolate(draft, None, inc, Fault.of(finding))
     return draft.decision()
@@ -490,7 +587,9 @@ def on_operator_confirm_drain(snapshot: Snapshot, incident_id: str, now_s: float
         raise InvalidArgument(f"incident {incident_id!r} has no drain waiting for confirmation")
     draft = Draft(snapshot, now_s)
     task = snapshot.tasks.get(inc.task_id) if inc.task_id is not None else None
-    fault = Fault(inc.pending_drain, inc.status.value, "confirmed by operator")
+    fault = Fault(
+        inc.pending_drain, inc.status.value, "confirmed by operator", confirmed_by=Confirmation.OPERATOR
+    )
     _isolate(draft, task, inc, fault, confirmed=True)
     return draft.decision()
 

@@ -18,7 +18,9 @@ a plan's shrink or grow                the job is requeued onto its planned node
                                        (Slurm without slurmdbd resizes once; no GPU job
                                        grows); the plan's later steps for it are void
 a requeue                              the operator is asked (:func:`start_failed`)
-a node check                           :func:`on_node_check` (passed or not)
+a returning node's check               :func:`on_node_check` (passed or not)
+an incident's node check (either way)  :func:`on_check_outcome`: the nodes it convicts are
+                                       drained; all passed: the task stops, none drained
 a drain, resume, stop, checkpoint      recorded (the operator sees it in the incident)
 =====================================  =================================================
 
@@ -35,7 +37,7 @@ from typing import Final
 from detect.statuses import ErrorStatus, Severity
 from unicornd.actions import Decision, Outcome, Requeue
 from unicornd.decide.common import Draft, Finding
-from unicornd.decide.ladder import on_finding, rung_failed, start_failed
+from unicornd.decide.ladder import on_check_outcome, on_finding, rung_failed, start_failed
 from unicornd.decide.membership import on_node_check
 from unicornd.replan import REQUEUE_TIMEOUT_S
 from unicornd.state import LIVE_TASK_STATES, Incident, LadderStage, RequeueWait, Snapshot, TaskRecord
@@ -75,11 +77,20 @@ def _rung_step(
 ) -> Decision:
     """``rest`` = stage / attempt / kind / target of an action of ``inc``'s ladder."""
     draft = Draft(snapshot, now_s)
-    if outcome.ok or len(rest) < 3:
+    if len(rest) < 3:
         return draft.decision()
     stage, attempt, kind = rest[0], rest[1], rest[2]
     task = snapshot.tasks.get(inc.task_id) if inc.task_id is not None else None
     current = stage == inc.stage.value and attempt == str(inc.attempts_at(inc.stage))
+    if kind == "check":
+        if not current or task is None or not inc.pending_check or task.state not in LIVE_TASK_STATES:
+            draft.put(inc.noted(_what(outcome), now_s))
+            return draft.note(f"{inc.incident_id}: {_what(outcome)} (stale check, recorded)")
+        detail = outcome.detail or outcome.status.value
+        on_check_outcome(draft, task, inc, ok=outcome.ok, nodes=outcome.nodes, detail=detail)
+        return draft.decision()
+    if outcome.ok:
+        return draft.decision()
     if task is None or kind not in _STARTS or not current or task.state not in LIVE_TASK_STATES:
         draft.put(inc.noted(_what(outcome), now_s))
         return draft.note(f"{inc.incident_id}: {_what(outcome)} (recorded)")
