@@ -103,7 +103,6 @@ class Demo:
             **os.environ,
             **json.loads(dev_env),
             "UNICORN_REDIS__KEY_PREFIX": PREFIX,
-            "UNICORN_DETECT__HANG_FACTOR": "3",  # 4 trainer ranks share 2 cores here
             "UNICORN_CKPT__SHM_DIR": str(SHM),
             "UNICORN_CKPT__LOCAL_DIR": str(RUN / "ckpt-local"),
             # Replication ports of its own: agents of the system tests' clusters, beside this

@@ -106,13 +106,17 @@ class Heartbeat(Envelope, frozen=True, kw_only=True, tag="hb"):
     """Agent -> coordinator, periodically: the agent and its training processes are alive.
 
     ``iteration`` is the last completed training iteration (None before the first);
-    ``seq`` increases by one per heartbeat of one agent process.
+    ``seq`` increases by one per heartbeat of one agent process. ``cpu_wait_s`` is how
+    long, in all, the agent's most-starved rank has waited runnable for a CPU (summed
+    over the agent's samples; it only grows within one agent process; None: not
+    measured), so hang detection tells CPU starvation from a hang (:mod:`detect.stats`).
     """
 
     agent_pid: int
     pids: list[int]
     iteration: int | None
     seq: int
+    cpu_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -120,6 +124,8 @@ class Heartbeat(Envelope, frozen=True, kw_only=True, tag="hb"):
         _check(all(pid > 0 for pid in self.pids), f"pids must all be > 0, got {self.pids}")
         _check_optional_index(self.iteration, "iteration")
         _check(self.seq >= 0, f"seq must be >= 0, got {self.seq}")
+        if self.cpu_wait_s is not None:
+            _check_finite(self.cpu_wait_s, "cpu_wait_s", minimum=0.0)
 
 
 class ProcessExit(Envelope, frozen=True, kw_only=True, tag="exit"):

@@ -76,10 +76,11 @@ async def run(
             timeout=connect_timeout_s + 1.0,
         )
     except (OSError, asyncssh.Error, TimeoutError) as e:
-        # No route, no answer, refused, dropped: nothing on the node answers. A name that
-        # does not resolve or a refused login says nothing about the node (configuration).
+        # No route, no answer, dropped: nothing on the node answers. A refused connection
+        # (the host's kernel answered: sshd restarting, a wrong port, a firewall REJECT), a
+        # name that does not resolve or a refused login say nothing against the node.
         network = isinstance(e, OSError | TimeoutError | asyncssh.ConnectionLost) and not isinstance(
-            e, socket.gaierror
+            e, socket.gaierror | ConnectionRefusedError
         )
         raise SshUnreachable(shown, f"{type(e).__name__}: {e}".strip(), network=network) from e
     try:

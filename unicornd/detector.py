@@ -3,11 +3,13 @@
 Pure: no I/O. :meth:`Detector.on_message` classifies what an agent reported (an abnormal
 exit, an exception, a GPU event, the agent's own fault report) and feeds heartbeats and
 iteration timings to the trackers; :meth:`Detector.check` turns silence into findings
-(a lost node agent, a task whose iterations stopped). Both take the caller's monotonic
-clock, so the daemon and tests drive it alike.
+(a lost node agent, a task whose iterations stopped; the agents' heartbeats say how long
+their ranks waited for a CPU, so a task starved of CPU is not called hung). Both take
+the caller's monotonic clock, so the daemon and tests drive it alike.
 
 A finding is reported once per episode: a lost agent once until it beats again, a
-task hang once until an iteration advances.
+task hang once per stalled iteration (until the stalled ranks advance; another rank
+advancing, or stalling behind them, is the same episode).
 
 What the detector expects follows the committed decisions (:meth:`Detector.follow`):
 agents launched are expected to beat, ranks (re)started have their timing relearned,
@@ -62,7 +64,8 @@ class JobEvidence:
 @dataclass
 class _JobState:
     monitor: IterationMonitor
-    hang_reported: bool = False
+    hang_reported: int | None = None
+    """The stalled iteration of the hang last reported (None: no hang in progress)."""
     last_iteration: int | None = None
     rank_nodes: dict[int, str] = field(default_factory=dict)
     """Which node each rank reported from (a hang names the node of its stopped rank)."""
@@ -107,6 +110,9 @@ class Detector:
         """The agent was stopped on purpose: its silence means nothing."""
         self.liveness.forget(job_id, node)
         self._lost.discard((job_id, node))
+        job = self._jobs.get(job_id)
+        if job is not None:
+            job.monitor.forget_source(node)  # its reports stop; the others' silence still counts
 
     def forget_job(self, job_id: int) -> None:
         self.liveness.forget_job(job_id)
@@ -170,6 +176,9 @@ class Detector:
         if isinstance(msg, Heartbeat):
             self.liveness.beat(msg.job_id, msg.node, now_s)
             self._lost.discard((msg.job_id, msg.node))
+            if msg.cpu_wait_s is not None:
+                # How long the node's ranks waited for a CPU: starvation is no hang.
+                self._job(msg.job_id).monitor.observe_cpu_wait(msg.node, msg.cpu_wait_s, now_s)
             return []
         if isinstance(msg, SlowStep):
             job = self._job(msg.job_id)
@@ -185,7 +194,6 @@ class Detector:
             job.rank_nodes[msg.rank] = msg.node
             if job.last_iteration is None or msg.iteration > job.last_iteration:
                 job.last_iteration = msg.iteration
-                job.hang_reported = False
             return []
         c: Classification | None = None
         rank: int | None = None
@@ -233,11 +241,11 @@ class Detector:
         for job_id, job in self._jobs.items():
             verdict = job.monitor.check(now_s)
             if verdict is None:
-                job.hang_reported = False
+                job.hang_reported = None
                 continue
-            if job.hang_reported:
-                continue
-            job.hang_reported = True
+            if job.hang_reported == verdict.last_iteration:
+                continue  # the same stall: other ranks advancing or joining it is no new episode
+            job.hang_reported = verdict.last_iteration
             rank = verdict.ranks[0] if verdict.ranks else None
             node = job.rank_nodes.get(rank, "") if rank is not None else ""
             out.append(JobEvidence(job_id, Evidence(node, rank, now_s, verdict.classification(), "hang")))

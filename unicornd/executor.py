@@ -62,6 +62,8 @@ log = get_logger(__name__)
 RETRY_FOR_S: Final = 60.0
 NODE_CHECK_TIMEOUT_S: Final = 120.0
 IDLE_WAIT_S: Final = 1.0
+NODE_CHECK_VERDICT: Final = "unhealthy:"
+"""How ``unicorn-node-check`` starts the line that names what failed (its verdict)."""
 PAIRED_CHECK_TIMEOUT_S: Final = 60.0
 """Per test of the paired check (each test: an all-gather and a matmul on 2-3 nodes)."""
 
@@ -238,15 +240,21 @@ class Executor:
         if action.paired:
             return await self._paired_check(action)
         argv = [str(bin_dir(self.cfg.agent) / "unicorn-node-check")]
+        # An incident's suspect is still allocated to its job: the check runs as an
+        # --overlap step of that job (a new allocation would wait for the node).
         try:
-            out = await self.slurm.run_on_nodes([action.node], argv, timeout_s=NODE_CHECK_TIMEOUT_S)
-        except CommandTimeout as e:  # a node that cannot finish its check is not fit to run
-            raise CheckFailed((action.node,), f"node check did not finish: {e}") from e
+            out = await self.slurm.run_on_nodes(
+                [action.node], argv, timeout_s=NODE_CHECK_TIMEOUT_S, job_id=action.job_id
+            )
+        except CommandTimeout as e:  # no verdict: Slurm's or SSH's view says whether it is dead
+            raise CheckFailed((), f"node check on {action.node} did not finish: {e}") from e
         detail = (out.stderr or out.stdout).strip()[-300:]
         log.info("node_check", node=action.node, passed=out.exit_code == 0, detail=detail)
         if out.exit_code != 0:
             why = f"node check failed (exit {out.exit_code}): {detail or 'unhealthy'}"
-            raise CheckFailed((action.node,), why)
+            # Only the check's own verdict convicts; srun failing to run it says nothing.
+            convicted = (action.node,) if NODE_CHECK_VERDICT in out.stderr else ()
+            raise CheckFailed(convicted, why)
         return detail or "passed"
 
     async def _paired_check(self, action: CheckNode) -> str:

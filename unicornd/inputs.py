@@ -44,6 +44,14 @@ log = get_logger(__name__)
 TICK_S: Final = 0.05
 SLURM_POLL_S: Final = 1.0
 SLURM_NOT_RESPONDING: Final = "slurm_not_responding"
+NVML_CONFIRMS: Final = frozenset({"gpu_ecc_uncorrectable", "gpu_retired_pages", "gpu_remapped_rows"})
+"""Rules of NVML readings that confirm a node fault by themselves (see :mod:`detect.isolation`)."""
+
+
+def _nvml_confirms(c: ClassificationLike) -> bool:
+    """An NVML reading that shows the GPU is faulty: uncorrectable memory errors, or an Xid
+    NVIDIA's catalogue rates as needing the node taken out (SEV1)."""
+    return c.rule in NVML_CONFIRMS or (c.rule.startswith("xid_") and c.severity is Severity.SEV1)
 
 
 def entry_time(entry_id: str) -> float:
@@ -170,7 +178,9 @@ class AgentInputs:
         confirmed_by: str = "",
     ) -> None:
         f = jf.evidence
-        if f.source == "gpu":  # the agent's NVML readings: the device's own report
+        if f.source == "gpu" and _nvml_confirms(classification):
+            # The device's own report of a fault it does not recover from. Corrected link
+            # errors, temperature and an unreadable GPU go through the node check instead.
             confirmed_by = Confirmation.NVML
         finding = decide.Finding.of(
             classification,

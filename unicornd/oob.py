@@ -11,8 +11,8 @@ a healthy node for a dead agent costs the task a transition and the cluster a no
 ===========================================  ===============  ====================  ==========
 probe answer                                 status           severity, rule        confirms
 ===========================================  ===============  ====================  ==========
-no route to sshd (refused, timeout, lost)    lost_connection  SEV1 ssh_unreachable  ssh
-session refused (auth, host key): host up    lost_connection  SEV2 probe_denied     -
+no answer (timeout, no route, dropped)       lost_connection  SEV1 ssh_unreachable  ssh
+refused (port, auth, host key): host up      lost_connection  SEV2 probe_denied     -
 kernel log has a fault line (Xid, ECC, MCE)  from the rules   the rule's (Xid 79:   kernel_log
                                                               SEV1)
 no agent process for the job                 lost_connection  SEV2 agent_lost       -
@@ -22,9 +22,9 @@ probe ran but its answer is unreadable       lost_connection  SEV2 probe_failed 
 ===========================================  ===============  ====================  ==========
 
 Only the first and third rows confirm a node fault (:mod:`detect.isolation`): the node
-did not answer at all, or its own kernel logged a fault. A host that answers SSH is up,
-so a refused login or an unreadable answer restarts the agent; it never drains the node
-(a probe misconfigured at a site must not drain its cluster).
+did not answer at all, or its own kernel logged a fault. A host that answers is up, so a
+refused connection or login and an unreadable answer restart the agent; they never drain
+the node (a probe misconfigured at a site must not drain its cluster).
 
 A stopped or dead agent cannot take commands (it reads them from the same Redis), so its
 restart rung starts a new agent. A running agent that is late is starved or cut off from

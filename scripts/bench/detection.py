@@ -54,7 +54,9 @@ from unicorn_core.protocol import (  # noqa: E402
     AgentCommand,
     ExceptionReport,
     Heartbeat,
+    IterationTiming,
     Message,
+    SlowStep,
     encode,
 )
 from unicorn_core.slurm.cli import CliSlurm  # noqa: E402
@@ -81,6 +83,19 @@ def summary(xs: list[float]) -> dict[str, float]:
     }
 
 
+def rank_sched(pid: int) -> dict[str, Any] | None:
+    """A training rank's state, main-thread run and run-queue wait (schedstat) and process CPU
+    seconds; None for a process that is not a rank (torchrun) or is gone."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        if b"\0RANK=" not in b"\0" + Path(f"/proc/{pid}/environ").read_bytes():
+            return None
+        run_ns, wait_ns = Path(f"/proc/{pid}/schedstat").read_text().split()[:2]
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu_s = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+        return {"state": stat[0], "run_s": int(run_ns) / 1e9, "wait_s": int(wait_ns) / 1e9, "cpu_s": cpu_s}
+    return None
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, state: Path) -> None:
         self.args = args
@@ -93,6 +108,8 @@ class Bench:
         self.port = 29500 + os.getpid() % 1000
         self.generation = 0
         self.exception_latency = float("nan")
+        self.trace: Any = None
+        """``--trace`` file: one JSON line per timing, slow-step notice, command and finding."""
 
     def dev(self, *a: str) -> str:
         return subprocess.run(
@@ -103,17 +120,29 @@ class Bench:
         if isinstance(msg, Heartbeat):
             self.heartbeats[msg.node] = msg
         found = self.detector.on_message(msg, now)
+        if self.trace is not None and isinstance(msg, IterationTiming | SlowStep):
+            self.record(now, type(msg).__name__, node=msg.node, rank=msg.rank, iteration=msg.iteration,
+                        phase=str(msg.phase), duration_s=getattr(msg, "duration_s", None))  # fmt: skip
         if found and isinstance(msg, ExceptionReport):
             # Same machine, same wall clock: the hook's stamp -> the coordinator's finding.
             self.exception_latency = time.time() - msg.wall_time_s
         for f in found:
-            self.findings.append((now, f))
+            self.finding(now, f)
+
+    def record(self, now: float, kind: str, **fields: Any) -> None:
+        if self.trace is not None:
+            self.trace.write(json.dumps({"t": round(now, 6), "kind": kind, **fields}) + "\n")
+
+    def finding(self, now: float, f: JobEvidence) -> None:
+        self.findings.append((now, f))
+        self.record(now, "finding", node=f.evidence.node, rank=f.evidence.rank, source=f.evidence.source,
+                    status=str(f.classification.status), evidence=f.classification.evidence)  # fmt: skip
 
     async def checker(self) -> None:
         while True:
             now = time.monotonic()
             for f in self.detector.check(now):
-                self.findings.append((now, f))
+                self.finding(now, f)
             await asyncio.sleep(0.01)
 
     def train_argv(self, node_rank: int, extra: list[str]) -> list[str]:
@@ -248,11 +277,22 @@ class Bench:
             await asyncio.sleep(0.5)
         raise RuntimeError("n2 did not come back into the job")
 
+    async def sample_ranks(self) -> None:
+        """``--trace``: every 0.1 s, each rank's cumulative run-queue wait and CPU time (/proc)."""
+        while True:
+            for node, hb in list(self.heartbeats.items()):
+                for pid in hb.pids:
+                    sample = rank_sched(pid)
+                    if sample is not None:
+                        self.record(time.monotonic(), "sched", node=node, pid=pid, **sample)
+            await asyncio.sleep(0.1)
+
     async def quiet_run(self) -> dict[str, Any]:
         await self.start_agents(
             ["--compute", str(self.args.quiet_compute), "--ckpt-s", str(self.args.ckpt_s)]
         )
         hog = await asyncio.create_subprocess_exec(sys.executable, "-c", "while True: pass")
+        sampler = asyncio.create_task(self.sample_ranks()) if self.trace is not None else None
         try:
             await self.wait_training(5)
             self.findings.clear()
@@ -262,17 +302,24 @@ class Bench:
                 await asyncio.sleep(min(20.0, max(0.0, t_end - time.monotonic())))
                 if time.monotonic() < t_end:
                     n_ckpt += 1
+                    self.record(time.monotonic(), "checkpoint_now", id=f"ck{n_ckpt}")
                     for node in NODES:
                         await self.command(node, AgentAction.CHECKPOINT_NOW, f"ck{n_ckpt}")
             alarms = [f for _, f in self.findings]
             return {
                 "false_alarms": len(alarms),
-                "false_alarm_detail": [f"{f.classification.status}:{f.evidence.source}" for f in alarms][:10],
+                "false_alarm_detail": [
+                    f"{f.classification.status}:{f.evidence.source}:{f.evidence.node}: "
+                    f"{f.classification.evidence}"
+                    for f in alarms
+                ][:10],
                 "quiet_s": self.args.quiet_s,
                 "slow_checkpoint_steps": n_ckpt,
                 "last_iteration": self.detector.last_iteration(self.job_id),
             }
         finally:
+            if sampler is not None:
+                sampler.cancel()
             hog.kill()
             await hog.wait()
             await self.stop_agents()
@@ -405,6 +452,11 @@ def main() -> None:
     ap.add_argument("--ckpt-s", type=float, default=1.0, help="extra time of a checkpoint step")
     ap.add_argument("--quiet-compute", type=int, default=4, help="matmuls per quiet-run iteration")
     ap.add_argument("--overhead-pairs", type=int, default=10)
+    ap.add_argument(
+        "--trace",
+        type=Path,
+        help="write every timing, slow-step notice, command and finding here (JSON lines)",
+    )
     ap.add_argument("--overhead-iters", type=int, default=300)
     ap.add_argument("--overhead-compute", type=int, default=150, help="matmuls per overhead iteration")
     args = ap.parse_args()
@@ -414,7 +466,10 @@ def main() -> None:
         os.environ["TMPDIR"] = tmp  # torchrun's torchelastic_* folders go with the run
         bench = Bench(args, state)
         try:
-            out = asyncio.run(bench.run())
+            with contextlib.ExitStack() as stack:
+                if args.trace is not None:
+                    bench.trace = stack.enter_context(args.trace.open("w"))
+                out = asyncio.run(bench.run())
         finally:
             subprocess.run([str(DEV), "--state-dir", str(state), "down"], capture_output=True, check=False)
     print(json.dumps(out))

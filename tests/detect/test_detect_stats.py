@@ -330,3 +330,84 @@ def test_forget_and_reset() -> None:
     assert m.ranks == (0,)
     m.reset()
     assert m.ranks == () and m.mean_s() is None
+
+
+def test_a_slow_step_announced_by_one_rank_covers_every_rank_at_that_iteration() -> None:
+    """Lock-step: the ranks that did not announce the checkpoint wait for it in a collective
+    (seen in scripts/bench/detection.py: one rank's SIGUSR1 came after its announcement point)."""
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3)
+    t = 0.0
+    for i in range(5):
+        t += 1.0
+        m.observe(0, i, 1.0, now_s=t)
+        m.observe(1, i, 1.0, now_s=t)
+    m.observe(1, 4, 10.0, "checkpoint", now_s=t)  # checkpoints take 10 s
+    m.observe(0, 5, 1.0, now_s=t + 1.0)  # rank 0 is one iteration ahead
+    m.expect_slow_step("checkpoint", t + 1.0, iteration=6, rank=0)
+    assert m.check(t + 1.5) is None
+    m.observe(1, 5, 1.0, now_s=t + 2.0)  # rank 1 announced nothing for 6
+    assert m.check(t + 21.0) is None  # both wait in iteration 6: 2 x the learned 10 s
+    late = m.check(t + 23.0)
+    assert late is not None and late.ranks == (0, 1) and late.deadline_s == pytest.approx(20.0)
+
+
+def _lock_step(m: IterationMonitor, iterations: range, t: float, wait: float = 0.0) -> float:
+    """Ranks 0 and 1 report each 1 s iteration; node "n1" reports its CPU wait ``wait`` after each."""
+    for i in iterations:
+        t += 1.0
+        m.observe(0, i, 1.0, now_s=t)
+        m.observe(1, i, 1.0, now_s=t)
+        m.observe_cpu_wait("n1", wait, t)
+    return t
+
+
+def test_cpu_starvation_is_excused_and_a_stop_is_not() -> None:
+    """Replays what the detection bench saw: a silence of ~3 mean iterations, most of it
+    spent runnable but off the CPU, is no hang; the same silence without that wait is."""
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3)
+    t = _lock_step(m, range(10), 0.0, wait=5.0)
+    m.observe_cpu_wait("n1", 5.5, t + 1.0)
+    m.observe_cpu_wait("n1", 6.5, t + 2.0)
+    m.observe_cpu_wait("n1", 7.0, t + 3.0)
+    assert m.check(t + 3.0) is None  # silent 3 s, 2 s of it waiting for a CPU: 1 s of work
+    assert m.silent_s(t + 3.0) == 3.0
+    m.observe_cpu_wait("n1", 7.0, t + 4.5)  # the wait stopped growing: a stop
+    hung = m.check(t + 4.5)
+    assert hung is not None and hung.ranks == (0, 1) and hung.waited_s == 4.5 and hung.starved_s == 2.0
+    assert "(2 s of it waiting for a CPU)" in hung.classification().evidence
+
+
+def test_silence_counts_only_as_far_as_every_source_has_reported() -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3)
+    t = _lock_step(m, range(10), 0.0)
+    m.observe_cpu_wait("n2", 0.0, t)
+    m.observe_cpu_wait("n1", 0.0, t + 5.0)
+    assert m.check(t + 5.0) is None  # n2 said nothing since t: its ranks may have been starved
+    m.observe_cpu_wait("n2", 2.5, t + 5.0)  # n2's rank waited 2.5 s: 2.5 s of work, > 2 s
+    hung = m.check(t + 5.0)
+    assert hung is not None and hung.starved_s == 2.5
+
+
+def test_a_rank_starved_without_end_is_caught_after_max_excused() -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3, max_excused=0.75)
+    t = _lock_step(m, range(10), 0.0)
+    for second in range(1, 9):
+        m.observe_cpu_wait("n1", float(second), t + second)  # waiting all the time
+        assert m.check(t + second) is None
+    m.observe_cpu_wait("n1", 9.0, t + 9.0)
+    hung = m.check(t + 9.0)  # 1/4 of 9 s is more than the 2 s deadline
+    assert hung is not None and hung.starved_s == 9.0
+
+
+def test_a_source_that_restarts_or_is_forgotten_starts_afresh() -> None:
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3)
+    t = _lock_step(m, range(10), 0.0, wait=50.0)
+    m.observe_cpu_wait("n1", 0.5, t + 1.0)  # a new agent process: its counter starts at 0
+    m.observe_cpu_wait("n1", 2.5, t + 3.0)  # so its ranks waited 2 s since t + 1
+    assert m.check(t + 3.0) is None  # 3 s silent; the wait since t + 1 s is 2 s: 1 s of work
+    m.forget_source("n1")  # its agent stopped: silence counts on the clock alone
+    assert m.check(t + 3.0) is not None
+    with pytest.raises(InvalidArgument):
+        m.observe_cpu_wait("n1", math.inf, t + 3.0)
+    with pytest.raises(InvalidArgument):
+        m.observe_cpu_wait("n1", 1.0, t + 2.0)  # the clock went back

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -250,3 +251,60 @@ def test_agent_answers_every_command_it_can_read_and_ignores_deposed_leaders(tmp
     assert "no training command to restart" in answers["c2"].detail
     assert "this agent is job 5 on n1" in answers["c3"].detail
     assert agent.fence == 2 and agent.counters.commands_rejected == 3 and agent.counters.commands_done == 2
+
+
+def test_run_queue_wait_is_read_from_proc_and_its_increase_is_the_largest() -> None:
+    from launcher.agent import cpu_wait_increase, run_queue_wait_s
+
+    own = run_queue_wait_s(os.getpid())
+    assert own is not None and own >= 0.0
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert run_queue_wait_s(gone.pid) is None
+    # pid 3 is new (no increase yet); pid 4 went back (a reused pid): never negative
+    assert cpu_wait_increase({1: 1.0, 2: 5.0, 4: 9.0}, {1: 1.5, 2: 5.25, 3: 9.0, 4: 1.0}) == 0.5
+    assert cpu_wait_increase({4: 9.0}, {4: 1.0}) == 0.0
+
+
+def test_agent_reports_a_local_hang_only_when_a_rank_is_stopped(tmp_path: Path) -> None:
+    """A rank asleep past its deadline may wait for a rank on another node that is only
+    starved of CPU: the coordinator judges that; a stopped (state T) rank is reported here."""
+    from launcher.agent import Agent
+    from launcher.supervisor import RankInfo
+    from unicorn_core.config import Config, DetectConfig
+    from unicorn_core.protocol import FaultReport, Message
+
+    agent = Agent(
+        Config(detect=DetectConfig(warmup_iterations=0)), job_id=5, node="n1", run_dir=tmp_path, argv=[]
+    )
+    sent: list[Message] = []
+    agent._emit = sent.append  # type: ignore[method-assign]
+    rank = subprocess.Popen(["sleep", "30"])
+
+    sup = types.SimpleNamespace(ranks={rank.pid: RankInfo(rank.pid, 0, 0, None)}, exited={})
+    agent.supervisor = sup  # type: ignore[assignment]
+
+    async def stall(stop: bool) -> list[Message]:
+        sent.clear()
+        agent.monitor = agent._new_monitor()
+        start = time.monotonic() - 0.1
+        for i in range(8):
+            agent.monitor.observe(0, i, 0.01, now_s=start + i * 0.01)
+        if stop:
+            os.kill(rank.pid, signal.SIGSTOP)
+        watch = asyncio.create_task(agent._watch_hangs())
+        await asyncio.sleep(0.5)  # 50 x the deadline
+        watch.cancel()
+        assert not watch.done() or watch.cancelled()
+        assert agent.monitor.check(time.monotonic()) is not None  # stalled, reported or not
+        return [m for m in sent if isinstance(m, FaultReport)]
+
+    try:
+        assert asyncio.run(stall(stop=False)) == []
+        reports = asyncio.run(stall(stop=True))
+        assert len(reports) == 1, reports  # once per stalled iteration
+        assert reports[0].status == "task_hang" and reports[0].rank == 0
+        assert "stopped (state T): rank(s) [0]" in reports[0].evidence
+    finally:
+        rank.kill()
+        rank.wait()

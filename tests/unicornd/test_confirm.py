@@ -144,3 +144,34 @@ def test_an_unconfirmed_sev1_on_an_idle_node_is_noted_not_drained() -> None:
     assert not d.actions and "not confirmed" in d.notes[0]
     d = on_finding(snap, finding("f2", None, "n5", E.GPU_DRIVER_ERROR, confirmed_by="kernel_log"), T0)
     assert [a.node for a in of_kind(d.actions, DrainNode)] == ["n5"]  # type: ignore[attr-defined]
+
+
+def test_a_check_that_never_answers_asks_the_operator_and_drains_nothing() -> None:
+    from unicornd.decide import on_tick
+    from unicornd.decide.ladder import CHECK_BACKSTOP_S
+
+    snap, check = nccl_timeouts_until_check(snap3())
+    waiting = snap.incidents["a.1"]
+    assert on_tick(snap, waiting.last_action_s + CHECK_BACKSTOP_S - 1).incidents == ()
+    d = on_tick(snap, waiting.last_action_s + CHECK_BACKSTOP_S + 1)
+    after = apply(snap, d)
+    assert (
+        after.incidents["a.1"].stage is L.ESCALATED_TO_OPERATOR and not after.incidents["a.1"].pending_check
+    )
+    assert not of_kind(d.actions, DrainNode)
+    late = Outcome(check.action_id, "check_node", OutcomeStatus.FAILED, "late", nodes=("n3",))
+    assert not of_kind(on_outcome(after, late, T0 + 5000).actions, DrainNode), "a late answer is stale"
+
+
+def test_only_nvml_readings_of_unrecoverable_faults_confirm() -> None:
+    from detect.classify import load_classifier
+    from unicorn_core.protocol import GpuFaultKind
+    from unicornd.inputs import _nvml_confirms
+
+    c = load_classifier()
+    assert _nvml_confirms(c.classify_gpu(GpuFaultKind.ECC_UNCORRECTABLE, 1))
+    assert _nvml_confirms(c.classify_gpu(GpuFaultKind.REMAPPED_ROWS, 1))
+    assert _nvml_confirms(c.classify_gpu(GpuFaultKind.XID, 79))
+    assert not _nvml_confirms(c.classify_gpu(GpuFaultKind.NVLINK_ERROR, 3)), "corrected link errors"
+    assert not _nvml_confirms(c.classify_gpu(GpuFaultKind.TEMPERATURE, 95))
+    assert not _nvml_confirms(c.classify_gpu(GpuFaultKind.DRIVER_ERROR, 1))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
+import pytest
+
 from detect.classify import load_classifier
+from detect.statuses import ErrorStatus
 from unicorn_core.config import AgentConfig, DetectConfig
-from unicorn_core.protocol import IterationPhase, IterationTiming, SlowStep
+from unicorn_core.protocol import Heartbeat, IterationPhase, IterationTiming, SlowStep, decode, encode
 from unicornd.detector import Detector
 
 
@@ -46,3 +50,68 @@ def test_a_hang_names_the_node_of_the_stopped_rank() -> None:
         found = d.check(now)
     assert found and found[0].evidence.source == "hang"
     assert found[0].evidence.rank == 1 and found[0].evidence.node == "n2", found
+
+
+def beat(node: str, cpu_wait_s: float | None) -> Heartbeat:
+    return Heartbeat(
+        job_id=4,
+        node=node,
+        wall_time_s=1.0,
+        agent_pid=1,
+        pids=[],
+        iteration=None,
+        seq=0,
+        cpu_wait_s=cpu_wait_s,
+    )
+
+
+def test_a_stall_while_a_node_waits_for_a_cpu_is_no_hang_and_is_reported_once() -> None:
+    """Seen in scripts/bench/detection.py: a CPU hog on the node; the ranks fell silent for
+    3 mean iterations, most of it runnable but off the CPU. Once the heartbeats say so it
+    is no hang; when the wait stops growing it is, reported once even though rank 0
+    (not stalled) goes on."""
+    d = Detector(DetectConfig(warmup_iterations=1), AgentConfig(), load_classifier(None))
+    now = 10.0
+    for it in range(1, 30):
+        now += 0.1
+        d.on_message(timing(0, it, "n1"), now)
+        d.on_message(timing(1, it, "n2"), now)
+    d.on_message(beat("n1", 0.0), now)
+    d.on_message(beat("n2", 5.0), now)
+    d.on_message(beat("n1", 0.0), now + 0.4)
+    d.on_message(beat("n2", 5.25), now + 0.4)
+    assert d.check(now + 0.4) == []  # silent 0.4 s (4 x 0.1 s), 0.25 s of it starved on n2
+    d.on_message(beat("n1", 0.0), now + 0.6)
+    d.on_message(beat("n2", 5.25), now + 0.6)  # no more waiting: 0.35 s of work, > 0.2 s
+    found = d.check(now + 0.6)
+    assert [f.classification.status for f in found] == [ErrorStatus.TASK_HANG]
+    assert "0.25 s of it waiting for a CPU" in found[0].classification.evidence
+    d.on_message(timing(0, 30, "n1"), now + 0.7)  # rank 0 goes on; rank 1 is still stuck at 29
+    assert d.check(now + 0.8) == []
+
+
+def test_an_agent_stopped_on_purpose_holds_no_verdict_back() -> None:
+    d = Detector(DetectConfig(warmup_iterations=1), AgentConfig(), load_classifier(None))
+    now = 10.0
+    for it in range(1, 30):
+        now += 0.1
+        d.on_message(timing(0, it, "n1"), now)
+    d.on_message(beat("n1", 0.0), now)
+    d.on_message(beat("n2", 0.0), now)  # n2's agent beats, then is stopped
+    d.on_message(beat("n1", 0.0), now + 1.0)
+    assert d.check(now + 1.0) == []  # n2 has not reported for the silence yet
+    d.forget_agent(4, "n2")
+    assert [f.classification.status for f in d.check(now + 1.0)] == [ErrorStatus.TASK_HANG]
+
+
+def test_cpu_wait_is_an_additive_heartbeat_field() -> None:
+    """Agents from before the field send heartbeats without it: read as None (wall clock only)."""
+    old = msgspec.msgpack.encode(
+        {"type": "hb", "v": 1, "job_id": 4, "node": "n1", "wall_time_s": 1.0, "agent_pid": 1, "pids": [],
+         "iteration": None, "seq": 0}
+    )  # fmt: skip
+    decoded = decode(old)
+    assert isinstance(decoded, Heartbeat) and decoded.cpu_wait_s is None
+    assert decode(encode(beat("n1", 2.5))) == beat("n1", 2.5)
+    with pytest.raises(ValueError, match="cpu_wait_s"):
+        beat("n1", -1.0)

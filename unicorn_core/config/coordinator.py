@@ -225,9 +225,9 @@ class SshConfig(Section):
         default=True,
         metadata=_meta(
             "Probe a node over SSH when its agent falls silent. A node that does not answer "
-            "at all (no route, timeout, refused: every node must run sshd) is confirmed dead "
-            "and drained at once; one that answers gets a new agent and is never drained for "
-            "the silence. Off, or when the probe cannot log in (keys, host keys): only "
+            "at all (timeout, no route) is confirmed dead "
+            "and drained at once; one that answers (even to refuse) gets a new agent and is "
+            "never drained for the silence. Off, or when the probe cannot log in: only "
             "Slurm's view confirms a dead node (NOT_RESPONDING/DOWN while the agent is "
             "silent), which takes slurmctld's SlurmdTimeout. Default: true."
         ),

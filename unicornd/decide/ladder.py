@@ -227,7 +227,8 @@ def _confirm(draft: Draft, task: TaskRecord, inc: Incident, fault: Fault) -> Non
         what = f"paired check across {', '.join(nodes)}"
     else:
         nodes = (fault.node,)
-        action = CheckNode(step_id(inc, _L.ISOLATE, attempt, "check", fault.node), fault.node)
+        check_id = step_id(inc, _L.ISOLATE, attempt, "check", fault.node)
+        action = CheckNode(check_id, fault.node, job_id=task.job_id if fault.node in task.nodes else None)
         what = f"node check on {fault.node}"
     why = f"{fault.status} not confirmed by any out-of-band source: {what} before any drain"
     draft.put(replace(inc.noted(why, now_s), pending_check=nodes, note=why))
@@ -492,6 +493,11 @@ def _on_node_finding(draft: Draft, finding: Finding) -> Decision:
     return draft.decision()
 
 
+CHECK_BACKSTOP_S: Final = 900.0
+"""An incident waiting for its node check longer than this asks the operator (the check's
+own timeouts, 120 s per node check or 60 s per paired test plus retries, end far sooner;
+this only catches an answer that never came)."""
+
 _STAGE_TIMEOUT: Final = {
     _L.RETRY_IN_PLACE: "retry_timeout_s",
     _L.RESTART_PROCESSES: "restart_timeout_s",
@@ -520,6 +526,12 @@ def on_tick(snapshot: Snapshot, now_s: float) -> Decision:
             continue
         detail = f"no iteration {now_s - inc.last_action_s:.0f} s after {inc.stage.value}"
         rung_failed(draft, task, inc, detail, status=_timeout_status(inc))
+    for inc in sorted(snapshot.incidents.values(), key=lambda i: i.incident_id):
+        if inc.stage is _L.ISOLATE and inc.pending_check and now_s - inc.last_action_s > CHECK_BACKSTOP_S:
+            why = f"no answer from the node check on {', '.join(inc.pending_check)}; nothing drained"
+            draft.put(replace(inc.moved(_L.ESCALATED_TO_OPERATOR, now_s), note=why, pending_check=()))
+            draft.act(NotifyOperator(f"{inc.incident_id}/notify/check-lost", inc.incident_id, why))
+            draft.notes.append(f"{inc.incident_id}: {why}")
     for task in sorted(snapshot.tasks.values(), key=lambda t: t.task_id):
         if task.requeue is not None and now_s > task.requeue.deadline_s and task.state in LIVE_TASK_STATES:
             why = (
