@@ -58,6 +58,17 @@ _XidEntry = tuple[str, dict[int, str], str, str | None, str, dict[str, object]]
 status's), why this status and severity, extra rule keys). Each code becomes one rule,
 ``xid_<code><suffix>``."""
 
+_NVLINK5: Final = {
+    144: "NVLINK: SAW Error",
+    145: "NVLINK: RLW Error",
+    146: "NVLINK: TLW Error",
+    147: "NVLINK: TREX Error",
+    148: "NVLINK: NVLPW_CTRL Error",
+    149: "NVLINK: NETIR Error",
+    150: "NVLINK: MSE Error",
+}
+"""NVLink5 Xids: one table for the Nonfatal and the Fatal rules below."""
+
 _XID_CATALOG: Final[tuple[_XidEntry, ...]] = (
     # Severity follows the catalogue's "Resolution Bucket (Immediate Action)":
     # RESET_GPU / RESTART_BM / CHECK_MECHANICALS -> SEV1 (the GPU or node must be serviced),
@@ -196,15 +207,7 @@ _XID_CATALOG: Final[tuple[_XidEntry, ...]] = (
     ),
     (
         "_nonfatal",
-        {
-            144: "NVLINK: SAW Error",
-            145: "NVLINK: RLW Error",
-            146: "NVLINK: TLW Error",
-            147: "NVLINK: TREX Error",
-            148: "NVLINK: NVLPW_CTRL Error",
-            149: "NVLINK: NETIR Error",
-            150: "NVLINK: MSE Error",
-        },
+        _NVLINK5,
         "nvlink_error",
         "SEV3",
         "the line marks the NVLink5 error Nonfatal; the catalogue's 'XID 144-150 Decode' gives non-fatal "
@@ -213,15 +216,7 @@ _XID_CATALOG: Final[tuple[_XidEntry, ...]] = (
     ),
     (
         "",
-        {
-            144: "NVLINK: SAW Error",
-            145: "NVLINK: RLW Error",
-            146: "NVLINK: TLW Error",
-            147: "NVLINK: TREX Error",
-            148: "NVLINK: NVLPW_CTRL Error",
-            149: "NVLINK: NETIR Error",
-            150: "NVLINK: MSE Error",
-        },
+        _NVLINK5,
         "nvlink_error",
         None,
         "an NVLink5 error, Fatal or Link Fatal (WORKFLOW_NVLINK5_ERR: the decode says RESET_GPU)",

@@ -96,13 +96,20 @@ def test_a_command_that_keeps_failing_to_start_asks_the_operator_and_drains_noth
     assert all(n.health is NodeHealth.HEALTHY for n in snap.nodes.values())
 
 
-def test_a_launch_that_srun_refuses_climbs_as_a_node_fault() -> None:
-    """Not the training command but the step onto the node failed: the ladder climbs as usual."""
+def restarts_refused() -> Snapshot:
+    """Task a after a CUDA error whose every restart command the stream refused (not the
+    training command: the step onto n1): restarts used up."""
     snap, _ = restarting(ErrorStatus.CUDA_ERROR)
     for attempt in range(1, snap.policy.max_process_restarts + 1):
         aid = f"a.1/restart_processes/{attempt}/restart_ranks/n1"
         out = Outcome(aid, "send_command", OutcomeStatus.FAILED, "XADD refused")
         snap = apply(snap, resolve(snap, on_outcome(snap, out, T0 + attempt), CTX, T0 + attempt))
+    return snap
+
+
+def test_a_launch_that_srun_refuses_climbs_as_a_node_fault() -> None:
+    """Not the training command but the step onto the node failed: the ladder climbs as usual."""
+    snap = restarts_refused()
     # Restarts used up: the node check confirms before the drain.
     inc = snap.incidents["a.1"]
     assert inc.stage is L.ISOLATE and inc.pending_check == ("n1",)
@@ -119,11 +126,7 @@ def test_a_launch_that_srun_refuses_climbs_as_a_node_fault() -> None:
 def test_a_node_that_passes_its_check_is_not_drained_and_the_task_stops() -> None:
     """Restarts used up on an unconfirmed fault and the node passes its check: the fault is
     not the node's; the task stops, the operator is told, nothing is drained."""
-    snap, _ = restarting(ErrorStatus.CUDA_ERROR)
-    for attempt in range(1, snap.policy.max_process_restarts + 1):
-        aid = f"a.1/restart_processes/{attempt}/restart_ranks/n1"
-        out = Outcome(aid, "send_command", OutcomeStatus.FAILED, "XADD refused")
-        snap = apply(snap, resolve(snap, on_outcome(snap, out, T0 + attempt), CTX, T0 + attempt))
+    snap = restarts_refused()
     inc = snap.incidents["a.1"]
     aid = f"a.1/isolate/{inc.attempts_at(L.ISOLATE)}/check/n1"
     stale = on_outcome(snap, Outcome("a.1/isolate/0/check/n1", "check_node", OutcomeStatus.DONE), T0 + 59)

@@ -224,13 +224,17 @@ class Fault:
             finding.node, finding.status.value, detail, finding.rank_died, finding.rule, finding.confirmed_by
         )
 
+    @property
+    def error_status(self) -> ErrorStatus:
+        """``status`` as a Table 1 status (a timeout's status name counts as the hang it is)."""
+        try:
+            return ErrorStatus(self.status)
+        except ValueError:
+            return ErrorStatus.TASK_HANG
+
     def verdict(self) -> Verdict:
         """May this fault drain its node now (:func:`detect.isolation.verdict`)."""
-        try:
-            status = ErrorStatus(self.status)
-        except ValueError:  # a timeout's status name: judged as the hang it is
-            status = ErrorStatus.TASK_HANG
-        return verdict(status, self.confirmed_by)
+        return verdict(self.error_status, self.confirmed_by)
 
 
 def recent(times: tuple[float, ...], now_s: float, window_s: float) -> tuple[float, ...]:

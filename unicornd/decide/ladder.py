@@ -214,12 +214,8 @@ def _confirm(draft: Draft, task: TaskRecord, inc: Incident, fault: Fault) -> Non
     now_s = draft.now_s
     inc = _enter(inc, _L.ISOLATE, now_s)
     attempt = inc.attempts_at(_L.ISOLATE)
-    try:
-        paired_status = ErrorStatus(fault.status) in PAIRED_CHECK
-    except ValueError:
-        paired_status = True
     in_service = tuple(n for n in task.nodes if _drainable(draft, n))
-    if paired_status and len(in_service) >= 2 and task.job_id is not None:
+    if fault.error_status in PAIRED_CHECK and len(in_service) >= 2 and task.job_id is not None:
         nodes = in_service
         action = CheckNode(
             step_id(inc, _L.ISOLATE, attempt, "check", "paired"), fault.node, nodes, task.job_id
