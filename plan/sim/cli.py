@@ -3,8 +3,11 @@
 ``simulate --trace {trace-a,trace-b,FILE} --workload {case1..case5,FILE} [--policy NAME]...
 [--seed N] [--plot FILE.png] [--json]``. A built-in trace is generated from the seed; a
 FILE is a CSV trace (schema in :mod:`plan.sim.trace`, ``etc/traces/README.md``). A
-workload is a Unicron Table 3 case or a task list file. ``megatron`` is always run: it is
-the reference of the ratios.
+workload is a Unicron Table 3 case or a task list file. Without ``--policy`` the six
+policies of the comparison run (unicorn, megatron, oobleck, varuna, bamboo, per-task);
+the static allocations (equally, weighted, sized) run when named. ``megatron`` is always
+run: it is the reference of the ratios. Every policy's ``fraction_of_ideal`` is its
+accumulated WAF over the ideal's (the same tasks, no failures, best layouts).
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import json
 import re
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import click
 
 from plan.hardware import gpu_spec
-from plan.sim.policies import POLICY_NAMES, MegatronCosts, build_workload
+from plan.sim.costs import MegatronCosts, UnicornCosts
+from plan.sim.policies import DEFAULT_POLICY_NAMES, POLICY_NAMES, build_workload
 from plan.sim.report import REFERENCE, plot_png, run_policies, summary_json, summary_text
 from plan.sim.trace import BUILTIN_TRACES, Trace, generate_trace, load_trace_csv
 from unicorn_core.errors import ConfigError, UnicornError
@@ -53,7 +58,7 @@ def _trace(value: str, nodes: int, seed: int) -> Trace:
     "policies",
     multiple=True,
     type=click.Choice(POLICY_NAMES),
-    help="Policy to simulate; repeat for more (default: all).",
+    help="Policy to simulate; repeat for more (default: the six of the comparison).",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of trace generation / node picks.")
 @click.option(
@@ -73,7 +78,14 @@ def _trace(value: str, nodes: int, seed: int) -> Trace:
     type=click.FloatRange(min=0, min_open=True),
     default=MegatronCosts().checkpoint_interval_s / 60,
     show_default=True,
-    help="Persistent checkpoint interval of megatron and the baselines.",
+    help="Persistent checkpoint interval of megatron and the static baselines.",
+)
+@click.option(
+    "--snapshot-every",
+    type=click.IntRange(min=0),
+    default=UnicornCosts().snapshot_every,
+    show_default=True,
+    help="unicorn's memory snapshot interval in iterations ([ckpt] snapshot_every); 0: Young/Daly.",
 )
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), help="Write a PNG.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -88,11 +100,12 @@ def simulate(
     gpu_name: str,
     spare_nodes: int,
     checkpoint_interval_min: float,
+    snapshot_every: int,
     plot_path: Path | None,
     as_json: bool,
 ) -> None:
     """Accumulated weighted achieved FLOP/s of each policy over a failure trace (Unicron Fig. 11)."""
-    names = list(policies or POLICY_NAMES)
+    names = list(policies or DEFAULT_POLICY_NAMES)
     if REFERENCE not in names:
         names.append(REFERENCE)
     try:
@@ -101,20 +114,22 @@ def simulate(
         trace = _trace(trace_name, nodes, seed)
         work = build_workload(tasks, nodes, gpus_per_node, gpu)
         megatron = replace(MegatronCosts(), checkpoint_interval_s=checkpoint_interval_min * 60)
+        unicorn = UnicornCosts(snapshot_every=snapshot_every or None)
+        run = partial(
+            run_policies, trace, work, names, unicorn=unicorn, megatron=megatron, spare_nodes=spare_nodes
+        )
         if as_json or not sys.stderr.isatty():
-            results = run_policies(trace, work, names, megatron=megatron, spare_nodes=spare_nodes)
+            results = run()
         else:
             length = len(trace.events) * len(names)
             with click.progressbar(length=length, label="simulating", file=sys.stderr) as bar:
-                results = run_policies(
-                    trace, work, names, megatron=megatron, spare_nodes=spare_nodes, progress=bar.update
-                )
+                results = run(progress=bar.update)
         if plot_path is not None:
             plot_png(results, plot_path, f"{trace.name} (seed {seed}), {workload}")
     except UnicornError as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
-        out = summary_json(trace, results)
+        out = summary_json(trace, results, work)
         out["workload"] = workload
         out["seed"] = seed
         click.echo(json.dumps(out, indent=2))

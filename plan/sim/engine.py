@@ -1,15 +1,19 @@
 """Discrete-event replay of a trace under one policy, with Unicron's cost accounting (Eq. 1).
 
-The ideal is the policy's own failure-free allocation, earning W0 = sum F(t, x_t) at
-every instant. The gap to it splits exactly into three causes:
+The ideal is the limit no policy can pass: the same tasks with no failures, each on its
+best layout, in the planner's best allocation of the whole cluster, earning W* at every
+instant. The gap to it splits exactly into four causes:
 
+* steady state: W* minus the policy's own failure-free WAF (layouts its system cannot
+  run, its fixed allocation, redundant computation, checkpoint stalls);
 * detection: F of the tasks hit but not yet noticed (hung or dead);
 * transition: F of the tasks restarting or reconfiguring, and of those recomputing the
-  work lost since their last checkpoint (lost work is redone at the new rate);
-* sub-healthy: W0 minus the WAF of the allocation in force (fewer nodes, a worse split,
-  tasks waiting for nodes).
+  work lost since their last restore point (lost work is redone at the new rate);
+* sub-healthy: the policy's failure-free WAF minus the WAF of the allocation in force
+  (nodes down, fewer nodes, a worse split, tasks waiting for nodes).
 
-So accumulated WAF + detection + transition + sub-healthy = W0 x duration, always.
+So accumulated WAF + the four losses = W* x duration, always, and the fraction of the
+ideal is accumulated WAF / (W* x duration).
 Node bookkeeping: a decision's node counts are mapped onto node ids stickily: a task
 keeps its nodes, shrinking tasks release their highest ids, growing tasks take the
 lowest free ids. The task nodes of the initial allocation are assigned in workload order.
@@ -23,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from plan.planner import plan_cluster
 from plan.sim.policies import Policy, Workload
 from plan.sim.state import (
     Action,
@@ -41,6 +46,7 @@ from unicorn_core.errors import InvalidArgument
 class Cause(StrEnum):
     """Why WAF was lost (Unicron Eq. 1)."""
 
+    STEADY_STATE = "steady_state"
     DETECTION = "detection"
     TRANSITION = "transition"
     SUB_HEALTHY = "sub_healthy"
@@ -53,7 +59,8 @@ class SimResult:
     policy: str
     trace: str
     duration_s: float
-    ideal_waf_tflops: float  # W0: the policy's failure-free WAF
+    ideal_waf_tflops: float  # W*: the best failure-free WAF of the workload on the whole cluster
+    own_waf_tflops: float  # the policy's own failure-free WAF (its initial configuration)
     accumulated_wtflop: float
     lost_wtflop: dict[Cause, float]
     times_s: tuple[float, ...]  # earned WAF is waf_tflops[i] from times_s[i] until the next time
@@ -63,6 +70,12 @@ class SimResult:
     @property
     def ideal_wtflop(self) -> float:
         return self.ideal_waf_tflops * self.duration_s
+
+    @property
+    def fraction_of_ideal(self) -> float:
+        """Accumulated WAF / (W* x duration): 1 only without failures, stalls or layout limits."""
+        ideal = self.ideal_wtflop
+        return self.accumulated_wtflop / ideal if ideal > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -90,11 +103,15 @@ class _Task:
     index: int
     phase: Phase = Phase.IDLE
     workers: int = 0
+    waf: float = 0.0  # weighted TFLOP/s of its configuration while it trains
     held: list[int] = field(default_factory=list)
     debt_wtflop: float = 0.0  # work to redo; while RECOMPUTING, what was owed when it began
     process_start_s: float = 0.0  # when the current process started training (checkpoint clock)
     phase_end_s: float = math.inf
-    interval_s: float = math.inf
+    interval_s: float = math.inf  # restore points against a lost node
+    lag_s: float = 0.0  # ... usable this long after they are taken
+    jit_interval_s: float = math.inf  # restore points against a process or network fault
+    config: tuple[int, ...] = ()
     lost_at_s: float | None = None
     version: int = 0  # bumped on every phase change: stale PHASE_END entries are dropped
 
@@ -113,7 +130,8 @@ class _Replay:
         self.queue: list[tuple[float, int, _Payload]] = []
         self.seq = 0
         self.now = 0.0
-        self.ideal = 0.0
+        self.ideal = workload.ideal_waf()
+        self.own = 0.0
         self.earned = 0.0
         self.lost = dict.fromkeys(Cause, 0.0)
         self.times: list[float] = []
@@ -123,7 +141,7 @@ class _Replay:
     # --- accounting -------------------------------------------------------------------
 
     def rate(self, task: _Task) -> float:
-        return self.workload.waf(task.index, task.workers)
+        return task.waf if task.workers > 0 else 0.0
 
     def advance(self, t: float) -> None:
         dt = t - self.now
@@ -145,7 +163,8 @@ class _Replay:
         self.earned += earned * dt
         self.lost[Cause.DETECTION] += detecting * dt
         self.lost[Cause.TRANSITION] += transition * dt
-        self.lost[Cause.SUB_HEALTHY] += (self.ideal - in_force) * dt
+        self.lost[Cause.STEADY_STATE] += (self.ideal - self.own) * dt
+        self.lost[Cause.SUB_HEALTHY] += (self.own - in_force) * dt
         self.now = t
 
     # --- events -------------------------------------------------------------------------
@@ -168,11 +187,15 @@ class _Replay:
             return 0.0
         return task.debt_wtflop
 
-    def fail(self, task: _Task) -> None:
-        """The task's processes die: work since the last checkpoint joins its debt."""
+    def fail(self, task: _Task, node_lost: bool) -> None:
+        """The task's processes die: work since the last usable restore point joins its debt."""
         if task.phase in (Phase.RUNNING, Phase.RECOMPUTING):
-            since_start = self.now - task.process_start_s
-            lost = since_start % task.interval_s if math.isfinite(task.interval_s) else since_start
+            since = self.now - task.process_start_s
+            interval, lag = (task.interval_s, task.lag_s) if node_lost else (task.jit_interval_s, 0.0)
+            # the newest restore point k x interval that was usable by now (k x interval + lag);
+            # none yet: back to the state the process started from
+            usable = math.floor((since - lag) / interval) if math.isfinite(interval) and since >= lag else 0
+            lost = since - usable * interval
             task.debt_wtflop = self.pending_debt(task) + self.rate(task) * lost
         self.set_phase(task, Phase.DETECTING)
 
@@ -193,7 +216,7 @@ class _Replay:
         if task is not None and event.kind is EventKind.SEV1 and task.phase is Phase.RESTARTING:
             running = True  # the restart dies with the node
         if running and task is not None:
-            self.fail(task)
+            self.fail(task, event.kind is EventKind.SEV1)
             self.push(self.now + self.policy.detection_s(event.kind), _Detected(event, task.index))
         elif event.kind is EventKind.SEV1:
             # a free node, or one held by a task that is not running: nothing hangs
@@ -226,7 +249,9 @@ class _Replay:
     def snapshot(self) -> Snapshot:
         healthy = sum(self.up)
         held = sum(len(t.held) for t in self.tasks)
-        views = tuple(TaskView(t.name, t.phase, t.workers, len(t.held), t.lost_at_s) for t in self.tasks)
+        views = tuple(
+            TaskView(t.name, t.phase, t.workers, len(t.held), t.lost_at_s, t.config) for t in self.tasks
+        )
         return Snapshot(self.now, self.trace.nodes, healthy, healthy - held, views)
 
     def notify(self, notice: Notice) -> None:
@@ -275,13 +300,18 @@ class _Replay:
                 task.debt_wtflop = self.pending_debt(task)  # a planned stop saves its state
             if d.action is Action.WAIT:
                 task.workers = 0
+                task.config = d.config
                 self.set_phase(task, Phase.WAITING)
             else:
                 self.start(task, d)
 
     def start(self, task: _Task, d: TaskDecision) -> None:
         task.workers = d.nodes
+        task.waf = self.workload.waf(task.index, d.nodes) if d.waf_tflops is None else d.waf_tflops
         task.interval_s = d.checkpoint_interval_s
+        task.lag_s = d.checkpoint_lag_s
+        task.jit_interval_s = d.checkpoint_interval_s if d.jit_interval_s is None else d.jit_interval_s
+        task.config = d.config
         if d.nodes == 0 or self.rate(task) <= 0:
             self.set_phase(task, Phase.IDLE)
             return
@@ -296,7 +326,7 @@ class _Replay:
 
     def run(self, progress: Callable[[int], None] | None) -> SimResult:
         self.apply(self.policy.initial(self.trace.nodes), None)
-        self.ideal = sum(self.rate(t) for t in self.tasks)
+        self.own = sum(self.rate(t) for t in self.tasks)
         for event in self.trace.events:
             self.push(event.time_s, event)
         end = self.trace.duration_s
@@ -322,12 +352,38 @@ class _Replay:
             trace=self.trace.name,
             duration_s=end,
             ideal_waf_tflops=self.ideal,
+            own_waf_tflops=self.own,
             accumulated_wtflop=self.earned,
             lost_wtflop=dict(self.lost),
             times_s=tuple(self.times),
             waf_tflops=tuple(self.rates),
             decisions=self.decisions,
         )
+
+
+def node_bound_wtflop(trace: Trace, workload: Workload) -> float:
+    """The most any policy can earn on ``trace``: at every instant the best failure-free
+    allocation of the nodes up then, with free and instant detection and reconfiguration.
+
+    The gap between it and the ideal is the work of the nodes that are down: no policy
+    can recover it.
+    """
+    best: dict[int, float] = {}
+
+    def waf(up: int) -> float:
+        if up not in best:
+            best[up] = plan_cluster(workload.curves, workload.cluster.with_nodes(up)).total_waf_tflops
+        return best[up]
+
+    up, t, total = trace.nodes, 0.0, 0.0
+    for event in trace.events:
+        total += waf(up) * (event.time_s - t)
+        t = event.time_s
+        if event.kind is EventKind.SEV1:
+            up -= 1
+        elif event.kind is EventKind.NODE_RETURN:
+            up += 1
+    return total + waf(up) * (trace.duration_s - t)
 
 
 def simulate(

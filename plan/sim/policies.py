@@ -3,28 +3,31 @@
 * ``unicorn``: Unicron's severity ladder. SEV3 retries in place, SEV2 restarts the
   process on the same nodes (both escalate to SEV1 when the task has lost a node), SEV1
   and node returns replan the whole cluster with the real planner (:func:`plan_cluster`,
-  Eq. 4), restoring state from host memory or data-parallel peers.
-* ``megatron``: a fixed allocation; every failure hangs the job until the collective
-  timeout, then it is resubmitted and restarted from its last persistent checkpoint;
-  a task that lost a node waits for a free node or the repair.
-* ``per-task``: what a single-job elastic system (DLRover, NVRx) can do. Detection and
-  restart costs are unicorn's, so the ratio to it measures cluster-wide planning alone:
-  a SEV1 reconfigures only the task hit (onto its own nodes plus free ones), a returning
-  node goes to the first task that lost one.
+  Eq. 4), restoring state from host memory or peers. It pays our measured detection,
+  restart, snapshot-stall and restore costs (:class:`~plan.sim.costs.UnicornCosts`).
+* ``megatron``: plain Megatron-LM with a fixed TP/PP per task. Every failure hangs the
+  job until the collective timeout; it is then resubmitted from its last persistent
+  checkpoint on the same number of nodes when free ones make up for a lost node, else
+  on the nodes left at the largest DP that fits (its TP, PP and the global batch fixed).
+  When repaired nodes make its full allocation possible again, it is resubmitted there.
+* ``per-task``: what a single-job elastic system (DLRover, NVRx) can do, with unicorn's
+  costs, so the ratio to it measures cluster-wide planning alone: a SEV1 reconfigures
+  only the task hit (onto its own nodes plus free ones), a returning node goes to the
+  first task that lost one.
+* ``oobleck``, ``varuna``, ``bamboo``: :mod:`plan.sim.elastic`.
 * ``equally``, ``weighted``, ``sized``: megatron's handling on the static baseline
   allocations of :mod:`plan.baselines`.
 
-Every cost default below names its source. "Unicron" is He et al., "Unicron: Economizing
-Self-Healing LLM Training at Scale" (2023); its Section 2 breaks a manual recovery on
-256 H800 GPUs into a 30 min hang, 9 min resubmission, 14 min set-up and 15 min
-recomputation; its Table 2 gives the detection times.
+Single-job systems (everything but ``unicorn``) start from a fixed allocation: the
+planner's failure-free allocation for their own throughput curves, so their gap to
+unicorn is failure handling and what their systems can run, not the initial split.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -32,59 +35,15 @@ import numpy.typing as npt
 
 from plan.baselines import Baseline, baseline_allocation, best_within
 from plan.hardware import GpuSpec
-from plan.objective import FailureModel, TransitionModel
+from plan.objective import FailureModel, TransitionModel, waf_curve
 from plan.planner import Cluster, Granularity, PlanRequest, TaskCurve, plan_cluster, task_curves
+from plan.sim.costs import ElasticCosts, MegatronCosts, UnicornCosts
 from plan.sim.state import Action, Decision, Notice, Phase, Snapshot, TaskDecision, TaskView
+from plan.sim.systems import RunConfig, fixed_shape
 from plan.sim.trace import EventKind
 from unicorn_core.errors import InvalidArgument
+from unicorn_core.layout import Layout
 from unicorn_core.taskspec import TaskSpec, check_unique_names
-
-MINUTE_S = 60.0
-
-
-@dataclass(frozen=True)
-class UnicornCosts:
-    """unicorn's detection and recovery costs (also used by ``per-task``)."""
-
-    detect_sev1_s: float = 5.6  # Unicron Table 2: node health check, lost connection
-    detect_sev2_s: float = 1.8  # Unicron Table 2: process supervision, abnormal exit
-    detect_sev3_s: float = 0.3  # Unicron Table 2: exception propagation (connection refused/reset)
-    # SEV3 retry in place: no restart; what is lost is the partial iteration (rolled back to
-    # the last in-memory checkpoint). Assumption: no published figure for the retry itself.
-    retry_s: float = 0.0
-    # D_transition of the planner: a 60 s restart (NVRx's in-job restart cycle is ~1 min)
-    # plus reloading 18 B per parameter at 10 GB/s from host memory or DP peers.
-    transition: TransitionModel = field(default_factory=TransitionModel)
-    # D_running of the planner: Unicron's 1-7 failures a week per 128 GPUs (midpoint).
-    failure: FailureModel = field(default_factory=FailureModel)
-
-    def detection_s(self, kind: EventKind) -> float:
-        return {
-            EventKind.SEV1: self.detect_sev1_s,
-            EventKind.SEV2: self.detect_sev2_s,
-            EventKind.SEV3: self.detect_sev3_s,
-            EventKind.NODE_RETURN: 0.0,
-        }[kind]
-
-
-@dataclass(frozen=True)
-class MegatronCosts:
-    """Terminate-and-restart costs of plain Megatron (also the static baselines')."""
-
-    detection_s: float = 30 * MINUTE_S  # Unicron Sec. 2: hang until the all-reduce timeout
-    resubmit_s: float = 9 * MINUTE_S  # Unicron Sec. 2: resubmission
-    setup_s: float = 14 * MINUTE_S  # Unicron Sec. 2: environment set-up (incl. checkpoint load)
-    # Unicron Sec. 2 recomputes 15 min on average: half of a 30 min persistent checkpoint interval.
-    checkpoint_interval_s: float = 30 * MINUTE_S
-
-    def __post_init__(self) -> None:
-        values = (self.detection_s, self.resubmit_s, self.setup_s)
-        if min(values) < 0 or not self.checkpoint_interval_s > 0:
-            raise InvalidArgument("megatron costs must be >= 0 and the checkpoint interval > 0")
-
-    @property
-    def restart_s(self) -> float:
-        return self.resubmit_s + self.setup_s
 
 
 @dataclass(frozen=True)
@@ -99,8 +58,16 @@ class Workload:
     def names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.tasks)
 
+    @property
+    def gpus_per_node(self) -> int:
+        return self.cluster.gpus_per_node
+
+    @property
+    def gpu(self) -> GpuSpec:
+        return self.cluster.gpu
+
     def waf(self, task: int, nodes: int) -> float:
-        """F(t, nodes), weighted TFLOP/s (0 when no layout uses that many nodes)."""
+        """F(t, nodes), weighted TFLOP/s of the best layout (0 when no layout uses that many nodes)."""
         curve = self.curves[task].waf
         return float(curve[nodes]) if 0 <= nodes < curve.shape[0] else 0.0
 
@@ -108,6 +75,32 @@ class Workload:
         """Iteration time of the task's best layout on ``nodes`` nodes (``inf`` if none)."""
         est = self.curves[task].estimate(nodes)
         return est.iteration_s if est is not None else math.inf
+
+    def layout(self, task: int, nodes: int) -> Layout | None:
+        est = self.curves[task].estimate(nodes)
+        return est.layout if est is not None else None
+
+    def weighted(self, task: int, cfg: RunConfig | None) -> float:
+        """Weighted TFLOP/s of ``cfg`` (0 when the task's GPU requirement is not met)."""
+        if cfg is None:
+            return 0.0
+        spec = self.tasks[task]
+        if cfg.gpus < spec.min_gpus or (spec.max_gpus is not None and cfg.gpus > spec.max_gpus):
+            return 0.0
+        return spec.weight * cfg.tflops
+
+    def ideal_waf(self) -> float:
+        """W*: the planner's best failure-free allocation of the whole cluster, best layouts."""
+        return plan_cluster(self.curves, self.cluster).total_waf_tflops
+
+    def curves_from(self, configs: Sequence[Sequence[RunConfig | None]]) -> tuple[TaskCurve, ...]:
+        """Task curves for the planner from per-node-count configurations of another system."""
+        out = []
+        for curve, row in zip(self.curves, configs, strict=True):
+            tflops = np.array([c.tflops if c is not None else 0.0 for c in row], dtype=np.float64)
+            tflops.resize(curve.tflops.shape[0], refcheck=False)
+            out.append(replace(curve, tflops=tflops, waf=waf_curve(curve.task, tflops, curve.worker_gpus)))
+        return tuple(out)
 
 
 def build_workload(tasks: Sequence[TaskSpec], nodes: int, gpus_per_node: int, gpu: GpuSpec) -> Workload:
@@ -138,7 +131,8 @@ class Policy(Protocol):
         ...
 
 
-def _hit_index(snapshot: Snapshot, notice: Notice) -> int | None:
+def hit_index(snapshot: Snapshot, notice: Notice) -> int | None:
+    """Index of the task the notice's failure hit and that still awaits handling."""
     if notice.task is None:
         return None
     for i, view in enumerate(snapshot.tasks):
@@ -147,17 +141,33 @@ def _hit_index(snapshot: Snapshot, notice: Notice) -> int | None:
     raise InvalidArgument(f"notice names unknown task {notice.task!r}")
 
 
-def _intact(view: TaskView) -> bool:
+def intact(view: TaskView) -> bool:
     """The task still holds every node it ran on (a SEV2/SEV3 can be handled in place)."""
     return view.workers > 0 and view.held == view.workers
+
+
+def by_loss(views: Sequence[TaskView], indices: Sequence[int]) -> list[int]:
+    """``indices`` ordered by when the task last lost a node (never last)."""
+    return sorted(indices, key=lambda i: (views[i].lost_at_s is None, views[i].lost_at_s or 0.0, i))
 
 
 class UnicornPolicy:
     """Severity ladder plus cluster-wide replanning with the real planner."""
 
-    def __init__(self, workload: Workload, costs: UnicornCosts | None = None) -> None:
+    def __init__(
+        self, workload: Workload, costs: UnicornCosts | None = None, failure: FailureModel | None = None
+    ) -> None:
         self.workload = workload
         self.costs = costs or UnicornCosts()
+        self.failure = failure or FailureModel()
+        ideal = plan_cluster(workload.curves, workload.cluster).allocation
+        # D_transition of the planner's Eq. 3: our measured relaunch plus the restore at the
+        # failure-free allocation (one node for a task that gets none there)
+        measured = {
+            t.name: self.relaunch_s(i, max(k, 1))
+            for i, (t, k) in enumerate(zip(workload.tasks, ideal, strict=True))
+        }
+        self.transition = TransitionModel(measured_s=measured)
 
     @property
     def name(self) -> str:
@@ -166,29 +176,55 @@ class UnicornPolicy:
     def detection_s(self, kind: EventKind) -> float:
         return self.costs.detection_s(kind)
 
-    def transition_s(self, task: int) -> float:
-        """D_transition of ``task`` (the planner's model): restart plus reloading its model states."""
-        return self.costs.transition.transition_s(self.workload.tasks[task])
+    def _gpus(self, nodes: int) -> int:
+        return nodes * self.workload.gpus_per_node
+
+    def relaunch_s(self, task: int, nodes: int) -> float:
+        """A relaunch on a new allocation: measured, plus restoring the state at the new layout."""
+        model = self.workload.tasks[task].model
+        return self.costs.measured.relaunch_s + self.costs.restore_s(model, self._gpus(nodes))
+
+    def restart_in_place_s(self, task: int, nodes: int, kind: EventKind) -> float:
+        """SEV2: restart the processes on the same nodes; SEV3: the retry's timeout first."""
+        model = self.workload.tasks[task].model
+        restart = self.costs.measured.restart_in_place_s + self.costs.restore_s(model, self._gpus(nodes))
+        return restart + (self.costs.retry_timeout_s if kind is EventKind.SEV3 else 0.0)
 
     def start(self, task: int, nodes: int, downtime_s: float) -> TaskDecision:
-        """(Re)start ``task`` on ``nodes`` nodes after ``downtime_s``.
+        """(Re)start ``task`` on ``nodes`` nodes after ``downtime_s``, with memory snapshots.
 
-        In-memory checkpoints every iteration: a failure loses at most the current one.
+        Snapshots every ``snapshot_interval_s`` stall training for one copy each; a lost
+        node falls back to the newest snapshot its ring peer holds in full.
         """
-        interval = self.workload.iteration_s(task, nodes)
-        return TaskDecision(nodes, Action.RESTART, downtime_s, interval if nodes else math.inf)
+        est = self.workload.curves[task].estimate(nodes)
+        if nodes == 0 or est is None:
+            return TaskDecision(nodes, Action.RESTART, downtime_s)
+        model, gpus = self.workload.tasks[task].model, self._gpus(nodes)
+        interval = self.costs.snapshot_interval_s(model, gpus, est.iteration_s, self.failure.running_s(nodes))
+        stall = self.costs.snapshot_stall_s(model, gpus)
+        lag = self.costs.replication_lag_s(model, gpus, nodes)
+        return TaskDecision(
+            nodes,
+            Action.RESTART,
+            downtime_s,
+            checkpoint_interval_s=max(interval, lag) + stall,
+            checkpoint_lag_s=lag,
+            jit_interval_s=est.iteration_s,
+            waf_tflops=self.workload.waf(task, nodes) * interval / (interval + stall),
+        )
 
     def initial(self, nodes: int) -> Decision:
         plan = plan_cluster(self.workload.curves, self.workload.cluster.with_nodes(nodes))
         return tuple(self.start(i, k, 0.0) for i, k in enumerate(plan.allocation))
 
     def on_event(self, snapshot: Snapshot, notice: Notice, clock_s: float) -> Decision:
-        hit = _hit_index(snapshot, notice)
+        hit = hit_index(snapshot, notice)
         views = snapshot.tasks
-        if hit is not None and notice.kind in (EventKind.SEV2, EventKind.SEV3) and _intact(views[hit]):
-            in_place = self.costs.retry_s if notice.kind is EventKind.SEV3 else self.transition_s(hit)
+        if hit is not None and notice.kind in (EventKind.SEV2, EventKind.SEV3) and intact(views[hit]):
+            workers = views[hit].workers
+            downtime = self.restart_in_place_s(hit, workers, notice.kind)
             return tuple(
-                self.start(i, v.workers, in_place) if i == hit else TaskDecision.keep(v)
+                self.start(i, workers, downtime) if i == hit else TaskDecision.keep(v)
                 for i, v in enumerate(views)
             )
         return self.replan(snapshot, hit)
@@ -198,20 +234,29 @@ class UnicornPolicy:
         views = snapshot.tasks
         current = tuple(v.workers for v in views)
         faulted = frozenset({views[hit].name}) if hit is not None else frozenset()
-        request = PlanRequest(current, faulted, self.costs.failure, self.costs.transition)
+        request = PlanRequest(current, faulted, self.failure, self.transition)
         cluster = self.workload.cluster.with_nodes(snapshot.healthy)
         plan = plan_cluster(self.workload.curves, cluster, request)
         out = []
         for i, (view, k) in enumerate(zip(views, plan.allocation, strict=True)):
             if i == hit or k != view.workers:
-                out.append(self.start(i, k, self.transition_s(i)))
+                out.append(self.start(i, k, self.relaunch_s(i, k)))
             else:
                 out.append(TaskDecision.keep(view))
         return tuple(out)
 
 
 class MegatronPolicy:
-    """A fixed allocation with terminate-and-restart recovery from persistent checkpoints."""
+    """Fixed TP/PP per task, terminate-and-restart from persistent checkpoints (Unicron Sec. 2).
+
+    After a failure the job is resubmitted on the nodes it still holds plus free ones, up to
+    its allocation (the same number of nodes when free ones make up for a lost one), at
+    the largest data-parallel size its fixed TP, PP and global batch allow there; nodes
+    that size cannot use are released. With no such size it waits for nodes. When a node
+    returns, a job below its allocation that can run faster on the free nodes is stopped
+    (Megatron-LM's ``--exit-signal-handler`` saves a checkpoint first: nothing is lost)
+    and resubmitted on them.
+    """
 
     def __init__(
         self, name: str, workload: Workload, allocation: Sequence[int], costs: MegatronCosts | None = None
@@ -222,6 +267,7 @@ class MegatronPolicy:
         self.workload = workload
         self.allocation = tuple(allocation)
         self.costs = costs or MegatronCosts()
+        self.layouts = tuple(workload.layout(i, k) for i, k in enumerate(self.allocation))
 
     @property
     def name(self) -> str:
@@ -230,35 +276,66 @@ class MegatronPolicy:
     def detection_s(self, kind: EventKind) -> float:
         return 0.0 if kind is EventKind.NODE_RETURN else self.costs.detection_s
 
-    def _start(self, nodes: int, downtime_s: float) -> TaskDecision:
-        return TaskDecision(nodes, Action.RESTART, downtime_s, self.costs.checkpoint_interval_s)
+    def config(self, task: int, nodes: int) -> RunConfig | None:
+        """The task's fixed TP/PP at the largest DP that fits on ``nodes`` nodes."""
+        base = self.layouts[task]
+        if base is None or nodes <= 0:
+            return None
+        w = self.workload
+        return fixed_shape(w.tasks[task].model, w.gpu, w.gpus_per_node, base, nodes)
+
+    def _start(self, task: int, cfg: RunConfig | None, downtime_s: float) -> TaskDecision:
+        if cfg is None:
+            return TaskDecision(0, Action.RESTART, downtime_s)
+        model = self.workload.tasks[task].model
+        stall = self.costs.stall_fraction(model, cfg.gpus)
+        interval = self.costs.checkpoint_interval_s + self.costs.save_s(model, cfg.gpus)
+        waf = self.workload.weighted(task, cfg) * (1.0 - stall)
+        return TaskDecision(
+            cfg.nodes, Action.RESTART, downtime_s, interval, waf_tflops=waf, config=(cfg.gpus,)
+        )
 
     def initial(self, nodes: int) -> Decision:
         if sum(self.allocation) > nodes:
             raise InvalidArgument(f"{self.name}: allocation needs {sum(self.allocation)} of {nodes} nodes")
-        return tuple(self._start(k, 0.0) for k in self.allocation)
+        return tuple(self._start(i, self.config(i, k), 0.0) for i, k in enumerate(self.allocation))
 
     def on_event(self, snapshot: Snapshot, notice: Notice, clock_s: float) -> Decision:
-        hit = _hit_index(snapshot, notice)
+        hit = hit_index(snapshot, notice)
         views = snapshot.tasks
         out = [TaskDecision.keep(v) for v in views]
-        waiting = [i for i, v in enumerate(views) if i == hit or v.phase is Phase.WAITING]
-        waiting.sort(key=lambda i: (views[i].lost_at_s is None, views[i].lost_at_s or 0.0, i))
         free = snapshot.free
-        for i in waiting:
-            view, need = views[i], self.allocation[i]
-            if view.held + free >= need:
-                free -= need - view.held
-                out[i] = self._start(need, self.costs.restart_s)
+        if hit is not None:
+            view = views[hit]
+            cfg = self.config(hit, min(self.allocation[hit], view.held + free))
+            if cfg is None:
+                out[hit] = TaskDecision(view.held, Action.WAIT)
             else:
-                out[i] = TaskDecision(view.held, Action.WAIT)
+                free += view.held - cfg.nodes
+                out[hit] = self._start(hit, cfg, self.costs.restart_s)
+        if notice.kind is EventKind.NODE_RETURN:
+            below = [
+                i
+                for i, v in enumerate(views)
+                if i != hit and v.phase is not Phase.DETECTING and v.workers < self.allocation[i]
+            ]
+            for i in by_loss(views, below):
+                view = views[i]
+                cfg = self.config(i, min(self.allocation[i], view.held + free))
+                now = self.config(i, view.workers) if view.phase is not Phase.WAITING else None
+                if cfg is None or (now is not None and cfg.tflops <= now.tflops):
+                    continue
+                free += view.held - cfg.nodes
+                gpus = now.gpus if now is not None else 0
+                save = self.costs.save_s(self.workload.tasks[i].model, gpus) if gpus else 0.0
+                out[i] = self._start(i, cfg, self.costs.restart_s + save)
         return tuple(out)
 
 
 class PerTaskPolicy:
     """Single-job elasticity: only the task hit reconfigures; returns go to the first task that lost a node.
 
-    This is what DLRover or NVRx can do inside one job, with unicorn's detection and restart costs.
+    This is what DLRover or NVRx can do inside one job, with unicorn's measured costs.
     """
 
     def __init__(
@@ -288,9 +365,9 @@ class PerTaskPolicy:
         return best_within(waf, min(nodes, self.allocation[task]))
 
     def on_event(self, snapshot: Snapshot, notice: Notice, clock_s: float) -> Decision:
-        hit = _hit_index(snapshot, notice)
+        hit = hit_index(snapshot, notice)
         views = snapshot.tasks
-        if hit is not None and notice.kind in (EventKind.SEV2, EventKind.SEV3) and _intact(views[hit]):
+        if hit is not None and notice.kind in (EventKind.SEV2, EventKind.SEV3) and intact(views[hit]):
             return self._unicorn.on_event(snapshot, notice, clock_s)
         out = [TaskDecision.keep(v) for v in views]
         free = snapshot.free
@@ -298,23 +375,25 @@ class PerTaskPolicy:
             view = views[hit]
             k = self._best(hit, view.held + free)
             free += view.held - k
-            out[hit] = self._unicorn.start(hit, k, self._unicorn.transition_s(hit))
+            out[hit] = self._unicorn.start(hit, k, self._unicorn.relaunch_s(hit, k))
         if notice.kind is EventKind.NODE_RETURN:
             affected = [
                 i
                 for i, v in enumerate(views)
                 if v.workers < self.allocation[i] and v.phase is not Phase.DETECTING
             ]
-            affected.sort(key=lambda i: (views[i].lost_at_s is None, views[i].lost_at_s or 0.0, i))
+            affected = by_loss(views, affected)
             if affected:
                 i = affected[0]
                 k = self._best(i, views[i].held + free)
                 if k > views[i].workers:
-                    out[i] = self._unicorn.start(i, k, self._unicorn.transition_s(i))
+                    out[i] = self._unicorn.start(i, k, self._unicorn.relaunch_s(i, k))
         return tuple(out)
 
 
-POLICY_NAMES = ("unicorn", "megatron", "per-task", *(b.value for b in Baseline))
+STATIC_NAMES = tuple(b.value for b in Baseline)
+DEFAULT_POLICY_NAMES = ("unicorn", "megatron", "oobleck", "varuna", "bamboo", "per-task")
+POLICY_NAMES = (*DEFAULT_POLICY_NAMES, *STATIC_NAMES)
 
 
 def planned_allocation(workload: Workload, nodes: int) -> tuple[int, ...]:
@@ -328,15 +407,17 @@ def make_policy(
     *,
     unicorn: UnicornCosts | None = None,
     megatron: MegatronCosts | None = None,
+    elastic: ElasticCosts | None = None,
     spare_nodes: int = 0,
 ) -> Policy:
     """The policy called ``name`` (one of :data:`POLICY_NAMES`).
 
-    Fixed allocations (``megatron``, ``per-task``, baselines) leave ``spare_nodes`` nodes
-    out as hot spares; ``megatron`` and ``per-task`` start from the planner's allocation
-    on the rest, so their gap to ``unicorn`` is failure handling, not the initial split.
-    ``unicorn`` plans over every healthy node.
+    Fixed allocations (every policy but ``unicorn``) leave ``spare_nodes`` nodes out as hot
+    spares and start from the planner's allocation of the rest for their own throughput
+    curves. ``unicorn`` plans over every healthy node.
     """
+    from plan.sim.elastic import ELASTIC_NAMES, make_elastic  # here: elastic imports this module
+
     nodes = workload.cluster.nodes
     if not 0 <= spare_nodes < nodes:
         raise InvalidArgument(f"spare nodes must be in 0..{nodes - 1}, got {spare_nodes}")
@@ -347,7 +428,9 @@ def make_policy(
         return MegatronPolicy(name, workload, planned_allocation(workload, usable), megatron)
     if name == "per-task":
         return PerTaskPolicy(workload, planned_allocation(workload, usable), unicorn)
-    if name in {b.value for b in Baseline}:
+    if name in ELASTIC_NAMES:
+        return make_elastic(name, workload, usable, elastic or ElasticCosts())
+    if name in STATIC_NAMES:
         wafs = [c.waf[: usable + 1] for c in workload.curves]
         allocation = baseline_allocation(workload.tasks, wafs, usable, Baseline(name))
         return MegatronPolicy(name, workload, allocation, megatron)

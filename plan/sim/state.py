@@ -63,6 +63,7 @@ class TaskView:
     workers: int  # nodes its current configuration runs on (0 when waiting or idle)
     held: int  # healthy nodes it holds (fewer than ``workers`` right after a SEV1)
     lost_at_s: float | None  # when it last lost a node to a failure; None: never
+    config: tuple[int, ...] = ()  # the ``config`` of the decision that started it
 
 
 @dataclass(frozen=True)
@@ -102,15 +103,28 @@ class Action(StrEnum):
 class TaskDecision:
     """One task's part of a decision.
 
-    ``checkpoint_interval_s`` applies from this (re)start on: a later failure loses the
-    running time since the last checkpoint, taken every interval after the process starts
-    (one iteration for in-memory checkpoints; ``inf``: never checkpoints).
+    The restore points apply from this (re)start on. A failure that takes a node loses
+    the running time since the last restore point, taken every ``checkpoint_interval_s``
+    after the process starts and usable ``checkpoint_lag_s`` after it was taken (a
+    snapshot still being copied to a peer); ``inf``: never checkpoints. A failure that
+    leaves the node (a process or network fault) falls back to restore points every
+    ``jit_interval_s`` with no lag (one iteration with just-in-time saves); ``None``: the
+    same as a lost node.
+
+    ``waf_tflops`` is what the task earns while it trains (weighted TFLOP/s, after any
+    checkpoint stall); ``None``: the workload's best layout on ``nodes`` nodes.
+    ``config`` is the policy's own note of the configuration (pipeline sizes, a failover
+    flag), handed back in :class:`TaskView`.
     """
 
     nodes: int
     action: Action
     downtime_s: float = 0.0
     checkpoint_interval_s: float = math.inf
+    checkpoint_lag_s: float = 0.0
+    jit_interval_s: float | None = None
+    waf_tflops: float | None = None
+    config: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.nodes < 0:
@@ -119,6 +133,12 @@ class TaskDecision:
             raise InvalidArgument(f"downtime must be >= 0, got {self.downtime_s!r}")
         if not self.checkpoint_interval_s > 0:
             raise InvalidArgument(f"checkpoint interval must be > 0, got {self.checkpoint_interval_s!r}")
+        if not self.checkpoint_lag_s >= 0:
+            raise InvalidArgument(f"checkpoint lag must be >= 0, got {self.checkpoint_lag_s!r}")
+        if self.jit_interval_s is not None and not self.jit_interval_s > 0:
+            raise InvalidArgument(f"jit interval must be > 0, got {self.jit_interval_s!r}")
+        if self.waf_tflops is not None and not (self.waf_tflops >= 0 and math.isfinite(self.waf_tflops)):
+            raise InvalidArgument(f"waf must be finite and >= 0, got {self.waf_tflops!r}")
 
     @staticmethod
     def keep(view: TaskView) -> TaskDecision:

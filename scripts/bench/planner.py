@@ -5,11 +5,26 @@ solve_ms: median wall time of one cluster-wide solve (gain arrays + DP + traceba
 the layout tables already built (they are memoised per model and GPU type; their build
 time is reported separately as tables_ms). lookup_ms: answering one node failure from
 the prebuilt one-step table. optimal_rate: DP objective == brute force on random small
-instances. waf_ratio_vs_best_baseline: Unicron Table 3 cases on 16 x 8 GPUs.
+instances.
+
+table3: Unicron's Table 3 cases on 16 nodes x 8 GPUs (node granularity), one entry per
+case with the plan's WAF (weighted TFLOP/s) against
+
+- each static baseline (``plan.baselines``: the share trimmed to a usable layout, then
+  the workers trimming left idle handed out where they add the most F);
+  ``idle_before_handout``: the workers the trimmed shares alone left idle;
+- ``brute_force``: the best WAF over *every* allocation of at most 16 nodes (all of them
+  enumerated, no pruning); ``plan_over_brute_force`` is 1 when the plan is optimal;
+- ``ideal``: an upper bound no allocation reaches: each task's F replaced by its concave
+  majorant (any worker count runs, at the efficiency interpolated between the task's
+  real layouts) and workers divisible (water-filling by marginal F per worker).
+
+waf_ratio_vs_best_baseline: plan WAF / the best baseline's, per case.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -18,12 +33,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from plan.baselines import Baseline, baseline_allocation
+from plan.baselines import Baseline, baseline_allocation, baseline_shares, best_within
 from plan.hardware import gpu_spec
 from plan.lookup import build_one_step_table
 from plan.objective import gains
 from plan.planner import Cluster, Granularity, TaskCurve, plan_cluster, task_curves, waf_of
-from plan.solver import brute_force, solve
+from plan.solver import FloatArray, brute_force, solve
 from unicorn_core.paths import etc_dir
 from unicorn_core.taskspec import load_task_file, load_tasks
 
@@ -49,6 +64,82 @@ def lookup_figures(curves: Sequence[TaskCurve], cluster: Cluster, digits: int) -
     victim = next(a.task for a in base.assignments if a.workers)
     lookup_ms = median_ms(lambda: [table.after_node_lost(victim) for _ in range(1000)], 5) / 1000
     return build_ms, round(lookup_ms, 6)
+
+
+def exhaustive_best(wafs: Sequence[FloatArray], workers: int) -> tuple[float, int]:
+    """(best total F, allocations tried) over every allocation of at most ``workers``."""
+    totals, values = np.zeros(1, dtype=np.int64), np.zeros(1)
+    counts = np.arange(workers + 1)
+    for waf in wafs:
+        totals = (totals[:, None] + counts[None, :]).ravel()
+        values = (values[:, None] + waf[: workers + 1][None, :]).ravel()
+        keep = totals <= workers
+        totals, values = totals[keep], values[keep]
+    return float(values.max()), int(values.shape[0])
+
+
+def concave_majorant_slopes(waf: FloatArray) -> list[tuple[float, int]]:
+    """(F per worker, workers) of each piece of the least concave majorant of F (x = 0..n)."""
+    hull: list[int] = []
+    for x in range(waf.shape[0]):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # drop b when it lies on or below the chord from a to x
+            if (waf[b] - waf[a]) * (x - a) <= (waf[x] - waf[a]) * (b - a):
+                hull.pop()
+            else:
+                break
+        hull.append(x)
+    return [(float(waf[b] - waf[a]) / (b - a), b - a) for a, b in itertools.pairwise(hull)]
+
+
+def ideal_waf(wafs: Sequence[FloatArray], workers: int) -> float:
+    """Upper bound: concave majorants, divisible workers, filled by marginal F per worker."""
+    pieces = sorted((p for waf in wafs for p in concave_majorant_slopes(waf)), reverse=True)
+    total, left = 0.0, float(workers)
+    for slope, width in pieces:
+        if slope <= 0 or left <= 0:
+            break
+        take = min(float(width), left)
+        total += slope * take
+        left -= take
+    return total
+
+
+def table3_case(n: int, cluster: Cluster) -> dict[str, object]:
+    tasks = load_tasks(TASKS / "cases" / f"case{n}.toml")
+    curves = task_curves(tasks, cluster, cluster.workers)
+    plan = plan_cluster(curves, cluster)
+    wafs = [c.waf for c in curves]
+    baselines: dict[str, dict[str, object]] = {}
+    base_waf: dict[str, float] = {}
+    for b in Baseline:
+        shares = baseline_shares(tasks, cluster.workers, b)
+        trimmed = [best_within(w, s) for w, s in zip(wafs, shares, strict=True)]
+        alloc = baseline_allocation(tasks, wafs, cluster.workers, b)
+        base_waf[b.value] = waf_of(curves, alloc)
+        baselines[b.value] = {
+            "waf": round(base_waf[b.value], 1),
+            "plan_over": round(plan.total_waf_tflops / base_waf[b.value], 3),
+            "workers": list(alloc),
+            "idle_before_handout": cluster.workers - sum(trimmed),
+        }
+    best = max(base_waf, key=lambda k: base_waf[k])
+    brute, tried = exhaustive_best(wafs, cluster.workers)
+    ideal = ideal_waf(wafs, cluster.workers)
+    return {
+        "plan_waf": round(plan.total_waf_tflops, 1),
+        "plan_workers": list(plan.allocation),
+        "baselines": baselines,
+        "best_baseline": best,
+        "plan_over_best_baseline": baselines[best]["plan_over"],
+        "brute_force_waf": round(brute, 1),
+        "brute_force_allocations": tried,
+        "plan_over_brute_force": round(plan.total_waf_tflops / brute, 4),
+        "ideal_waf": round(ideal, 1),
+        "plan_over_ideal": round(plan.total_waf_tflops / ideal, 4),
+        "best_baseline_over_ideal": round(base_waf[best] / ideal, 4),
+    }
 
 
 def main() -> None:
@@ -112,23 +203,10 @@ def main() -> None:
     out["optimal_rate"] = optimal / 200
 
     # Table 3 cases, 128 GPUs, node granularity
-    ratios: dict[str, dict[str, object]] = {}
     cluster = Cluster(16, 8, gpu, Granularity.NODE)
-    for n in range(1, 6):
-        tasks = load_tasks(TASKS / "cases" / f"case{n}.toml")
-        curves = task_curves(tasks, cluster, cluster.workers)
-        plan = plan_cluster(curves, cluster)
-        wafs = [c.waf for c in curves]
-        base = {
-            b.value: waf_of(curves, baseline_allocation(tasks, wafs, cluster.workers, b)) for b in Baseline
-        }
-        best = max(base, key=lambda k: base[k])
-        ratios[f"case{n}"] = {
-            "ratio": round(plan.total_waf_tflops / base[best], 3),
-            "best_baseline": best,
-            "plan_gpus": [a.gpus for a in plan.assignments],
-        }
-    out["waf_ratio_vs_best_baseline"] = ratios
+    table3 = {f"case{n}": table3_case(n, cluster) for n in range(1, 6)}
+    out["table3"] = table3
+    out["waf_ratio_vs_best_baseline"] = {k: v["plan_over_best_baseline"] for k, v in table3.items()}
     print(json.dumps(out))
 
 

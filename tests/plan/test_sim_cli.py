@@ -9,7 +9,6 @@ import pytest
 from click.testing import CliRunner
 
 from plan.sim.cli import simulate
-from plan.sim.policies import POLICY_NAMES
 from unicorn_core.paths import etc_dir
 
 
@@ -18,21 +17,44 @@ def run(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-def test_json_has_every_policy_causes_and_ratios() -> None:
+def test_json_has_every_policy_against_the_ideal_causes_and_ratios() -> None:
     code, out = run("--trace", "trace-a", "--workload", "case5", "--seed", "2", "--json")
     assert code == 0, out
     data = json.loads(out)
-    assert set(data["policies"]) == set(POLICY_NAMES)
+    assert list(data["policies"]) == ["unicorn", "megatron", "oobleck", "varuna", "bamboo", "per-task"]
     assert data["ratios"]["megatron"] == 1.0
     assert data["trace"]["sev1"] == 10
+    bound = data["trace"]["node_bound_fraction"]
     for entry in data["policies"].values():
         causes = entry["lost_by_cause"]
-        assert set(causes) == {"detection", "transition", "sub_healthy"}
-        gap = entry["ideal_waf"] - entry["accumulated_waf"]
+        assert set(causes) == {"steady_state", "detection", "transition", "sub_healthy"}
+        gap = data["ideal_waf"] - entry["accumulated_waf"]
         assert sum(causes.values()) == pytest.approx(gap, abs=0.01)
+        assert entry["fraction_of_ideal"] == pytest.approx(
+            entry["accumulated_waf"] / data["ideal_waf"], abs=1e-4
+        )
+        assert 0 < entry["fraction_of_ideal"] <= bound < 1
     unicorn = data["policies"]["unicorn"]["accumulated_waf"]
     megatron = data["policies"]["megatron"]["accumulated_waf"]
     assert data["ratios"]["unicorn"] == pytest.approx(unicorn / megatron, rel=1e-3)
+    for name, ratio in data["unicorn_vs"].items():
+        assert ratio == pytest.approx(unicorn / data["policies"][name]["accumulated_waf"], rel=1e-3)
+        assert ratio > 1
+
+
+def test_static_allocations_and_young_daly_snapshots_on_request() -> None:
+    code, out = run(
+        "--trace", "trace-b", "--workload", "case5", "--policy", "weighted", "--snapshot-every", "0", "--json"
+    )
+    assert code == 0, out
+    data = json.loads(out)
+    assert set(data["policies"]) == {"weighted", "megatron"}
+    code, out = run("--trace", "trace-b", "--workload", "case5", "--policy", "unicorn", "--json")
+    auto = run(
+        "--trace", "trace-b", "--workload", "case5", "--policy", "unicorn", "--snapshot-every", "0", "--json"
+    )
+    tenth = json.loads(out)["policies"]["unicorn"]["failure_free_fraction"]
+    assert json.loads(auto[1])["policies"]["unicorn"]["failure_free_fraction"] > tenth
 
 
 def test_megatron_is_always_run_as_the_reference() -> None:
