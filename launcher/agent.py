@@ -49,6 +49,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from detect import SLOW_STEP_TIMEOUT_S, Classifier, IterationMonitor, load_classifier
+from launcher import megatron
 from launcher.ckptagent import CkptPlan
 from launcher.gpu import FaultFile, GpuMonitor
 from launcher.hook import ENV_JOB_ID, ENV_NODE, ENV_SOCKET, MAX_DATAGRAM
@@ -95,6 +96,10 @@ every hang check once a rank's silence nears the deadline, because a verdict cou
 silence only as far as the newest sample (sampling every 0.1 s alone made the bench's
 SIGSTOP detection 2.65x the mean iteration at p95, against 1.97x before)."""
 _NEAR_DEADLINE: Final = 0.75
+_UNSETTLED_EXIT_S: Final = 5.0
+"""How long a rank exit of unknown status waits for torchrun's exit (torchrun notices a
+worker's end within its --monitor-interval, 0.1 s as unicornd renders it, then stops the
+other workers and exits)."""
 
 
 def _usable_here(job_env: JobEnvironment) -> JobEnvironment:
@@ -113,6 +118,8 @@ class AgentCounters:
     commands_done: int = 0
     commands_rejected: int = 0
     faults_suppressed: int = 0
+    iterations_unattributed: int = 0
+    """Megatron-LM log lines seen before this node's ranks were known (not reported)."""
 
 
 class Agent:
@@ -173,8 +180,16 @@ class Agent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done_commands: set[str] = set()
         self.monitor = self._new_monitor()
+        self._megatron_previous: int | None = None
+        """The iteration of the last Megatron-LM log line of the running training."""
+        self._follow_megatron = False
+        self._megatron_save_interval: int | None = None
+        """The running training is Megatron-LM under unicorn's runner: its log lines are
+        its iteration reports (:func:`launcher.megatron.runs_megatron`)."""
         self._hang_reported: int | None = None
         """The stalled iteration of the local hang last reported (None: none in progress)."""
+        self._unsettled: dict[int, tuple[ExitInfo, int]] = {}
+        """Rank exits whose status is unknown, waiting for torchrun's (:meth:`_on_exit`)."""
         self.cpu_wait_s = 0.0
         """How long the most-starved rank waited for a CPU, summed over samples (heartbeats)."""
         self._rank_waits: dict[int, float] = {}
@@ -333,6 +348,8 @@ class Agent:
         generation = self._generation
         self.monitor = self._new_monitor()
         self._hang_reported = None
+        self._megatron_previous = None
+        self._follow_log(argv)
         sup = Supervisor(
             argv,
             env,
@@ -346,7 +363,42 @@ class Agent:
         await sup.start()
         self.argv = list(argv)
 
+    def _follow_log(self, argv: Sequence[str]) -> None:
+        """What the output of the training ``argv`` tells besides errors: Megatron-LM's
+        iteration lines and its saves (:func:`launcher.megatron.runs_megatron`)."""
+        self._follow_megatron = megatron.runs_megatron(argv)
+        self._megatron_save_interval = megatron.save_interval(argv) if self._follow_megatron else None
+
     def _on_exit(self, info: ExitInfo, generation: int) -> None:
+        """Report an exit; a rank whose status could not be read waits for torchrun's.
+
+        A rank's status is read from its zombie; torchrun, polling its workers, may reap it
+        first (the agent's loop is late under CPU load), and then it is unknown. Reported
+        at once, a rank that finished cleanly would look like a failure at the end of every
+        such run. So it waits, at most :data:`_UNSETTLED_EXIT_S`, for torchrun's own exit:
+        torchrun exits 0 only when every worker did, which settles it as 0; otherwise (or
+        on time-out) it is reported unknown, as before.
+        """
+        if not info.is_main and info.exit_code is None and info.signal is None:
+            self._unsettled[info.pid] = (info, generation)
+            assert self._loop is not None
+            self._loop.call_later(_UNSETTLED_EXIT_S, self._settle_exit, info.pid, None)
+            return
+        if info.is_main:
+            for pid in list(self._unsettled):
+                self._settle_exit(pid, info)
+        self._report_exit(info, generation)
+
+    def _settle_exit(self, pid: int, main: ExitInfo | None) -> None:
+        entry = self._unsettled.pop(pid, None)
+        if entry is None:
+            return  # settled already
+        info, generation = entry
+        if main is not None and main.exit_code == 0:
+            info = dataclasses.replace(info, exit_code=0)
+        self._report_exit(info, generation)
+
+    def _report_exit(self, info: ExitInfo, generation: int) -> None:
         sup = self.supervisor
         tail = "\n".join(sup.pump.tail) if sup is not None and sup.pump is not None else ""
         self._emit(
@@ -375,6 +427,9 @@ class Agent:
             self._stop.set()
 
     def _on_line(self, line: str) -> None:
+        if self._follow_megatron and (it := megatron.parse_iteration_line(line)) is not None:
+            self._on_megatron_iteration(it)
+            return
         result = self.classifier.classify_line(line)
         if result.severity is None:
             return
@@ -397,6 +452,57 @@ class Agent:
                 evidence=line[:2048],
             )
         )
+
+    def _on_megatron_iteration(self, it: megatron.MegatronIteration) -> None:
+        """Megatron-LM's own log line, as the hook's report would be (an unmodified
+        ``pretrain_gpt.py`` sends none): progress, hang monitor, loss, training state.
+
+        Megatron prints it on the last rank only (``print_rank_last``), so the agent of
+        the node that holds that rank reports it, as the node's highest rank. A line
+        before this node's ranks are known cannot be attributed and is skipped (ranks
+        are discovered within a second of start; the first line comes after start-up).
+        """
+        sup = self.supervisor
+        ranks = [info.rank for info in sup.ranks.values() if info.rank is not None] if sup is not None else []
+        if not ranks:
+            self.counters.iterations_unattributed += 1
+            return
+        previous = self._megatron_previous
+        if previous is not None and it.iteration <= previous:
+            previous = None  # the run went back (a relaunch resumed from a checkpoint)
+        self._megatron_previous = it.iteration
+        interval = self._megatron_save_interval
+        rank = max(ranks)
+        timing = megatron.to_timing(
+            it,
+            job_id=self.job_id,
+            node=self.node,
+            rank=rank,
+            wall_time_s=time.time(),
+            previous=previous,
+            launch_id=self.launch_id,
+            saved_before=megatron.saved_between(previous, it.iteration, interval),
+        )
+        self._on_iteration(timing)
+        self._emit(timing)
+        rarer = interval is not None and previous is not None and it.iteration - previous < interval
+        if interval is not None and rarer and it.iteration % interval == 0 and not timing.final:
+            # Megatron saves now: the next report comes late by the save (hook contract: a
+            # slow step is announced before it starts).
+            nxt = it.iteration + 1
+            self.monitor.expect_slow_step(
+                IterationPhase.CHECKPOINT, time.monotonic(), iteration=nxt, rank=rank
+            )
+            self._emit(SlowStep(**self._env(), rank=rank, iteration=nxt, phase=IterationPhase.CHECKPOINT))
+
+    def _on_iteration(self, msg: IterationTiming) -> None:
+        """A rank finished ``msg.iteration``: progress and the local hang monitor (which
+        forgets the run after its ``final`` iteration: the ranks end next)."""
+        if self.iteration is None or msg.iteration > self.iteration:
+            self.iteration = msg.iteration
+        self.monitor.observe(msg.rank, msg.iteration, msg.interval_s, msg.phase, now_s=time.monotonic())
+        if msg.final:
+            self.monitor = self._new_monitor()
 
     # --- heartbeats -------------------------------------------------------------------
 
@@ -468,9 +574,7 @@ class Agent:
             return
         if isinstance(msg, IterationTiming):
             msg = msgspec.structs.replace(msg, launch_id=self.launch_id)
-            if self.iteration is None or msg.iteration > self.iteration:
-                self.iteration = msg.iteration
-            self.monitor.observe(msg.rank, msg.iteration, msg.duration_s, msg.phase, now_s=time.monotonic())
+            self._on_iteration(msg)
         elif isinstance(msg, SlowStep):
             if msg.rank in self.monitor.ranks:  # an unseen rank has no deadline to extend yet
                 now = time.monotonic()

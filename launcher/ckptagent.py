@@ -15,7 +15,8 @@ not be alive to be served), in order, each step off the event loop where it bloc
 3. push it to the next ``peer_factor`` nodes of the ring (:func:`ckpt.peer.push_shard`,
    paced by a token bucket), whose agents keep it in ``<shm_dir>/peer``.
 
-Peers: the ring is the job's node list (``$SLURM_JOB_NODELIST``, Slurm's order), and
+Peers: the ring is the task's node list (:data:`ENV_RING`, set by unicornd; else the
+job's, ``$SLURM_NODELIST``, Slurm's order), and
 the agent of node ``i`` of job ``J`` listens on ``peer_port_base + (97*J + i) % 1000``,
 so every agent and rank computes every endpoint without asking anyone. This module
 imports no torch at import time (the agent starts supervising at once); the engine is
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Final
 from unicorn_core.config import CkptConfig
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.logs import configure_logging, get_logger
+from unicorn_core.paths import CKPT_RING_ENV
 from unicorn_core.slurm.hostlist import expand
 
 if TYPE_CHECKING:
@@ -64,6 +66,7 @@ ENV_REMOTE_DIR: Final = "UNICORN_CKPT_REMOTE_DIR"
 ENV_JOB: Final = "UNICORN_CKPT_JOB"
 ENV_EVERY: Final = "UNICORN_CKPT_EVERY"
 ENV_PEERS: Final = "UNICORN_CKPT_PEERS"
+ENV_RING: Final = CKPT_RING_ENV
 
 log = get_logger(__name__)
 
@@ -139,12 +142,20 @@ class CkptPlan:
         (``<scope>.<job>``): Slurm job ids repeat across clusters and after a controller
         reset, and a rank must never restore another installation's job 2.
 
-        The ring is ``$SLURM_JOB_NODELIST`` in Slurm's order (just this node without it,
-        or when it does not name this node: then nothing is replicated).
+        The ring is :data:`ENV_RING` (the task's nodes, from unicornd), else the job's node
+        list in Slurm's order: ``$SLURM_NODELIST``, then ``$SLURM_JOB_NODELIST`` (a step that
+        srun starts from outside the allocation, as unicornd starts agents, has its own
+        nodes in ``SLURM_JOB_NODELIST``: measured on Slurm 22.05, one node, so nothing was
+        replicated). Just this node without one, or when it does not name this node: then
+        nothing is replicated. ``{node}`` in
+        ``shm_dir`` or ``local_dir`` stands for the node's name: nodes that share one
+        machine (the dev cluster) keep their memory and disk tiers apart, as real nodes do.
         """
         if not cfg.shm_dir:
             return None
-        nodes = expand(env.get("SLURM_JOB_NODELIST", "")) or [node]
+        listed = env.get(ENV_RING) or env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
+        nodes = [n for n in listed.split(",") if n] if env.get(ENV_RING) else expand(listed)
+        nodes = nodes or [node]
         if node not in nodes:
             log.warning("ckpt_ring_without_this_node", node=node, nodes=nodes)
             nodes = [node]
@@ -152,13 +163,13 @@ class CkptPlan:
             PeerEndpoint(name, cfg.peer_host or name, peer_port(cfg.peer_port_base, job_id, i))
             for i, name in enumerate(nodes)
         )
-        shm = Path(cfg.shm_dir)
+        shm = Path(cfg.shm_dir.replace("{node}", node))
         return cls(
             job=f"{scope}.{job_id}" if scope else str(job_id),
             node=node,
             snap_root=shm / SNAP_SUBDIR,
             backup_root=shm / PEER_SUBDIR,
-            local_root=Path(cfg.local_dir) if cfg.local_dir else None,
+            local_root=Path(cfg.local_dir.replace("{node}", node)) if cfg.local_dir else None,
             remote_root=Path(cfg.remote_dir) if cfg.remote_dir else None,
             ring=ring,
             factor=cfg.peer_factor,

@@ -260,14 +260,24 @@ def install_from_env(env: Mapping[str, str] | None = None) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m launcher.mcore_ckpt SCRIPT [ARGS]``: install, then run SCRIPT as __main__."""
+    """``python -m launcher.mcore_ckpt SCRIPT [ARGS]``: install, then run SCRIPT as __main__.
+
+    Two things every rank of a Megatron-LM task needs from the runner, whatever the
+    script: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` where the job did not set it (Megatron
+    asserts it for TP > 1, and unicorn may relaunch a TP=1 job at TP=2), and torchrun's
+    ``@record``, so an uncaught exception of the script reaches torchrun's error file
+    (type, message, traceback) and the agent reports it as the rank's exception.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         raise SystemExit("usage: python -m launcher.mcore_ckpt SCRIPT [ARGS...]")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     installed = install_from_env()
     log.info("megatron checkpoints", memory_tier=installed, script=args[0])
     sys.argv = args
-    runpy.run_path(args[0], run_name="__main__")
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(lambda: runpy.run_path(args[0], run_name="__main__"))()
 
 
 if __name__ == "__main__":

@@ -2,13 +2,18 @@
 
 How a user's Megatron-LM job runs under unicorn:
 
-- **Launch.** Per node: ``torchrun`` argv from :func:`launcher.render.torchrun_argv`,
-  then ``pretrain_gpt.py`` and the user's own model/data arguments, then
-  :func:`launcher.render.megatron_args` for the current layout (TP, PP, VPP,
-  micro/global batch, distributed optimizer, recompute) plus
-  ``--save/--load --ckpt-format torch_dist --exit-signal-handler``. Later arguments win
-  in argparse, so the rendered layout overrides whatever the user's script had.
-  :func:`pretrain_command` assembles exactly that.
+- **Registration.** A task registered with ``--framework megatron`` has the command
+  ``SCRIPT.py ARGS...``. :func:`check_user_args` refuses, before anything is registered,
+  arguments that unicorn owns (the layout changes at each recovery) or that break
+  resumption, requires ``--save`` (and ``--save-interval``, Megatron's own rule), and
+  checks that model shape and global batch agree with the model file the planner plans
+  from. Every other argument (data, tokenizer, optimizer, logging ...) is kept as is.
+- **Launch.** Per node (:func:`pretrain_command`): ``torchrun`` argv from
+  :func:`launcher.render.torchrun_argv`, ``-m launcher.mcore_ckpt``, the script and the
+  user's arguments unchanged, then :func:`launcher.render.megatron_args` for the current
+  layout (TP, PP, VPP, micro/global batch, distributed optimizer, recompute), the model
+  shape and ``--save/--load --ckpt-format torch_dist --exit-signal-handler``, less what
+  the user already gave (the check made sure it agrees).
 - **Iteration timings, non-intrusively.** The agent reads the last rank's stdout and
   feeds it to :class:`LogFollower`, which turns Megatron's own ``training_log`` lines
   into :class:`~unicorn_core.protocol.IterationTiming` values. Megatron prints one line
@@ -23,25 +28,28 @@ How a user's Megatron-LM job runs under unicorn:
 - **Just-in-time save.** With ``--exit-signal-handler``, Megatron catches SIGTERM, saves
   a checkpoint at the end of the current iteration on every rank and exits; the agent
   therefore stops ranks with SIGTERM and a grace period before SIGKILL.
-- **Memory tier.** With ``memory_tier``, ranks run the script under
-  ``python -m launcher.mcore_ckpt`` (:mod:`launcher.mcore_ckpt`): megatron-core's
-  registry then hands Megatron-LM unicorn's torch_dist strategies, so its saves (the
-  ``--exit-signal-handler`` one included) go to shared memory and the node agent seals,
-  persists and replicates them; loads come back nearest first, resharded.
-- **Resharding.** ``--ckpt-format torch_dist`` (``--use-dist-ckpt`` in releases before
-  it) saves a distributed checkpoint that Megatron reshards on load, so the relaunch
-  at a new TP/PP/DP resumes from it; the global batch stays fixed and Megatron derives
-  the number of micro-batches (gradient accumulation) from DP, so optimizer steps keep
-  their meaning.
+- **Memory tier.** Ranks always run the script under ``python -m launcher.mcore_ckpt``
+  (:mod:`launcher.mcore_ckpt`, torchrun's ``-m``). Where the node agent exports a memory
+  tier, megatron-core's registry then hands Megatron-LM unicorn's torch_dist strategies,
+  so its saves (the ``--exit-signal-handler`` one included) go to shared memory and the
+  node agent seals, persists and replicates them; loads come back nearest first,
+  resharded. Without a tier in the environment the script runs untouched.
+- **Resharding.** ``--ckpt-format torch_dist`` saves a distributed checkpoint that
+  Megatron reshards on load, so the relaunch at a new TP/PP/DP resumes from it (with the
+  distributed optimizer, ``--dist-ckpt-optim-fully-reshardable`` too: its default form
+  reshards over DP only); the global batch stays fixed and Megatron derives the number
+  of micro-batches (gradient accumulation) from DP, so optimizer steps keep their meaning.
 
 This module is pure parsing and argv assembly; it imports neither torch nor Megatron.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import posixpath
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -121,10 +129,69 @@ def parse_iteration_line(line: str) -> MegatronIteration | None:
     )
 
 
+def save_interval(argv: Sequence[str]) -> int | None:
+    """The ``--save-interval`` of a Megatron-LM command line (argparse's rule: the last one
+    given wins; None: none, or not a number). Megatron saves after every iteration that is a
+    multiple of it, so the next iteration's report comes late by the save's time: the agent
+    announces it as a checkpoint step (Megatron says it is saving on rank 0 only, while its
+    iteration lines come from the last rank, usually on another node)."""
+    found: str | None = None
+    for i, arg in enumerate(argv):
+        if arg == "--save-interval" and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith("--save-interval="):
+            found = arg.partition("=")[2]
+    try:
+        value = int(found) if found is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and value > 0 else None
+
+
+def saved_between(previous: int | None, iteration: int, interval: int | None) -> bool:
+    """Whether the report of ``iteration`` is a checkpoint step: Megatron saved since the
+    line of ``previous`` (it saves after every multiple of ``interval``: one lies in
+    ``[previous, iteration)``) and saves are rarer than reports (where every report holds a
+    save, saving is part of every step's time, as for ``--save-interval`` <= ``--log-interval``)."""
+    if previous is None or interval is None or iteration - previous >= interval:
+        return False
+    return (iteration - 1) // interval > (previous - 1) // interval
+
+
+def runs_megatron(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` runs a Megatron-LM script under unicorn's runner
+    (``... -m launcher.mcore_ckpt SCRIPT``, what unicornd renders for ``--framework
+    megatron``): the agent then follows Megatron-LM's log for iterations. The built-in
+    trainer prints the same line format but reports through the hook, so its lines are
+    never counted twice."""
+    return any(a in ("-m", "--module") and b == MEMORY_TIER_RUNNER for a, b in itertools.pairwise(argv))
+
+
 def to_timing(
-    it: MegatronIteration, *, job_id: int, node: str, rank: int, wall_time_s: float
+    it: MegatronIteration,
+    *,
+    job_id: int,
+    node: str,
+    rank: int,
+    wall_time_s: float,
+    previous: int | None = None,
+    launch_id: str = "",
+    saved_before: bool = False,
 ) -> IterationTiming:
-    """The protocol message for one parsed line (the interval's average as the duration)."""
+    """The protocol message for one parsed line: the interval's average as the duration.
+
+    ``previous``: the iteration of the line before (same run), so ``span`` is the log
+    interval; without it (the first line of a run) the span is 1, which only a warm-up
+    step ever sees (hang monitors skip the first ``warmup_iterations`` reports).
+    ``saved_before``: Megatron saved a checkpoint since that line; its time is in this
+    line's (Megatron's interval timer runs through the save), so the step is a checkpoint
+    step, timed apart from training steps. The line of iteration ``train_iters`` is
+    ``final``.
+    """
+    span = it.iteration - previous if previous is not None and it.iteration > previous else 1
+    phase = IterationPhase.CHECKPOINT if saved_before else IterationPhase.TRAIN
+    grad_norm = it.extra.get("grad norm")
+    loss_scale = it.extra.get("loss scale")
     return IterationTiming(
         job_id=job_id,
         node=node,
@@ -133,8 +200,16 @@ def to_timing(
         iteration=it.iteration,
         duration_s=it.elapsed_ms / 1000.0,
         samples=it.global_batch,
-        phase=IterationPhase.TRAIN,
+        phase=phase,
         loss=it.lm_loss,
+        launch_id=launch_id,
+        span=span,
+        grad_norm=grad_norm,
+        loss_scale=loss_scale,
+        consumed_samples=it.consumed_samples,
+        skipped_iterations=it.skipped,
+        nan_iterations=it.nan,
+        final=it.iteration >= it.train_iters,
     )
 
 
@@ -197,26 +272,309 @@ def read_error_file(path: str | Path, *, job_id: int, node: str, rank: int | Non
     )
 
 
-def pretrain_command(
-    torchrun: Sequence[str],
-    script: str,
-    user_args: Sequence[str],
-    *,
-    layout: Layout,
-    model: ModelSpec | None,
-    checkpointing: MegatronCheckpointing,
-    memory_tier: bool = False,
-) -> list[str]:
-    """Full argv of one node: torchrun, the script, the user's arguments, then the layout's.
+# --- the user's command line -----------------------------------------------------------------
 
-    The checkpoint directory must be given (``save_dir`` and ``load_dir``): a relaunch
-    without ``--load`` would silently start from scratch. ``memory_tier``: each rank runs
-    the script under ``python -m launcher.mcore_ckpt`` (torchrun's ``-m``), which puts
-    Megatron's torch_dist checkpoints into unicorn's tiers, memory first.
+_LAYOUT: Final = "unicorn renders it from the layout it plans, which changes at each recovery"
+_SPLIT: Final = (
+    "it fixes how layers split over pipeline stages for one pipeline size, "
+    "and unicorn changes the pipeline size at recoveries"
+)
+_CONVERT: Final = "converting a checkpoint is a run of its own, not training under unicorn"
+
+_REFUSED: Final[Mapping[str, str]] = {
+    # The layout: unicorn's.
+    "--tensor-model-parallel-size": _LAYOUT,
+    "--model-parallel-size": f"it is the old name of --tensor-model-parallel-size; {_LAYOUT}",
+    "--pipeline-model-parallel-size": _LAYOUT,
+    "--num-layers-per-virtual-pipeline-stage": _LAYOUT,
+    "--num-virtual-stages-per-pipeline-rank": _LAYOUT,
+    "--micro-batch-size": _LAYOUT,
+    "--use-distributed-optimizer": _LAYOUT,
+    "--recompute-granularity": _LAYOUT,
+    "--recompute-method": _LAYOUT,
+    "--recompute-num-layers": _LAYOUT,
+    "--recompute-activations": f"it sets the recompute granularity; {_LAYOUT}",
+    "--checkpoint-activations": f"it is the old --recompute-activations; {_LAYOUT}",
+    "--pipeline-model-parallel-layout": _SPLIT,
+    "--decoder-first-pipeline-num-layers": _SPLIT,
+    "--decoder-last-pipeline-num-layers": _SPLIT,
+    "--account-for-embedding-in-pipeline-split": _SPLIT,
+    "--account-for-loss-in-pipeline-split": _SPLIT,
+    "--microbatch-group-size-per-virtual-pipeline-stage": (
+        "it tunes the interleaved schedule for one pipeline size; unicorn changes PP and VPP at recoveries"
+    ),
+    "--rampup-batch-size": (
+        "unicorn plans for the model file's fixed global_batch; a ramp-up batch need not divide "
+        "by micro-batch x DP of the layout a relaunch picks"
+    ),
+    "--use-megatron-fsdp": (
+        "Megatron FSDP replaces the data parallelism unicorn plans and needs --ckpt-format "
+        "fsdp_dtensor, which does not reshard to another TP/PP"
+    ),
+    "--use-torch-fsdp2": (
+        "FSDP2 replaces the data parallelism unicorn plans and refuses pipeline parallelism "
+        "and the distributed optimizer, which a planned layout may use"
+    ),
+    "--yaml-cfg": "Megatron-LM then ignores every command-line argument, the layout unicorn renders included",
+    "--use-mp-args-from-checkpoint-args": (
+        "it takes TP/PP/VPP/EP from the checkpoint instead of the layout unicorn renders"
+    ),
+    "--encoder-num-layers": "unicorn renders --num-layers from the model file, and Megatron-LM refuses both",
+    "--encoder-seq-length": "unicorn renders --seq-length from the model file, and Megatron-LM refuses both",
+    # Resumption: every relaunch must continue the run from its latest checkpoint.
+    "--no-load-optim": "every relaunch would drop the optimizer state",
+    "--no-save-optim": "the checkpoints a relaunch resumes from would lack the optimizer state",
+    "--no-load-rng": "every relaunch would drop the random state",
+    "--no-save-rng": "the checkpoints a relaunch resumes from would lack the random state",
+    "--finetune": "every relaunch would restart at iteration 0 without the optimizer state",
+    "--ckpt-step": "every relaunch would load that iteration again, not the latest checkpoint",
+    "--load-main-params-from-ckpt": "it needs --no-load-optim: every relaunch would drop the optimizer state",
+    "--use-legacy-models": (
+        "legacy models save only --ckpt-format torch, which does not reshard to the layout of a relaunch"
+    ),
+    "--ckpt-convert-format": _CONVERT,
+    "--ckpt-convert-save": _CONVERT,
+    "--ckpt-convert-update-legacy-dist-opt-format": _CONVERT,
+}
+"""Flags refused whatever their value, and why (Megatron-LM's own spellings)."""
+
+_ONLY: Final[Mapping[str, tuple[str, str]]] = {
+    "--context-parallel-size": ("1", "unicorn plans no context parallelism"),
+    "--expert-model-parallel-size": ("1", "unicorn plans no expert parallelism"),
+    "--expert-tensor-parallel-size": (
+        "1",
+        "Megatron-LM needs expert TP x EP x PP to divide the world size; a relaunch changes PP and the world",
+    ),
+    "--num-distributed-optimizer-instances": ("1", "it must divide DP, which changes at each recovery"),
+    "--ckpt-format": ("torch_dist", "only torch_dist checkpoints reshard to the layout of a relaunch"),
+    "--non-persistent-ckpt-type": (
+        "global",
+        "'local' checkpoints stay on their node in one layout; 'in_memory' ones cannot be loaded",
+    ),
+    "--exit-signal": (
+        "SIGTERM",
+        "the node agent stops ranks with SIGTERM, which must make Megatron-LM save and exit",
+    ),
+}
+"""Flags accepted with one value only: (that value, why)."""
+
+_SHAPE: Final[Mapping[str, str]] = {
+    "--num-layers": "layers",
+    "--hidden-size": "hidden",
+    "--ffn-hidden-size": "ffn_hidden",
+    "--num-attention-heads": "heads",
+    "--seq-length": "sequence",
+    "--num-query-groups": "num_query_groups",
+    "--global-batch-size": "global_batch",
+}
+"""Flags that must equal a :class:`ModelSpec` field (the planner plans from the spec)."""
+
+_VALUED: Final = frozenset(
+    {*_ONLY, *_SHAPE, "--max-position-embeddings", "--save", "--load", "--save-interval"}
+)
+"""Flags whose value :func:`check_user_args` reads (each takes exactly one)."""
+_ALIASES: Final[Mapping[str, str]] = {"--persistent-save-interval": "--save-interval"}
+_KNOWN: Final = frozenset({*_REFUSED, *_VALUED, *_ALIASES, "--group-query-attention"})
+
+
+@dataclass(frozen=True)
+class MegatronUserArgs:
+    """A Megatron-LM command that passed :func:`check_user_args`.
+
+    ``args`` are the user's arguments, unchanged. ``load_dir`` is the user's ``--load``
+    (equal to ``save_dir``) or ``save_dir``. ``given``: every option the user passed, in
+    Megatron-LM's canonical spelling, so rendering can leave out what is already there.
     """
-    if checkpointing.save_dir is None or checkpointing.load_dir is None:
+
+    script: str
+    args: tuple[str, ...]
+    save_dir: str
+    load_dir: str
+    save_interval: int
+    given: frozenset[str]
+
+
+def _options(args: Sequence[str]) -> Iterator[tuple[str, str, str | None]]:
+    """(as written, canonical flag, value) per option in ``args``, as argparse reads them:
+    ``--flag value`` or ``--flag=value``. The value is read only for :data:`_VALUED` flags
+    (None otherwise); other tokens (the values of flags unicorn does not read) are skipped."""
+    i = 0
+    while i < len(args):
+        word = args[i]
+        i += 1
+        if not word.startswith("--") or word == "--":
+            continue
+        written, eq, inline = word.partition("=")
+        flag = _ALIASES.get(written, written)
+        if flag not in _VALUED:
+            yield written, flag, None
+        elif eq:
+            yield written, flag, inline
+        elif i < len(args) and not args[i].startswith("--"):
+            i += 1
+            yield written, flag, args[i - 1]
+        else:
+            raise InvalidArgument(f"{written} needs a value")
+
+
+def _int(written: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidArgument(f"{written} {value!r} is not an integer") from None
+
+
+def _is(value: str, allowed: str) -> bool:
+    if allowed.isdigit():
+        try:
+            return int(value) == int(allowed)
+        except ValueError:
+            return False
+    return value == allowed
+
+
+def check_user_args(command: Sequence[str], model: ModelSpec) -> MegatronUserArgs:
+    """Check a ``--framework megatron`` task's command against what unicorn owns; pure.
+
+    The command must be ``SCRIPT.py ARGS...``: each rank runs the script with the nodes'
+    python under ``-m launcher.mcore_ckpt``. Raises :class:`InvalidArgument`, naming the
+    flag and why, for a flag unicorn renders from the layout or that breaks resuming
+    (:data:`_REFUSED`, :data:`_ONLY`), a missing ``--save`` or ``--save-interval``, a
+    ``--load`` other than ``--save``, a model shape or ``--global-batch-size`` that
+    differs from ``model`` (the planner plans from it; both values shown), or a
+    ``--max-position-embeddings`` below the sequence. Where a flag repeats, the last
+    counts, as in argparse. Not refused: ``--use-checkpoint-args`` (without
+    ``--use-mp-args-from-checkpoint-args`` it takes only model arguments, from a
+    checkpoint this very run saved) and ``--async-save`` (Megatron-LM finishes pending
+    saves before the SIGTERM exit; the memory tier runner completes them at once).
+    """
+    if not command or not command[0].endswith(".py"):
+        got = command[0] if command else ""
         raise InvalidArgument(
-            "a job under unicorn needs both --save and --load (the relaunch resumes from them)"
+            f"framework megatron needs the command SCRIPT.py ARGS... (e.g. pretrain_gpt.py ...): "
+            f"torchrun runs the script with the nodes' python under -m {MEMORY_TIER_RUNNER}; got {got!r}"
         )
-    runner = ["-m", MEMORY_TIER_RUNNER] if memory_tier else []
-    return [*torchrun, *runner, script, *user_args, *megatron_args(layout, model, checkpointing)]
+    args = tuple(command[1:])
+    given: set[str] = set()
+    values: dict[str, tuple[str, str]] = {}
+    for written, flag, value in _options(args):
+        dashed = written.replace("_", "-")
+        if written != dashed and written not in _KNOWN and dashed in _KNOWN:
+            raise InvalidArgument(f"{written} is not a Megatron-LM option: it is spelled {dashed}")
+        if flag in _REFUSED:
+            raise InvalidArgument(f"{written} cannot be given to a task under unicorn: {_REFUSED[flag]}")
+        given.add(flag)
+        if value is not None:
+            values[flag] = (written, value)
+    _check_values(values, model)
+    if (
+        "--group-query-attention" in given
+        and "--num-query-groups" not in values
+        and model.num_query_groups == model.heads
+    ):
+        raise InvalidArgument(
+            "--group-query-attention without --num-query-groups means 1 query group; the model file "
+            f"has num_query_groups = heads = {model.heads} (no grouped-query attention)"
+        )
+    save, load, interval = _checkpointing(values)
+    return MegatronUserArgs(
+        script=command[0],
+        args=args,
+        save_dir=save,
+        load_dir=load,
+        save_interval=interval,
+        given=frozenset(given),
+    )
+
+
+def _check_values(values: Mapping[str, tuple[str, str]], model: ModelSpec) -> None:
+    """The one-value flags (:data:`_ONLY`), the shape (:data:`_SHAPE`), max positions."""
+    for flag, (allowed, why) in _ONLY.items():
+        if flag in values and not _is(values[flag][1], allowed):
+            written, value = values[flag]
+            raise InvalidArgument(f"{written} {value} cannot be used under unicorn (only {allowed}): {why}")
+    for flag, field in _SHAPE.items():
+        if flag in values:
+            written, value = values[flag]
+            number, expected = _int(written, value), getattr(model, field)
+            if number != expected:
+                raise InvalidArgument(
+                    f"{written} {number} differs from the model file's {field} = {expected}: "
+                    "unicorn plans the layout from the model file, so they must agree"
+                )
+    if "--max-position-embeddings" in values:
+        written, value = values["--max-position-embeddings"]
+        if _int(written, value) < model.sequence:
+            raise InvalidArgument(
+                f"{written} {value} is below the model file's sequence = {model.sequence} "
+                "(Megatron-LM needs max positions >= the sequence length)"
+            )
+
+
+def _checkpointing(values: Mapping[str, tuple[str, str]]) -> tuple[str, str, int]:
+    """(save dir, load dir, save interval): ``--save`` and ``--save-interval`` required,
+    ``--load`` (if given) the same directory as ``--save``."""
+    save = values["--save"][1] if "--save" in values else ""
+    if not save:
+        raise InvalidArgument(
+            "--save DIR is required under unicorn: every relaunch resumes from the checkpoints there "
+            "(unicorn passes --load DIR, the same directory)"
+        )
+    if "--save-interval" not in values:
+        raise InvalidArgument(
+            "--save needs --save-interval N (Megatron-LM's rule); unicorn's save on SIGTERM comes on top"
+        )
+    written, value = values["--save-interval"]
+    interval = _int(written, value)
+    if interval <= 0:
+        raise InvalidArgument(f"{written} must be positive, got {interval}")
+    load = values["--load"][1] if "--load" in values else save
+    if posixpath.normpath(load) != posixpath.normpath(save):
+        raise InvalidArgument(
+            f"--load {load} differs from --save {save}: a relaunch must resume from the checkpoints "
+            "this run saves (leave --load out; unicorn passes --load with the --save directory)"
+        )
+    return save, load, interval
+
+
+def _without(argv: Sequence[str], given: frozenset[str]) -> list[str]:
+    """``argv`` less each flag in ``given`` and its values (rendered values never start with ``--``)."""
+    out: list[str] = []
+    keep = True
+    for token in argv:
+        if token.startswith("--"):
+            keep = token not in given
+        if keep:
+            out.append(token)
+    return out
+
+
+def pretrain_command(
+    torchrun: Sequence[str], command: Sequence[str], *, layout: Layout, model: ModelSpec
+) -> list[str]:
+    """One node's argv for a Megatron-LM task: the one place that assembles it.
+
+    torchrun, ``-m launcher.mcore_ckpt`` (no ``--no-python``: torchrun runs the module
+    with its own python), the script and the user's arguments unchanged, then what
+    unicorn owns: :func:`launcher.render.megatron_args` for ``layout`` and ``model`` with
+    ``--save``/``--load`` the user's ``--save`` directory, ``--ckpt-format torch_dist``
+    and ``--exit-signal-handler``, less the flags the user already gave
+    (:func:`check_user_args`, run here, made sure they agree). Raises
+    :class:`InvalidArgument` when the command fails that check or the layout's global
+    batch is not the model's.
+
+    No ``--override-opt_param-scheduler``: on load, Megatron's scheduler checks that max
+    and min LR, warmup and decay steps, decay style and the weight-decay schedule equal
+    the checkpoint's (``OptimizerParamScheduler._check_and_set``). Those derive from the
+    user's LR arguments, ``--train-iters``/``--train-samples`` and the global batch, never
+    from DP or the micro-batch, and all of them are the same at every layout, so a
+    relaunch passes the check as is. The override would only hide a real change, and
+    Megatron refuses it next to a user's ``--use-checkpoint-opt_param-scheduler``.
+    """
+    user = check_user_args(command, model)
+    if layout.global_batch != model.global_batch:
+        raise InvalidArgument(
+            f"layout global_batch {layout.global_batch} differs from the model's {model.global_batch}"
+        )
+    ours = megatron_args(layout, model, MegatronCheckpointing(save_dir=user.save_dir, load_dir=user.load_dir))
+    return [*torchrun, "-m", MEMORY_TIER_RUNNER, user.script, *user.args, *_without(ours, user.given)]

@@ -192,7 +192,10 @@ class MegatronCheckpointing:
     ``torch_dist`` (``--ckpt-format``) is the distributed format that reshards on load to
     a new TP/PP/DP. ``legacy_use_dist_ckpt`` adds ``--use-dist-ckpt`` for Megatron-LM
     releases that predate ``--ckpt-format``. ``exit_signal_handler`` makes Megatron save
-    and exit on SIGTERM (the just-in-time save).
+    and exit on SIGTERM (the just-in-time save). ``optim_fully_reshardable`` adds
+    ``--dist-ckpt-optim-fully-reshardable`` to a layout with the distributed optimizer:
+    its default checkpoint form (``dp_reshardable``) reshards over DP only, and Megatron
+    refuses to load it at another TP or PP (releases without the flag: pass False).
     """
 
     save_dir: str | None = None
@@ -201,6 +204,7 @@ class MegatronCheckpointing:
     ckpt_format: str = "torch_dist"
     legacy_use_dist_ckpt: bool = False
     exit_signal_handler: bool = True
+    optim_fully_reshardable: bool = True
 
     def __post_init__(self) -> None:
         _check_save_interval(self.save_dir, self.save_interval)
@@ -268,6 +272,8 @@ def megatron_args(
             argv += ["--group-query-attention", "--num-query-groups", str(model.num_query_groups)]
     if checkpointing is not None:
         argv += _megatron_checkpoint_args(checkpointing)
+        if checkpointing.optim_fully_reshardable and layout.distributed_optimizer:
+            argv.append("--dist-ckpt-optim-fully-reshardable")
     return argv
 
 

@@ -107,6 +107,32 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+_RANK_VARIABLES: Final = ("RANK", "LOCAL_RANK", "TORCHELASTIC_ERROR_FILE")
+
+
+def rank_processes(pid: int) -> list[tuple[int, dict[str, str]]]:
+    """The training ranks under ``pid``: the top-most descendants with ``RANK`` or
+    ``LOCAL_RANK`` in their environment, with those variables (breadth first).
+
+    A rank's own children inherit its variables but are no ranks: Megatron-LM's rank 0
+    runs ``make`` at start-up, data loaders fork workers. Counting them made their ends
+    (reaped by the rank, so of unknown status) look like failed ranks.
+    """
+    found: list[tuple[int, dict[str, str]]] = []
+    frontier = [pid]
+    while frontier:
+        nxt: list[int] = []
+        for p in frontier:
+            for kid in _children(p):
+                env = read_environ(kid, _RANK_VARIABLES)
+                if "RANK" in env or "LOCAL_RANK" in env:
+                    found.append((kid, env))
+                else:
+                    nxt.append(kid)
+        frontier = nxt
+    return found
+
+
 def read_environ(pid: int, names: Sequence[str]) -> dict[str, str]:
     """Selected variables of ``pid``'s initial environment ({} when unreadable)."""
     try:
@@ -288,12 +314,9 @@ class Supervisor:
         assert self.proc is not None
         main = self.proc.pid
         while self.proc.returncode is None:
-            for pid in descendants(main):
+            for pid, env in rank_processes(main):
                 if pid in self.ranks:
                     continue
-                env = read_environ(pid, ("RANK", "LOCAL_RANK", "TORCHELASTIC_ERROR_FILE"))
-                if "RANK" not in env and "LOCAL_RANK" not in env:
-                    continue  # a helper process, not a rank
                 info = RankInfo(
                     pid=pid,
                     rank=_opt_int(env.get("RANK")),

@@ -56,6 +56,7 @@ class PerfAssumptions:
     grad_bytes: float = 4.0  # fp32 main gradients (Megatron's default for bf16)
     optimizer_bytes_per_parameter: float = 32.0  # Adam step HBM traffic
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    distributed_optimizer: bool = True  # may a layout shard optimizer state over DP
     virtual_stages: tuple[int, ...] = (2, 4)
     memory: MemoryAssumptions = field(default_factory=MemoryAssumptions)
 
@@ -169,7 +170,7 @@ def candidate_layouts(model: ModelSpec, gpus_per_node: int, assume: PerfAssumpti
                     if pp > 1 and m % pp == 0:
                         vpps += [v for v in assume.virtual_stages if model.layers % (pp * v) == 0]
                     for vpp in vpps:
-                        for distopt in (False, True) if dp > 1 else (False,):
+                        for distopt in (False, True) if dp > 1 and assume.distributed_optimizer else (False,):
                             yield Layout(tp, pp, dp, b, model.global_batch, vpp, False, distopt)
 
 

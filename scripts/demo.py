@@ -11,10 +11,18 @@ resumed by the operator, rejoins, and is used again. Both tasks train to their l
 iteration; the demo checks that their jobs ended COMPLETED with exit code 0 and that the
 loss continued from checkpoints, and exits 1 otherwise. Everything it started is stopped
 at the end.
+
+``--megatron``: the same story with Megatron-LM's own ``pretrain_gpt.py``
+(../shared/third_party/megatron-lm, unmodified; a tiny GPT on mock data, submitted with
+``--framework megatron``) instead of the built-in trainer. Its CPU ranks run under the
+test-only CUDA-to-CPU shim (tests/launcher/mcore/megatron_lm), exported to the jobs on
+``PYTHONPATH`` as a user exports Megatron-LM's own path; the checkpoint tiers are per node,
+so the killed node's shards come back from its peer's memory.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -32,6 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.system import megatron_job  # noqa: E402
 from unicorn_core import redis_io  # noqa: E402
 from unicorn_core.config import RedisConfig  # noqa: E402
 from unicorn_core.keys import RedisKeys  # noqa: E402
@@ -90,7 +99,8 @@ class Job:
 
 
 class Demo:
-    def __init__(self) -> None:
+    def __init__(self, *, megatron: bool = False) -> None:
+        self.megatron = megatron
         self.started = time.monotonic()
         subprocess.run([*DEV, "down"], capture_output=True, check=False)
         shutil.rmtree(AGENT_RUN_ROOT / PREFIX, ignore_errors=True)  # agents' logs of an earlier demo
@@ -112,6 +122,14 @@ class Demo:
             "UNICORNCTL": str(BIN / "unicornctl"),
             "UNICORN_WAIT_OPTIONS": "--progress-interval-s 10",
         }
+        if megatron:
+            self.env |= {
+                # Per node, as real nodes' memory and disks are.
+                "UNICORN_CKPT__SHM_DIR": str(SHM / "{node}"),
+                "UNICORN_CKPT__LOCAL_DIR": str(RUN / "ckpt-local" / "{node}"),
+                **megatron_job.PLAN_ENV,
+                **megatron_job.job_env(),
+            }
         self.keys = RedisKeys(PREFIX)
         self.log = (STATE / "unicornd.log").open("ab")
         self.daemon = subprocess.Popen(
@@ -123,9 +141,14 @@ class Demo:
         )
         self.jobs: dict[str, Job] = {}
         self.model = RUN / "model.toml"
+        model, about = (
+            (megatron_job.MODEL, "the tiny GPT Megatron-LM trains (tests/system/megatron_job.py)")
+            if megatron
+            else (MODEL, "GPT-3 1.3B's shape with a global batch of 12 (see scripts/demo.py)")
+        )
         self.model.write_text(
-            "# GPT-3 1.3B's shape with a global batch of 12 (see scripts/demo.py)\n[model]\n"
-            + "".join(f"{f} = {getattr(MODEL, f)}\n" for f in ("layers", "hidden", "heads", "sequence",
+            f"# {about}\n[model]\n"
+            + "".join(f"{f} = {getattr(model, f)}\n" for f in ("layers", "hidden", "heads", "sequence",
                                                               "vocabulary", "global_batch"))
         )  # fmt: skip
         self.launches_before_kill = 0
@@ -192,11 +215,14 @@ class Demo:
 
     def submit(self, name: str, slurm: tuple[str, ...], unicorn: tuple[str, ...]) -> Job:
         ckpt = RUN / f"ckpt-{name}"
-        command = (
+        command: tuple[str, ...] = (
             sys.executable, "-m", "launcher.train", f"--iterations={ITERATIONS}", "--layers=12",
             "--hidden=32", "--heads=4", "--seq=16", "--vocab=64", f"--save-dir={ckpt}", f"--load={ckpt}",
             "--save-interval=5", "--log-interval=5",
         )  # fmt: skip
+        if self.megatron:
+            command = megatron_job.task_command(ckpt, ITERATIONS)
+            unicorn = ("--framework", "megatron", *unicorn)
         # --max-gpus 2: each task keeps to its two nodes' worth, so the first to finish does
         # not hand its nodes to the other in the demo's last seconds.
         argv = (
@@ -230,7 +256,10 @@ class Demo:
         launches: list[tuple[str, str]] = []
         points: dict[int, float] = {}
         for text in self.train_logs(job).values():
-            launches += LAUNCH.findall(text)
+            if self.megatron:  # rank 0's start-up lines: the layout, the iteration it loaded
+                launches += [(r.layout, str(r.loaded)) for r in megatron_job.runs(text) if r.layout]
+            else:
+                launches += LAUNCH.findall(text)
             points |= {int(i): float(v) for i, v in LOSS.findall(text)}
         return launches, points
 
@@ -388,7 +417,13 @@ class Demo:
 
 
 def main() -> int:
-    demo = Demo()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--megatron", action="store_true", help="run Megatron-LM's pretrain_gpt.py instead")
+    args = ap.parse_args()
+    if args.megatron and not (megatron_job.MEGATRON_LM / "pretrain_gpt.py").exists():
+        where = megatron_job.MEGATRON_LM
+        ap.error(f"Megatron-LM's pretrain_gpt.py not found under {where} (set UNICORN_MEGATRON_LM)")
+    demo = Demo(megatron=args.megatron)
     try:
         ok = demo.run()
     finally:

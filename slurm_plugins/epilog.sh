@@ -71,6 +71,7 @@ fi
 folders=()
 shopt -s nullglob
 for root in "${shm_dirs[@]}"; do
+	root=${root//\{node\}/${SLURMD_NODENAME:-}} # {node}: nodes sharing one machine keep apart tiers
 	if [[ $root != /* ]]; then
 		say "$conf: SHM_DIR '$root' is not an absolute path; skipped"
 		continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Final
 
 ETC_ENV = "UNICORN_ETC_DIR"
 AGENT_RUN_ROOT = Path("/tmp/unicorn")  # noqa: S108 - node-local scratch, per installation below
@@ -29,3 +30,8 @@ def agent_run_dir(key_prefix: str, job_id: int, node: str) -> Path:
     """The node agent's default run folder (``train.log``, the hook socket's neighbours):
     per installation (Redis key prefix), job and node, because job ids repeat across clusters."""
     return AGENT_RUN_ROOT / key_prefix / str(job_id) / node
+
+
+CKPT_RING_ENV: Final = "UNICORN_CKPT_RING"
+"""A node agent's checkpoint ring: its task's nodes, comma-separated, in the task's order.
+unicornd sets it on every agent it starts (:mod:`launcher.ckptagent` reads it)."""

@@ -183,6 +183,15 @@ class IterationTiming(Envelope, frozen=True, kw_only=True, tag="iter"):
     the agent: the id of the coordinator action that started the reporting ranks (empty
     when unknown), so an iteration of ranks about to be replaced never counts as the
     replacement's progress.
+
+    ``span``: how many iterations, ending at ``iteration``, the report covers;
+    ``duration_s`` is then their average (Megatron-LM logs one line per
+    ``--log-interval`` with the interval's mean), so the silence a hang monitor allows
+    between reports is ``span * duration_s``. The optional training-state fields come
+    from trainers that print them (Megatron-LM's own log line): ``grad_norm``,
+    ``loss_scale``, ``consumed_samples`` and the run's ``skipped_iterations`` and
+    ``nan_iterations`` over the interval. ``final``: the run's last iteration (Megatron-LM's
+    ``iteration N/ N``): the ranks save and end next, so silence after it is no hang.
     """
 
     rank: int
@@ -192,6 +201,13 @@ class IterationTiming(Envelope, frozen=True, kw_only=True, tag="iter"):
     phase: IterationPhase = IterationPhase.TRAIN
     loss: float | None = None
     launch_id: str = ""
+    span: int = 1
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    consumed_samples: int | None = None
+    skipped_iterations: int | None = None
+    nan_iterations: int | None = None
+    final: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -199,6 +215,14 @@ class IterationTiming(Envelope, frozen=True, kw_only=True, tag="iter"):
         _check(self.iteration >= 0, f"iteration must be >= 0, got {self.iteration}")
         _check_finite(self.duration_s, "duration_s", minimum=0.0)
         _check_optional_index(self.samples, "samples")
+        _check(self.span >= 1, f"span must be >= 1, got {self.span}")
+        for name in ("consumed_samples", "skipped_iterations", "nan_iterations"):
+            _check_optional_index(getattr(self, name), name)
+
+    @property
+    def interval_s(self) -> float:
+        """The time the report covers: what a hang monitor learns as one step."""
+        return self.duration_s * self.span
 
 
 class SlowStep(Envelope, frozen=True, kw_only=True, tag="slow"):

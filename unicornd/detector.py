@@ -189,11 +189,7 @@ class Detector:
                 job.monitor.expect_slow_step(msg.phase, now_s, iteration=msg.iteration, rank=msg.rank)
             return []
         if isinstance(msg, IterationTiming):
-            job = self._job(msg.job_id)
-            job.monitor.observe(msg.rank, msg.iteration, msg.duration_s, msg.phase, now_s=now_s)
-            job.rank_nodes[msg.rank] = msg.node
-            if job.last_iteration is None or msg.iteration > job.last_iteration:
-                job.last_iteration = msg.iteration
+            self._timing(msg, now_s)
             return []
         c: Classification | None = None
         rank: int | None = None
@@ -215,6 +211,16 @@ class Detector:
         if c is None or not c.is_fault:
             return []
         return [JobEvidence(msg.job_id, Evidence(msg.node, rank, now_s, c, source))]
+
+    def _timing(self, msg: IterationTiming, now_s: float) -> None:
+        job = self._job(msg.job_id)
+        job.monitor.observe(msg.rank, msg.iteration, msg.interval_s, msg.phase, now_s=now_s)
+        job.rank_nodes[msg.rank] = msg.node
+        if job.last_iteration is None or msg.iteration > job.last_iteration:
+            job.last_iteration = msg.iteration
+        if msg.final:  # the run ends next: its silence from now on is no hang
+            job.monitor.reset()
+            job.hang_reported = None
 
     def _fault(self, msg: FaultReport) -> Classification:
         """The agent's classification, if it names a known status and severity; else re-classified."""

@@ -31,6 +31,7 @@ from unicorn_core.config import Config
 from unicorn_core.errors import CommandFailed, CommandTimeout, UnicornError
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import get_logger
+from unicorn_core.paths import CKPT_RING_ENV
 from unicorn_core.slurm.backend import ResizeUnsupported, SlurmBackend, StepHandle
 from unicornd.actions import (
     Action,
@@ -284,6 +285,10 @@ class Executor:
 
     async def _launch(self, action: LaunchAgents) -> str:
         credentials = await self.agent_users.env(action.job_id)
+        # The checkpoint ring: the task's nodes as committed with this launch (an agent
+        # restarted alone joins its task's ring, not a ring of one).
+        task = self.core.snap.tasks.get(action.task_id)
+        ring = task.nodes if task is not None and set(action.nodes) <= set(task.nodes) else action.nodes
         for cmd in action.commands:
             if action.clear_commands:
                 stream = self.keys.agent_commands(action.job_id, cmd.node)
@@ -304,7 +309,7 @@ class Executor:
                 action.job_id,
                 [cmd.node],
                 argv,
-                env={**action.env, **credentials},
+                env={**action.env, **credentials, CKPT_RING_ENV: ",".join(ring)},
                 options=[f"--output=/tmp/unicorn-agent-{action.job_id}-{cmd.node}.out"],
                 capture=False,
             )

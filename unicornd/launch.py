@@ -2,8 +2,9 @@
 
 Pure functions of their inputs (the coordinator shows a relaunch before doing it).
 The training program is the task's ``command``; the layout is appended in the task's
-framework's own flags (:func:`launcher.render.megatron_args` for Megatron-LM, the
-``--tp/--pp/--dp/--micro-batch/--global-batch`` flags for ``unicorn-train``).
+framework's own flags: for Megatron-LM, :func:`launcher.megatron.pretrain_command`
+(runner, script, the user's arguments, layout, model shape, checkpoint flags); for
+``unicorn-train``, ``--tp/--pp/--dp/--micro-batch/--global-batch``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
-from launcher.render import RdzvBackend, Rendezvous, TorchrunOptions, megatron_args, torchrun_argvs
+from launcher.megatron import pretrain_command
+from launcher.render import RdzvBackend, Rendezvous, TorchrunOptions, torchrun_argvs
 from unicorn_core.config import AgentConfig
 from unicorn_core.layout import Layout
 from unicornd.state import TaskRecord
@@ -28,16 +30,14 @@ def bin_dir(cfg: AgentConfig) -> Path:
     return Path(cfg.bin_dir) if cfg.bin_dir else Path(sys.executable).parent
 
 
-def layout_args(task: TaskRecord, layout: Layout) -> list[str]:
-    """The layout in the framework's flags.
+def trainer_layout_args(layout: Layout) -> list[str]:
+    """The layout in the built-in trainer's flags.
 
     The built-in trainer runs the layout's TP/PP/DP and micro-batch; interleaving (vpp),
     recompute and the distributed optimizer are Megatron features it lacks, so it runs the
     same layout without them (the planner's estimate assumed them; on the dev cluster's
     CPU ranks the difference is immaterial).
     """
-    if task.framework == "megatron":
-        return megatron_args(layout)
     return [
         f"--tp={layout.tp}",
         f"--pp={layout.pp}",
@@ -61,7 +61,11 @@ def render_task(
     gpus_per_node: int,
     generation: int,
 ) -> dict[str, list[str]]:
-    """One training argv per node: torchrun (static rendezvous, fixed node ranks) + program + layout."""
+    """One training argv per node: torchrun (static rendezvous, fixed node ranks) + program + layout.
+
+    A Megatron-LM task's argv is :func:`launcher.megatron.pretrain_command`'s, which checks
+    the command again (:func:`launcher.megatron.check_user_args`): a bad one cannot render.
+    """
     rdzv = Rendezvous(
         host=cfg.rendezvous_host or nodes[0],
         port=rendezvous_port(cfg, task.task_id, generation),
@@ -70,10 +74,15 @@ def render_task(
     )
     options = TorchrunOptions(program=(str(bin_dir(cfg) / "torchrun"),), monitor_interval_s=0.1)
     heads = torchrun_argvs(layout, nodes=nodes, gpus_per_node=gpus_per_node, rendezvous=rdzv, options=options)
+    if task.framework == "megatron":
+        return {
+            node: pretrain_command(heads[node], task.command, layout=layout, model=task.model)
+            for node in nodes
+        }
     # torchrun runs a *.py program with python itself; anything else (python -m ..., a
     # console script such as unicorn-train) is an executable: --no-python.
     exe = [] if task.command[0].endswith(".py") else ["--no-python"]
-    tail = [*task.command, *layout_args(task, layout)]
+    tail = [*task.command, *trainer_layout_args(layout)]
     return {node: [*heads[node], *exe, *tail] for node in nodes}
 
 

@@ -26,6 +26,7 @@ from typing import Final
 
 from plan.hardware import GpuSpec, gpu_spec
 from plan.objective import FailureModel
+from plan.perf import PerfAssumptions
 from plan.planner import Assignment, Cluster, Granularity, Plan, PlanRequest, plan_cluster, task_curves
 from unicorn_core.config import Config
 from unicorn_core.errors import InvalidArgument
@@ -42,14 +43,16 @@ requeued job for cred_expire, then the scheduler starts it: seconds on a healthy
 
 @dataclass(frozen=True)
 class PlanContext:
-    """What a replan needs besides the snapshot: the GPU type, the failure model, and how a
-    layout becomes command lines (``render_for(gpus_per_node, generation)``). Built once
-    from the configuration (:meth:`from_config`), by unicornd and by every preview, so
-    both plan with the same inputs."""
+    """What a replan needs besides the snapshot: the GPU type, the failure model, how a
+    layout becomes command lines (``render_for(gpus_per_node, generation)``) and the
+    performance model's assumptions (which layouts it may choose). Built once from the
+    configuration (:meth:`from_config`), by unicornd and by every preview, so both plan
+    with the same inputs."""
 
     gpu: GpuSpec
     failure: FailureModel
     render_for: Callable[[int, int], Render]
+    assume: PerfAssumptions = field(default_factory=PerfAssumptions)
 
     @classmethod
     def from_config(cls, cfg: Config) -> PlanContext:
@@ -57,6 +60,7 @@ class PlanContext:
             gpu=gpu_spec(cfg.plan.gpu),
             failure=FailureModel(cfg.plan.node_mtbf_h),
             render_for=lambda gpus, generation: renderer(cfg.agent, gpus, generation),
+            assume=PerfAssumptions(distributed_optimizer=cfg.plan.distributed_optimizer),
         )
 
 
@@ -64,7 +68,9 @@ PLANNED_STATES = frozenset({TaskState.PENDING, TaskState.LAUNCHING, TaskState.RU
 """Tasks the planner must cover: every task that has not ended or been stopped."""
 
 
-def plan_for(snapshot: Snapshot, gpu: GpuSpec, failure: FailureModel) -> Plan | None:
+def plan_for(
+    snapshot: Snapshot, gpu: GpuSpec, failure: FailureModel, assume: PerfAssumptions | None = None
+) -> Plan | None:
     """The planner's allocation for ``snapshot``: the call every replan of unicornd makes.
 
     Healthy nodes that are not held form the cluster; tasks with an open incident are the
@@ -76,7 +82,7 @@ def plan_for(snapshot: Snapshot, gpu: GpuSpec, failure: FailureModel) -> Plan | 
         return None
     healthy = [n for n in snapshot.nodes.values() if n.health is NodeHealth.HEALTHY and not n.held]
     cluster = Cluster(len(healthy), snapshot.gpus_per_node, gpu, Granularity.NODE)
-    curves = task_curves([t.spec() for t in tasks], cluster, cluster.workers + 1)
+    curves = task_curves([t.spec() for t in tasks], cluster, cluster.workers + 1, assume)
     current = tuple(len(t.nodes) for t in tasks)
     faulted = frozenset(t.name for t in tasks if snapshot.open_incident(t.task_id) is not None)
     return plan_cluster(curves, cluster, PlanRequest(current=current, faulted=faulted, failure=failure))
@@ -90,7 +96,7 @@ def replan_decision(snapshot: Snapshot, ctx: PlanContext, now_s: float) -> tuple
     needs) gives its plan and a decision that only says why: the input that asked for
     the replan still stands, and the next replan tries again.
     """
-    plan = plan_for(snapshot, ctx.gpu, ctx.failure)
+    plan = plan_for(snapshot, ctx.gpu, ctx.failure, ctx.assume)
     if plan is None:
         return None, Decision(notes=("replan: no task to plan",))
     render = ctx.render_for(snapshot.gpus_per_node, snapshot.plan_generation + 1)

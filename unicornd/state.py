@@ -32,6 +32,7 @@ from typing import Any, Final, Self, TypeVar
 import msgspec
 
 from detect.statuses import ErrorStatus, Severity
+from launcher.megatron import check_user_args
 from unicorn_core.config import RecoveryConfig
 from unicorn_core.errors import InvalidArgument, ProtocolError
 from unicorn_core.keys import check_name
@@ -285,7 +286,10 @@ class TaskRecord(_Record):
     numbers this task's incidents, so incident ids are deterministic. ``launched_s`` is
     when the latest launch or relaunch was ordered (iterations reported after it prove
     the launch worked). ``framework`` says how a layout is passed to ``command``
-    (:data:`FRAMEWORKS`). ``generation`` is the plan generation of the latest launch (its
+    (:data:`FRAMEWORKS`); a ``megatron`` command must pass
+    :func:`launcher.megatron.check_user_args`, so a registration (the CLI's record, or the
+    daemon's, decoded from the request) that conflicts with unicorn's flags is refused
+    before anything is stored. ``generation`` is the plan generation of the latest launch (its
     rendezvous port and run id derive from it, so a restarted agent rejoins its peers).
     ``finished_nodes``: nodes whose agent reported the training's clean exit since the
     latest (re)start of its ranks (all of them: the task finished). ``requeue``: a requeue
@@ -324,6 +328,11 @@ class TaskRecord(_Record):
         self.spec()  # name, weight, GPU bounds: TaskSpec's rules
         if not self.command:
             raise InvalidArgument(f"task {self.task_id}: command must not be empty")
+        if self.framework == "megatron":
+            try:
+                check_user_args(self.command, self.model)
+            except InvalidArgument as e:
+                raise InvalidArgument(f"task {self.task_id}: {e}") from None
         if self.job_id is not None:
             _non_negative(self.job_id, f"task {self.task_id}: job_id")
         for node in self.nodes:

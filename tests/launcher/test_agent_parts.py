@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -10,14 +11,16 @@ import subprocess
 import sys
 import time
 import types
+import unittest.mock
 from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from launcher import megatron as launcher_megatron
 from launcher.hook import MAX_DATAGRAM, Hook
 from launcher.nodecheck import Outcome, check_disk, check_injected
 from launcher.outbox import Outbox
-from launcher.supervisor import OutputPump, decode_wait_status, descendants, read_zombie_status
+from launcher.supervisor import OutputPump, decode_wait_status, descendants, read_environ, read_zombie_status
 from unicorn_core.keys import RedisKeys
 from unicorn_core.protocol import (
     ExceptionReport,
@@ -308,3 +311,140 @@ def test_agent_reports_a_local_hang_only_when_a_rank_is_stopped(tmp_path: Path) 
     finally:
         rank.kill()
         rank.wait()
+
+
+def _megatron_line(iteration: int, elapsed_ms: float, total: int = 100) -> str:
+    return (
+        f" [2026-11-24 00:20:21.595276] iteration {iteration:8d}/{total:8d} | consumed samples: "
+        f"{iteration * 12:12d} | elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: "
+        "8.000000E-04 | global batch size:    12 | lm loss: 5.556977E+00 | loss scale: 1.0 | "
+        "grad norm: 1.501 | number of skipped iterations:   0 | number of nan iterations:   0 |"
+    )
+
+
+def test_agent_follows_megatron_lm_log_lines_only_for_megatron_runs(tmp_path: Path) -> None:
+    """An unmodified pretrain_gpt.py reports nothing through the hook: its own log line is
+    its iteration report (as the node's highest rank, the one Megatron prints on), with
+    the log interval as the span the hang monitor allows. The built-in trainer prints the
+    same line but reports through the hook, so its lines are not counted twice."""
+    from launcher.agent import Agent
+    from launcher.supervisor import RankInfo
+    from unicorn_core.config import Config
+    from unicorn_core.protocol import Message
+
+    megatron_argv = ["torchrun", "--nnodes=2", "-m", "launcher.mcore_ckpt", "pretrain_gpt.py", "--lr", "1"]
+
+    def agent_for(argv: list[str]) -> tuple[Agent, list[Message]]:
+        agent = Agent(Config(), job_id=5, node="n2", run_dir=tmp_path, argv=[], launch_id="act-1")
+        sent: list[Message] = []
+        agent._emit = sent.append  # type: ignore[method-assign]
+        agent._follow_log(argv)
+        return agent, sent
+
+    agent, sent = agent_for(megatron_argv)
+    agent._on_line(_megatron_line(1, 300.0))  # before the node's ranks are known: not attributed
+    assert sent == [] and agent.counters.iterations_unattributed == 1
+    agent.supervisor = types.SimpleNamespace(  # type: ignore[assignment]
+        ranks={11: RankInfo(11, 2, 0, None), 12: RankInfo(12, 3, 1, None)}, exited={}
+    )
+    for it in (10, 20, 30):
+        agent._on_line(_megatron_line(it, 250.0))
+    timings = [m for m in sent if isinstance(m, IterationTiming)]
+    assert [(t.rank, t.iteration, t.span, t.launch_id) for t in timings] == [
+        (3, 10, 1, "act-1"),
+        (3, 20, 10, "act-1"),
+        (3, 30, 10, "act-1"),
+    ]
+    t = timings[-1]
+    assert (t.duration_s, t.interval_s, t.loss) == (0.25, 2.5, 5.556977)
+    assert (t.grad_norm, t.loss_scale) == (1.501, 1.0)
+    assert (t.consumed_samples, t.skipped_iterations, t.nan_iterations, t.samples) == (360, 0, 0, 12)
+    assert agent.iteration == 30 and agent.monitor.ranks == (3,)
+    agent._on_line(_megatron_line(5, 250.0))  # resumed from a checkpoint: a new interval
+    assert [m for m in sent if isinstance(m, IterationTiming)][-1].span == 1
+
+    # Saves: Megatron saves after every multiple of --save-interval; the agent announces the
+    # next step as a checkpoint step (Megatron says it saves on rank 0 only). The last
+    # iteration ends the run: its silence after it is no hang.
+    saving, sent = agent_for([*megatron_argv, "--save-interval", "5"])
+    saving.supervisor = agent.supervisor
+    for it in (3, 4, 5, 6, 7):
+        saving._on_line(_megatron_line(it, 250.0, total=8))
+    slow = [(m.iteration, m.phase) for m in sent if isinstance(m, SlowStep)]
+    assert slow == [(6, IterationPhase.CHECKPOINT)]
+    phases = [(m.iteration, m.phase, m.final) for m in sent if isinstance(m, IterationTiming)]
+    assert phases[2:] == [
+        (5, IterationPhase.TRAIN, False),
+        (6, IterationPhase.CHECKPOINT, False),
+        (7, IterationPhase.TRAIN, False),
+    ]
+    saving._on_line(_megatron_line(8, 250.0, total=8))
+    assert [m for m in sent if isinstance(m, IterationTiming)][-1].final
+    assert saving.monitor.ranks == () and saving.iteration == 8
+    assert launcher_megatron.save_interval(["--save-interval=7", "--save-interval", "9"]) == 9
+
+    trainer, sent = agent_for(["torchrun", "--no-python", "unicorn-train", "--tp=1"])
+    trainer.supervisor = agent.supervisor
+    trainer._on_line(_megatron_line(10, 250.0))
+    assert sent == []
+
+
+def test_a_rank_exit_of_unknown_status_is_settled_by_torchruns_exit(tmp_path: Path) -> None:
+    """torchrun may reap a rank before the agent reads its status: the rank's exit then
+    waits for torchrun's, which is 0 only when every worker's was (a clean end of training
+    is no failure); a failed torchrun, or none within the wait, leaves it unknown."""
+    from launcher.agent import Agent
+    from launcher.supervisor import ExitInfo
+    from unicorn_core.config import Config
+    from unicorn_core.protocol import Message
+
+    def rank(pid: int) -> ExitInfo:
+        return ExitInfo(pid, pid - 100, 0, None, None, None, is_main=False)
+
+    def main(code: int) -> ExitInfo:
+        return ExitInfo(99, None, None, code, None, None, is_main=True)
+
+    async def run(torchrun: ExitInfo | None) -> list[tuple[int | None, int | None]]:
+        agent = Agent(Config(), job_id=5, node="n1", run_dir=tmp_path, argv=[])
+        agent._loop = asyncio.get_running_loop()
+        sent: list[Message] = []
+        agent._emit = sent.append  # type: ignore[method-assign]
+        agent._on_exit(rank(101), 1)
+        agent._on_exit(ExitInfo(102, 2, 1, 1, None, None, is_main=False), 1)  # a known status: at once
+        assert [(m.pid, m.exit_code) for m in sent if isinstance(m, ProcessExit)] == [(102, 1)]
+        if torchrun is not None:
+            agent._on_exit(torchrun, 1)
+        else:
+            with unittest.mock.patch("launcher.agent._UNSETTLED_EXIT_S", 0.01):
+                agent._on_exit(rank(103), 1)
+            await asyncio.sleep(0.05)
+        return [(m.pid, m.exit_code) for m in sent if isinstance(m, ProcessExit)][1:]
+
+    assert asyncio.run(run(main(0))) == [(101, 0), (99, 0)]
+    assert asyncio.run(run(main(1))) == [(101, None), (99, 1)]
+    assert asyncio.run(run(None)) == [(103, None)]  # 101 still waits (5 s), 103 timed out
+
+
+def test_ranks_are_the_top_most_processes_with_rank_variables() -> None:
+    """A rank's own children (Megatron-LM's rank 0 runs make; data loaders fork workers)
+    inherit RANK but are not ranks: their ends must not read as a rank's."""
+    from launcher.supervisor import rank_processes
+
+    script = "import subprocess, time; subprocess.Popen(['sleep', '30']); time.sleep(30)"
+    # bash (the launcher, no rank variables of its own) -> python (the rank) -> sleep (its child)
+    launcher = subprocess.Popen(
+        ["bash", "-c", f'RANK=3 LOCAL_RANK=1 {sys.executable} -c "{script}" & wait'], env={**os.environ}
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while len(descendants(launcher.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rank, child = descendants(launcher.pid)[:2]
+        assert rank_processes(launcher.pid) == [(rank, {"RANK": "3", "LOCAL_RANK": "1"})]
+        assert "RANK" in read_environ(child, ("RANK",))  # the child has it too, and is no rank
+    finally:
+        for pid in reversed(descendants(launcher.pid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.kill()
+        launcher.wait()

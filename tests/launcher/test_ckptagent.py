@@ -22,6 +22,7 @@ from ckpt.snapshot import SnapshotWriter
 from ckpt.tier import Tier, TierDir
 from launcher.ckptagent import (
     ENV_PEERS,
+    ENV_RING,
     ENV_SNAP_DIR,
     TRANSITIONS,
     CkptAgent,
@@ -76,6 +77,25 @@ def test_plan_from_config_follows_the_slurm_node_list() -> None:
     assert CkptPlan.from_config(CkptConfig(shm_dir=""), job_id=1, node="n1", env={}) is None
     with pytest.raises(InvalidArgument, match="must name node"):
         dataclasses.replace(plan, node="zz")
+
+
+def test_the_ring_is_the_tasks_nodes_then_the_jobs() -> None:
+    """unicornd names the task's nodes; without it the job's list. A step srun starts from
+    outside the allocation (as unicornd starts agents) has only its own node in
+    SLURM_JOB_NODELIST, and the job's in SLURM_NODELIST (measured on Slurm 22.05)."""
+    cfg = CkptConfig(shm_dir="/x/{node}/shm", local_dir="/disk/{node}")
+    step = {"SLURM_JOB_NODELIST": "n3", "SLURM_NODELIST": "n[1-4]"}
+
+    def ring(env: dict[str, str]) -> list[str]:
+        plan = CkptPlan.from_config(cfg, job_id=7, node="n3", env=env)
+        assert plan is not None
+        return [p.node for p in plan.ring]
+
+    assert ring(step) == ["n1", "n2", "n3", "n4"]
+    assert ring({**step, ENV_RING: "n4,n3,n1"}) == ["n4", "n3", "n1"]
+    assert ring({"SLURM_JOB_NODELIST": "n[2-3]"}) == ["n2", "n3"]
+    plan = CkptPlan.from_config(cfg, job_id=7, node="n3", env=step)
+    assert plan is not None and str(plan.snap_root) == "/x/n3/shm/snap" and str(plan.local_root) == "/disk/n3"
 
 
 def test_shard_stage_transitions_walk_every_pair() -> None:

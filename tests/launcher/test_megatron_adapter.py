@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from launcher.megatron import (
+    _ONLY,
+    _REFUSED,
+    MEMORY_TIER_RUNNER,
     LogFollower,
     MegatronIteration,
+    MegatronUserArgs,
+    check_user_args,
     parse_iteration_line,
     pretrain_command,
     read_error_file,
     to_timing,
 )
-from launcher.render import MegatronCheckpointing, Rendezvous, torchrun_argv
+from launcher.render import RdzvBackend, Rendezvous, TorchrunOptions, torchrun_argvs
 from launcher.trainer.logline import iteration_line
+from tests.launcher.test_render import check_golden
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.layout import Layout
+from unicorn_core.model import ModelSpec
 from unicorn_core.protocol import IterationPhase
 
 # Recorded shapes of Megatron-LM's training_log output (core 0.16-era with the timestamp
@@ -143,38 +151,190 @@ def test_reads_torchrun_error_file(tmp_path: Path) -> None:
         read_error_file(tmp_path / "bad.json", job_id=3, node="n1", rank=5)
 
 
-def test_pretrain_command_puts_layout_last_and_requires_checkpoints() -> None:
-    layout = Layout(tp=2, pp=2, dp=2, micro_batch=1, global_batch=64)
-    torchrun = torchrun_argv(
-        layout, nnodes=2, node_rank=1, gpus_per_node=4, rendezvous=Rendezvous("n1", 29500)
+# --- the user's command line under --framework megatron ----------------------------------------
+
+MODEL = ModelSpec(layers=2, hidden=64, heads=4, sequence=32, vocabulary=128, global_batch=8)
+SCRIPT = "/w/pretrain_gpt.py"
+BASE = ("--save", "/x", "--save-interval", "100")
+DATA = ("--train-iters", "1000", "--lr", "3e-4", "--data-path", "/d/text_document", "--log-interval", "1")
+
+
+def both_forms(flag: str, value: str) -> list[tuple[str, ...]]:
+    """``--flag value`` and ``--flag=value``: argparse reads both."""
+    return [(flag, value), (f"{flag}={value}",)]
+
+
+def test_the_refused_flags_cover_what_unicorn_owns_and_what_breaks_resuming() -> None:
+    owned = {
+        "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--micro-batch-size",
+        "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+        "--use-distributed-optimizer", "--recompute-granularity", "--recompute-method",
+        "--recompute-num-layers", "--no-load-optim", "--no-load-rng", "--no-save-optim",
+        "--no-save-rng", "--finetune", "--ckpt-convert-format", "--ckpt-convert-save",
+        "--use-mp-args-from-checkpoint-args",
+    }  # fmt: skip
+    assert owned <= set(_REFUSED)
+    assert {"--context-parallel-size", "--expert-model-parallel-size", "--ckpt-format"} <= set(_ONLY)
+    assert not {"--use-checkpoint-args", "--async-save", "--override-opt_param-scheduler"} & set(_REFUSED)
+
+
+@pytest.mark.parametrize("form", [0, 1], ids=["space", "equals"])
+@pytest.mark.parametrize("flag", sorted(_REFUSED))
+def test_every_refused_flag_is_refused_in_both_forms(flag: str, form: int) -> None:
+    args = both_forms(flag, "2")[form]
+    with pytest.raises(
+        InvalidArgument, match=f"^{re.escape(flag)} cannot be given to a task under unicorn: "
+    ):
+        check_user_args((SCRIPT, *BASE, *DATA, *args), MODEL)
+
+
+@pytest.mark.parametrize("form", [0, 1], ids=["space", "equals"])
+@pytest.mark.parametrize(
+    ("flag", "bad"),
+    [
+        ("--context-parallel-size", "2"),
+        ("--expert-model-parallel-size", "4"),
+        ("--expert-tensor-parallel-size", "2"),
+        ("--num-distributed-optimizer-instances", "2"),
+        ("--ckpt-format", "torch"),
+        ("--non-persistent-ckpt-type", "local"),
+        ("--exit-signal", "SIGINT"),
+    ],
+)
+def test_one_value_flags_refuse_any_other_value(flag: str, bad: str, form: int) -> None:
+    allowed = _ONLY[flag][0]
+    check_user_args((SCRIPT, *BASE, *both_forms(flag, allowed)[form]), MODEL)
+    with pytest.raises(InvalidArgument, match=f"^{re.escape(flag)} {bad} cannot be used .*only {allowed}"):
+        check_user_args((SCRIPT, *BASE, *both_forms(flag, bad)[form]), MODEL)
+
+
+@pytest.mark.parametrize("form", [0, 1], ids=["space", "equals"])
+@pytest.mark.parametrize(
+    ("flag", "field", "right", "wrong"),
+    [
+        ("--num-layers", "layers", 2, 24),
+        ("--hidden-size", "hidden", 64, 2048),
+        ("--ffn-hidden-size", "ffn_hidden", 256, 1024),
+        ("--num-attention-heads", "heads", 4, 16),
+        ("--seq-length", "sequence", 32, 2048),
+        ("--num-query-groups", "num_query_groups", 4, 2),
+        ("--global-batch-size", "global_batch", 8, 256),
+    ],
+)
+def test_model_shape_and_global_batch_must_match_the_model_file(
+    flag: str, field: str, right: int, wrong: int, form: int
+) -> None:
+    check_user_args((SCRIPT, *BASE, *both_forms(flag, str(right))[form]), MODEL)
+    message = f"{flag} {wrong} differs from the model file's {field} = {right}"
+    with pytest.raises(InvalidArgument, match=f"^{re.escape(message)}"):
+        check_user_args((SCRIPT, *BASE, *both_forms(flag, str(wrong))[form]), MODEL)
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (("python", "pretrain_gpt.py", *BASE), "needs the command SCRIPT.py ARGS"),
+        (("/usr/bin/torchrun", SCRIPT, *BASE), "needs the command SCRIPT.py ARGS"),
+        ((), "needs the command SCRIPT.py ARGS"),
+        ((SCRIPT, *DATA), "--save DIR is required"),
+        ((SCRIPT, "--save=", "--save-interval", "5"), "--save DIR is required"),
+        ((SCRIPT, "--save", "/x"), "--save needs --save-interval N"),
+        ((SCRIPT, "--save", "/x", "--save-interval", "0"), "--save-interval must be positive"),
+        ((SCRIPT, "--save", "/x", "--save-interval", "often"), "--save-interval 'often' is not an integer"),
+        ((SCRIPT, *BASE, "--load", "/y"), "--load /y differs from --save /x"),
+        ((SCRIPT, *BASE, "--save"), "--save needs a value"),
+        ((SCRIPT, "--save", "--save-interval", "5"), "--save needs a value"),
+        ((SCRIPT, *BASE, "--tensor_model_parallel_size", "2"), "it is spelled --tensor-model-parallel-size"),
+        ((SCRIPT, *BASE, "--max-position-embeddings", "16"), "below the model file's sequence = 32"),
+        ((SCRIPT, *BASE, "--group-query-attention"), "--group-query-attention without --num-query-groups"),
+    ],
+)
+def test_commands_that_cannot_resume_or_do_not_parse_are_refused(
+    command: tuple[str, ...], message: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        check_user_args(command, MODEL)
+
+
+def test_an_accepted_command_keeps_the_users_arguments_unchanged() -> None:
+    args = (
+        *DATA, "--save=/x", "--persistent-save-interval=50", "--load", "/x/", "--use-checkpoint-args",
+        "--async-save", "--override-opt_param-scheduler", "--context-parallel-size", "1",
+        "--ckpt-format", "torch", "--ckpt-format=torch_dist", "--max-position-embeddings", "64",
+        "--num-query-groups", "4", "--exit-signal", "SIGTERM", "--sequence-parallel",
+    )  # fmt: skip
+    user = check_user_args((SCRIPT, *args), MODEL)
+    assert user == MegatronUserArgs(
+        script=SCRIPT, args=args, save_dir="/x", load_dir="/x/", save_interval=50, given=user.given
     )
-    ck = MegatronCheckpointing(save_dir="/ckpt", load_dir="/ckpt", save_interval=50)
-    argv = pretrain_command(
-        torchrun,
-        "pretrain_gpt.py",
-        ["--tensor-model-parallel-size", "8"],
-        layout=layout,
-        model=None,
-        checkpointing=ck,
+    assert {
+        "--save",
+        "--save-interval",
+        "--load",
+        "--ckpt-format",
+        "--lr",
+        "--sequence-parallel",
+    } <= user.given
+    gqa = ModelSpec(
+        layers=2, hidden=64, heads=4, sequence=32, vocabulary=128, global_batch=8, num_query_groups=2
     )
-    assert argv[: len(torchrun)] == torchrun
-    assert argv[len(torchrun)] == "pretrain_gpt.py"
-    # argparse keeps the last value: the rendered layout overrides the user's.
-    assert argv.index("--tensor-model-parallel-size", len(torchrun) + 3) > len(torchrun) + 1
-    assert argv[-9:] == [
-        "--save", "/ckpt", "--save-interval", "50", "--load", "/ckpt", "--ckpt-format", "torch_dist",
+    assert check_user_args((SCRIPT, *BASE, "--group-query-attention"), gqa).save_dir == "/x"
+
+
+# --- one node's argv ---------------------------------------------------------------------------
+
+
+def _torchruns(layout: Layout) -> dict[str, list[str]]:
+    return torchrun_argvs(
+        layout,
+        nodes=["n1", "n2"],
+        gpus_per_node=2,
+        rendezvous=Rendezvous("n1", 29500, run_id="t.7-3", backend=RdzvBackend.STATIC),
+        options=TorchrunOptions(program=("/opt/u/bin/torchrun",), monitor_interval_s=0.1),
+    )
+
+
+def test_pretrain_command_tp1_pp2_dp2_golden() -> None:
+    """What each node runs: torchrun, the runner, the script and the user's arguments
+    unchanged, then the layout, the model shape and the checkpoint flags."""
+    layout = Layout(tp=1, pp=2, dp=2, micro_batch=1, global_batch=8)
+    heads = _torchruns(layout)
+    argvs = {n: pretrain_command(heads[n], (SCRIPT, *BASE, *DATA), layout=layout, model=MODEL) for n in heads}
+    check_golden("megatron_pretrain_tp1_pp2_dp2", [argvs["n1"], argvs["n2"]])
+    argv = argvs["n2"]
+    tail = argv[len(heads["n2"]) :]
+    assert tail[:3] == ["-m", MEMORY_TIER_RUNNER, SCRIPT] and "--no-python" not in argv
+    assert tail[3 : 3 + len(BASE) + len(DATA)] == [*BASE, *DATA]
+    assert argv.count("--save") == 1 and argv[argv.index("--load") + 1] == "/x"
+
+
+def test_pretrain_command_leaves_out_what_the_user_gave() -> None:
+    layout = Layout(tp=2, pp=1, dp=2, micro_batch=2, global_batch=8, distributed_optimizer=True)
+    user = (
+        "--num-layers=2", "--global-batch-size", "8", "--load", "/x", "--ckpt-format=torch_dist",
+        "--exit-signal-handler", "--max-position-embeddings", "64",
+    )  # fmt: skip
+    argv = pretrain_command(_torchruns(layout)["n1"], (SCRIPT, *BASE, *user), layout=layout, model=MODEL)
+    flags = [word.partition("=")[0] for word in argv if word.startswith("--")]
+    for flag in (
+        "--num-layers",
+        "--global-batch-size",
+        "--load",
+        "--save",
+        "--ckpt-format",
         "--exit-signal-handler",
-    ]  # fmt: skip
-    in_memory = pretrain_command(
-        torchrun, "pretrain_gpt.py", [], layout=layout, model=None, checkpointing=ck, memory_tier=True
-    )
-    assert in_memory[len(torchrun) : len(torchrun) + 3] == ["-m", "launcher.mcore_ckpt", "pretrain_gpt.py"]
-    with pytest.raises(InvalidArgument, match="both --save and --load"):
-        pretrain_command(
-            torchrun,
-            "pretrain_gpt.py",
-            [],
-            layout=layout,
-            model=None,
-            checkpointing=MegatronCheckpointing(save_dir="/c"),
-        )
+    ):
+        assert flags.count(flag) == 1, flag
+    assert flags.count("--max-position-embeddings") == 1 and "64" in argv  # the user's, not the sequence
+    # The distributed optimizer's checkpoint must reshard to another TP/PP, not just DP.
+    assert "--use-distributed-optimizer" in argv and argv[-1] == "--dist-ckpt-optim-fully-reshardable"
+
+
+def test_pretrain_command_checks_the_command_and_the_layouts_batch() -> None:
+    layout = Layout(tp=1, pp=2, dp=2, micro_batch=1, global_batch=8)
+    torchrun = _torchruns(layout)["n1"]
+    with pytest.raises(InvalidArgument, match="--micro-batch-size cannot be given"):
+        pretrain_command(torchrun, (SCRIPT, *BASE, "--micro-batch-size", "4"), layout=layout, model=MODEL)
+    other = Layout(tp=1, pp=2, dp=2, micro_batch=1, global_batch=16)
+    with pytest.raises(InvalidArgument, match="global_batch 16 differs from the model's 8"):
+        pretrain_command(torchrun, (SCRIPT, *BASE), layout=other, model=MODEL)

@@ -111,6 +111,26 @@ MALFORMED: list[tuple[str, dict[str, Any], str]] = [
         "command must not be empty",
     ),
     (
+        "register: megatron command that sets the layout",
+        {
+            "op": "register",
+            "task": {
+                **TASK_DOC,
+                "framework": "megatron",
+                "command": [
+                    "/w/pretrain_gpt.py",
+                    "--save",
+                    "/c",
+                    "--save-interval",
+                    "5",
+                    "--micro-batch-size=2",
+                ],
+            },
+            "credential": "MUNGE:c",
+        },
+        "--micro-batch-size cannot be given to a task under unicorn",
+    ),
+    (
         "register: invalid environment",
         {"op": "register", "task": TASK_DOC, "credential": "MUNGE:c", "environment": {"cwd": "x", "env": {}}},
         "absolute path",

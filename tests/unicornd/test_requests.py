@@ -25,6 +25,11 @@ from unicornd.store import Store
 
 PREFIX = "reqtest"
 PENDING = task("c", 3, [], state=TaskState.PENDING).to_dict()
+MEGATRON_REFUSED = {
+    **PENDING,
+    "framework": "megatron",
+    "command": ["/w/pretrain_gpt.py", "--save", "/c", "--save-interval", "5", "--no-load-optim"],
+}
 
 
 def malformed() -> list[tuple[str, bytes, bool, str]]:
@@ -59,6 +64,12 @@ def malformed() -> list[tuple[str, bytes, bool, str]]:
             j({"op": "register", "task": PENDING, "credential": "MUNGE:forged"}),
             False,
             "",
+        ),
+        (
+            "register: megatron command that breaks resuming",
+            j({"op": "register", "task": MEGATRON_REFUSED, "credential": "M"}),
+            False,
+            "--no-load-optim cannot be given",
         ),
         ("stop: empty task", j({"op": "stop", "task": ""}), False, "task"),
         ("stop: wrong type", j({"op": "stop", "task": 7}), False, "task"),

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
 
 from detect.statuses import ErrorStatus, Severity
 from unicorn_core.config import AgentConfig
-from unicorn_core.errors import ProtocolError
+from unicorn_core.errors import InvalidArgument, ProtocolError
 from unicorn_core.layout import Layout
 from unicorn_core.model import ModelSpec
 from unicornd.launch import agent_argv, render_task, rendezvous_port
@@ -90,13 +91,43 @@ def test_render_task_builds_torchrun_per_node() -> None:
     assert "--no-python" not in script["n1"] and "train.py" in script["n1"]
 
 
-def test_megatron_tasks_get_megatron_flags() -> None:
+MEGATRON = ("/w/pretrain_gpt.py", "--save", "/ckpt", "--save-interval", "50", "--lr", "3e-4")
+
+
+def test_megatron_tasks_run_the_script_under_the_runner_with_unicorns_flags() -> None:
     layout = Layout(tp=2, pp=1, dp=2, micro_batch=1, global_batch=12)
-    task = replace(_task(), framework="megatron", command=("pretrain_gpt.py",))
-    argv = render_task(
-        task, layout, ("n1",), cfg=AgentConfig(rendezvous_host="h"), gpus_per_node=4, generation=1
-    )
-    assert "--tensor-model-parallel-size" in argv["n1"] and "--tp=2" not in argv["n1"]
+    task = replace(_task(), framework="megatron", command=MEGATRON)
+    cfg = AgentConfig(bin_dir="/opt/u/bin", rendezvous_host="h")
+    argv = render_task(task, layout, ("n1",), cfg=cfg, gpus_per_node=4, generation=1)
+    assert argv["n1"][8:] == [
+        "-m", "launcher.mcore_ckpt", *MEGATRON,
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+        "--micro-batch-size", "1", "--global-batch-size", "12",
+        "--num-layers", "24", "--hidden-size", "2048", "--ffn-hidden-size", "8192",
+        "--num-attention-heads", "16", "--seq-length", "2048", "--max-position-embeddings", "2048",
+        "--load", "/ckpt", "--ckpt-format", "torch_dist", "--exit-signal-handler",
+    ]  # fmt: skip
+    assert argv["n1"][7] == "--monitor-interval=0.1"  # torchrun's last option: no --no-python
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (("python", "pretrain_gpt.py", "--save", "/c", "--save-interval", "5"), "SCRIPT.py ARGS"),
+        (("/w/pretrain_gpt.py", "--lr", "1e-4"), "--save DIR is required"),
+        ((*MEGATRON, "--pipeline-model-parallel-size=2"), "--pipeline-model-parallel-size cannot be given"),
+        ((*MEGATRON, "--num-layers", "2"), "--num-layers 2 differs from the model file's layers = 24"),
+    ],
+)
+def test_a_megatron_task_with_a_conflicting_command_cannot_exist(
+    command: tuple[str, ...], message: str
+) -> None:
+    """Neither registered (the CLI's record, the daemon's from the request) nor read back from the state."""
+    with pytest.raises(InvalidArgument, match=f"task a: .*{re.escape(message)}"):
+        _task(framework="megatron", command=command)
+    doc = {**_task().to_dict(), "framework": "megatron", "command": list(command)}
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        TaskRecord.from_dict(doc)
 
 
 def test_agent_argv() -> None:
@@ -108,7 +139,5 @@ def test_agent_argv() -> None:
 
 
 def test_unknown_framework_is_refused() -> None:
-    from unicorn_core.errors import InvalidArgument
-
     with pytest.raises(InvalidArgument, match="framework"):
         _task(framework="jax")

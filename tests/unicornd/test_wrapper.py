@@ -207,6 +207,27 @@ def test_register_rejects_bad_options_with_exit_2(tmp_path: Path) -> None:
         assert message in result.output, (args, result.output)
 
 
+def test_register_refuses_a_megatron_command_that_conflicts_with_unicorn(tmp_path: Path) -> None:
+    """Exit 2 naming the flag and why, with or without --dry-run (sbatch --check): refused
+    before unicornd is asked, so nothing is registered."""
+    (tmp_path / "m.toml").write_text(MODEL_TOML)
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    base = ["task", "register", "--model", str(tmp_path / "m.toml"), "--framework", "megatron"]
+    good = [str(script), "--save", str(tmp_path / "ckpt"), "--save-interval", "10", "--lr", "1e-4"]
+    runner = CliRunner()
+    for extra in (["--dry-run"], ["--job-id", "7", "--nodes", "n[1-2]"]):
+        result = runner.invoke(cli, [*base, *extra, "--", *good, "--tensor-model-parallel-size=2"])
+        assert result.exit_code == 2, result.output
+        assert "--tensor-model-parallel-size cannot be given to a task under unicorn" in result.output
+        assert "registered" not in result.output
+    shape = runner.invoke(cli, [*base, "--dry-run", "--", *good, "--num-layers", "24"])
+    assert shape.exit_code == 2 and "--num-layers 24 differs from the model file's layers = 2" in shape.output
+    ok = runner.invoke(cli, [*base, "--dry-run", "--", *good])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["command"] == good
+
+
 def test_register_dry_run_takes_defaults_from_the_spank_variables(tmp_path: Path) -> None:
     (tmp_path / "m.toml").write_text(MODEL_TOML)
     args = ["task", "register", "--dry-run", "--model", str(tmp_path / "m.toml"), "--name", "x", "true", "-v"]

@@ -39,6 +39,15 @@ class PlanConfig(Section):
             gt=0,
         ),
     )
+    distributed_optimizer: bool = field(
+        default=True,
+        metadata=_meta(
+            "Whether layouts may use Megatron's distributed optimizer (optimizer state "
+            "sharded over data-parallel ranks). Off where the trainers cannot run it, e.g. "
+            "Megatron-LM on CPU ranks (its distributed optimizer needs CUDA tensors). "
+            "Default true."
+        ),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -142,15 +142,16 @@ class CkptConfig(Section):
             "mounted huge=within_size (or huge=advise): restores then map 2 MiB pages, ~3x "
             "faster than /dev/shm's 4 KiB ones. The Slurm Epilog frees a job's folders when "
             "it ends. Empty = no memory tier (the trainer saves only to --save-dir). "
-            "Default: /dev/shm/unicorn-ckpt."
+            "{node} stands for the node's name (nodes sharing one machine, as the dev "
+            "cluster's, keep apart tiers). Default: /dev/shm/unicorn-ckpt."
         ),
     )
     local_dir: str = field(
         default="/var/tmp/unicorn-ckpt",  # noqa: S108 - node-local disk, kept across reboots
         metadata=_meta(
             "Local-disk tier: the agent persists every sealed snapshot here (survives a "
-            "reboot, not a lost disk). Empty = no local tier. Default: /var/tmp/unicorn-ckpt "
-            "(kept across reboots, unlike /tmp)."
+            "reboot, not a lost disk). Empty = no local tier. {node} stands for the node's "
+            "name. Default: /var/tmp/unicorn-ckpt (kept across reboots, unlike /tmp)."
         ),
     )
     remote_dir: str = field(

@@ -94,3 +94,36 @@ def install() -> None:
 
     setattr(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())  # noqa: B010
     setattr(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: None)  # noqa: B010
+
+
+class _Properties:
+    """What Megatron-LM reads of ``torch.cuda.get_device_properties``: a Hopper-class device."""
+
+    major, minor = 9, 0
+    name = "cpu-shim"
+    total_memory = 0
+    multi_processor_count = 1
+
+
+def install_for_megatron_lm() -> None:
+    """:func:`install` plus what Megatron-LM's training loop (``pretrain_gpt.py``) asks of CUDA
+    at start-up: a device that exists, its properties and memory statistics, and no fused
+    kernels to build (see ../shared/third_party/megatron-lm/README.md). Test only."""
+    install()
+    replacements: dict[str, Any] = {
+        "is_available": lambda: True,
+        "get_device_properties": lambda *a, **k: _Properties(),
+        "get_device_name": lambda *a, **k: _Properties.name,
+        "get_device_capability": lambda *a, **k: (_Properties.major, _Properties.minor),
+        "set_stream": lambda *a, **k: None,
+        "memory_reserved": lambda *a, **k: 0,
+        "max_memory_reserved": lambda *a, **k: 0,
+        "memory_stats": lambda *a, **k: {},
+        "reset_peak_memory_stats": lambda *a, **k: None,
+        "reset_max_memory_allocated": lambda *a, **k: None,
+    }
+    for name, value in replacements.items():
+        setattr(torch.cuda, name, value)
+    from megatron.legacy import fused_kernels  # type: ignore[import-untyped]
+
+    setattr(fused_kernels, "load", lambda *a, **k: None)  # noqa: B010

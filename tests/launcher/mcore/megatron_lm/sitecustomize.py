@@ -1,0 +1,78 @@
+"""TEST-ONLY: run unmodified Megatron-LM (``pretrain_gpt.py``) on a CPU-only machine.
+
+A directory on ``PYTHONPATH`` of the test jobs (with ../shared/third_party/megatron-lm),
+so the training command stays exactly what a user submits. Python imports this module
+at start-up in every process of such a job (agents, torchrun, ranks); it only registers
+an import hook, and the CPU shim is installed (importing torch) in the one kind of
+process that imports ``megatron.training``: a rank of Megatron-LM's training loop.
+
+Fault injection for the system tests, from the job's environment (not ``UNICORN_*``: the
+sbatch wrapper keeps those from the ranks). Megatron-LM itself is not changed; its
+``train_step`` is wrapped in the rank's memory: ``TEST_MEGATRON_RAISE_AT=K`` with
+``TEST_MEGATRON_RAISE_RANK=R`` raises a RuntimeError on global rank R as iteration K+1
+starts, once (``TEST_MEGATRON_RAISE_ONCE``: a marker file made when it fires; a relaunch
+that finds it trains on). Nothing in the product imports this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+_TRIGGER = "megatron.training"
+_TRAINING = "megatron.training.training"
+
+
+def _raising(train_step: Callable[..., Any]) -> Callable[..., Any]:
+    at, rank = int(os.environ["TEST_MEGATRON_RAISE_AT"]), os.environ.get("TEST_MEGATRON_RAISE_RANK", "0")
+    marker = Path(os.environ["TEST_MEGATRON_RAISE_ONCE"])
+
+    @functools.wraps(train_step)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        iteration = kwargs.get("iteration")
+        if iteration == at and os.environ.get("RANK") == rank and not marker.exists():
+            marker.write_text(f"raised at iteration {at + 1} on rank {rank}\n")
+            raise RuntimeError(f"injected by the test: iteration {at + 1}, rank {rank}")
+        return train_step(*args, **kwargs)
+
+    return step
+
+
+class _Hooks(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        self.shimmed = False
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname == _TRIGGER and not self.shimmed:
+            self.shimmed = True
+            from tests.launcher.mcore import cpu_shim
+
+            cpu_shim.install_for_megatron_lm()
+            return None  # the normal finders import megatron.training itself
+        if fullname == _TRAINING and "TEST_MEGATRON_RAISE_AT" in os.environ:
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is None or spec.loader is None:
+                return spec
+            execute = spec.loader.exec_module
+
+            def exec_module(module: ModuleType) -> None:
+                execute(module)
+                setattr(module, "train_step", _raising(getattr(module, "train_step")))  # noqa: B009, B010
+
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+            return spec
+        return None
+
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+sys.meta_path.insert(0, _Hooks())
