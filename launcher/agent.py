@@ -180,12 +180,7 @@ class Agent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done_commands: set[str] = set()
         self.monitor = self._new_monitor()
-        self._megatron_previous: int | None = None
-        """The iteration of the last Megatron-LM log line of the running training."""
-        self._follow_megatron = False
-        self._megatron_save_interval: int | None = None
-        """The running training is Megatron-LM under unicorn's runner: its log lines are
-        its iteration reports (:func:`launcher.megatron.runs_megatron`)."""
+        self._follow_log(())
         self._hang_reported: int | None = None
         """The stalled iteration of the local hang last reported (None: none in progress)."""
         self._unsettled: dict[int, tuple[ExitInfo, int]] = {}
@@ -348,7 +343,6 @@ class Agent:
         generation = self._generation
         self.monitor = self._new_monitor()
         self._hang_reported = None
-        self._megatron_previous = None
         self._follow_log(argv)
         sup = Supervisor(
             argv,
@@ -364,22 +358,35 @@ class Agent:
         self.argv = list(argv)
 
     def _follow_log(self, argv: Sequence[str]) -> None:
-        """What the output of the training ``argv`` tells besides errors: Megatron-LM's
-        iteration lines and its saves (:func:`launcher.megatron.runs_megatron`)."""
+        """What the output of the training ``argv`` (just started) tells besides errors.
+
+        ``_follow_megatron``: it is Megatron-LM under unicorn's runner, whose log lines are
+        its iteration reports (:func:`launcher.megatron.runs_megatron`), on its
+        ``_megatron_schedule``; ``_megatron_previous``/``_megatron_line_s``: the iteration
+        of its last line and when it was read (reports are timed by the gaps);
+        ``_final_seen``: it reported its final iteration, its ranks end next.
+        """
         self._follow_megatron = megatron.runs_megatron(argv)
-        self._megatron_save_interval = megatron.save_interval(argv) if self._follow_megatron else None
+        self._megatron_schedule = megatron.Schedule.of(argv)
+        self._megatron_previous: int | None = None
+        self._megatron_line_s = 0.0
+        self._final_seen = False
 
     def _on_exit(self, info: ExitInfo, generation: int) -> None:
-        """Report an exit; a rank whose status could not be read waits for torchrun's.
+        """Report an exit; at the end of a run, a rank whose status could not be read waits
+        for torchrun's.
 
         A rank's status is read from its zombie; torchrun, polling its workers, may reap it
-        first (the agent's loop is late under CPU load), and then it is unknown. Reported
-        at once, a rank that finished cleanly would look like a failure at the end of every
-        such run. So it waits, at most :data:`_UNSETTLED_EXIT_S`, for torchrun's own exit:
-        torchrun exits 0 only when every worker did, which settles it as 0; otherwise (or
-        on time-out) it is reported unknown, as before.
+        first (the agent's loop is late under CPU load), and then it is unknown. After the
+        run's ``final`` iteration such an exit is most likely the clean end, which reported
+        at once would look like a failure. So it waits, at most :data:`_UNSETTLED_EXIT_S`,
+        for torchrun's own exit: torchrun exits 0 only when every worker did, which settles
+        it as 0; otherwise (or on time-out) it is reported unknown. Before the final
+        iteration, or with an error file (an exception), it is reported at once: a failure
+        must not wait for torchrun, which may take 30 s to stop the other workers.
         """
-        if not info.is_main and info.exit_code is None and info.signal is None:
+        unknown = info.exit_code is None and info.signal is None and info.error_file_text is None
+        if not info.is_main and unknown and self._final_seen:
             self._unsettled[info.pid] = (info, generation)
             assert self._loop is not None
             self._loop.call_later(_UNSETTLED_EXIT_S, self._settle_exit, info.pid, None)
@@ -467,11 +474,12 @@ class Agent:
         if not ranks:
             self.counters.iterations_unattributed += 1
             return
-        previous = self._megatron_previous
+        now = time.monotonic()
+        previous, last_s = self._megatron_previous, self._megatron_line_s
         if previous is not None and it.iteration <= previous:
             previous = None  # the run went back (a relaunch resumed from a checkpoint)
-        self._megatron_previous = it.iteration
-        interval = self._megatron_save_interval
+        self._megatron_previous, self._megatron_line_s = it.iteration, now
+        schedule = self._megatron_schedule
         rank = max(ranks)
         timing = megatron.to_timing(
             it,
@@ -481,28 +489,26 @@ class Agent:
             wall_time_s=time.time(),
             previous=previous,
             launch_id=self.launch_id,
-            saved_before=megatron.saved_between(previous, it.iteration, interval),
+            phase=schedule.phase_between(previous, it.iteration),
+            gap_s=None if previous is None else now - last_s,
         )
-        self._on_iteration(timing)
+        self._on_iteration(timing, now)
         self._emit(timing)
-        rarer = interval is not None and previous is not None and it.iteration - previous < interval
-        if interval is not None and rarer and it.iteration % interval == 0 and not timing.final:
-            # Megatron saves now: the next report comes late by the save (hook contract: a
-            # slow step is announced before it starts).
+        slow = None if timing.final else schedule.next_slow(it.iteration)
+        if slow is not None:  # hook contract: a slow step is announced before it starts
             nxt = it.iteration + 1
-            self.monitor.expect_slow_step(
-                IterationPhase.CHECKPOINT, time.monotonic(), iteration=nxt, rank=rank
-            )
-            self._emit(SlowStep(**self._env(), rank=rank, iteration=nxt, phase=IterationPhase.CHECKPOINT))
+            self.monitor.expect_slow_step(slow, now, iteration=nxt, rank=rank)
+            self._emit(SlowStep(**self._env(), rank=rank, iteration=nxt, phase=slow))
 
-    def _on_iteration(self, msg: IterationTiming) -> None:
+    def _on_iteration(self, msg: IterationTiming, now_s: float) -> None:
         """A rank finished ``msg.iteration``: progress and the local hang monitor (which
         forgets the run after its ``final`` iteration: the ranks end next)."""
         if self.iteration is None or msg.iteration > self.iteration:
             self.iteration = msg.iteration
-        self.monitor.observe(msg.rank, msg.iteration, msg.interval_s, msg.phase, now_s=time.monotonic())
+        self.monitor.observe(msg.rank, msg.iteration, msg.interval_s, msg.phase, now_s=now_s)
         if msg.final:
             self.monitor = self._new_monitor()
+            self._final_seen = True
 
     # --- heartbeats -------------------------------------------------------------------
 
@@ -574,7 +580,7 @@ class Agent:
             return
         if isinstance(msg, IterationTiming):
             msg = msgspec.structs.replace(msg, launch_id=self.launch_id)
-            self._on_iteration(msg)
+            self._on_iteration(msg, time.monotonic())
         elif isinstance(msg, SlowStep):
             if msg.rank in self.monitor.ranks:  # an unseen rank has no deadline to extend yet
                 now = time.monotonic()

@@ -14,8 +14,9 @@ How a user's Megatron-LM job runs under unicorn:
   layout (TP, PP, VPP, micro/global batch, distributed optimizer, recompute), the model
   shape and ``--save/--load --ckpt-format torch_dist --exit-signal-handler``, less what
   the user already gave (the check made sure it agrees).
-- **Iteration timings, non-intrusively.** The agent reads the last rank's stdout and
-  feeds it to :class:`LogFollower`, which turns Megatron's own ``training_log`` lines
+- **Iteration timings, non-intrusively.** The agent reads the last rank's output line by
+  line (:func:`parse_iteration_line`, :class:`Schedule`, :func:`to_timing`; a stream
+  reader of its own: :class:`LogFollower`) and turns Megatron's own ``training_log`` lines
   into :class:`~unicorn_core.protocol.IterationTiming` values. Megatron prints one line
   per ``--log-interval`` with the *average* time per iteration over that interval, so
   the timing granularity is the log interval (use ``--log-interval 1`` for fast hang
@@ -129,33 +130,77 @@ def parse_iteration_line(line: str) -> MegatronIteration | None:
     )
 
 
-def save_interval(argv: Sequence[str]) -> int | None:
-    """The ``--save-interval`` of a Megatron-LM command line (argparse's rule: the last one
-    given wins; None: none, or not a number). Megatron saves after every iteration that is a
-    multiple of it, so the next iteration's report comes late by the save's time: the agent
-    announces it as a checkpoint step (Megatron says it is saving on rank 0 only, while its
-    iteration lines come from the last rank, usually on another node)."""
+def _last_int(argv: Sequence[str], names: Sequence[str]) -> int | None:
+    """The value of the last of ``names`` given in ``argv`` (argparse's rule: the last one
+    wins), ``--flag v`` or ``--flag=v``; None when absent or not a number."""
     found: str | None = None
     for i, arg in enumerate(argv):
-        if arg == "--save-interval" and i + 1 < len(argv):
-            found = argv[i + 1]
-        elif arg.startswith("--save-interval="):
-            found = arg.partition("=")[2]
+        flag, eq, value = arg.partition("=")
+        if flag in names:
+            found = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
     try:
-        value = int(found) if found is not None else None
+        return int(found) if found is not None else None
     except ValueError:
         return None
-    return value if value is not None and value > 0 else None
 
 
-def saved_between(previous: int | None, iteration: int, interval: int | None) -> bool:
-    """Whether the report of ``iteration`` is a checkpoint step: Megatron saved since the
-    line of ``previous`` (it saves after every multiple of ``interval``: one lies in
-    ``[previous, iteration)``) and saves are rarer than reports (where every report holds a
-    save, saving is part of every step's time, as for ``--save-interval`` <= ``--log-interval``)."""
-    if previous is None or interval is None or iteration - previous >= interval:
-        return False
-    return (iteration - 1) // interval > (previous - 1) // interval
+@dataclass(frozen=True)
+class Schedule:
+    """When Megatron-LM logs, saves and evaluates, read from its command line.
+
+    Megatron stops its interval timer while it saves or evaluates (``training.py``:
+    ``save_checkpoint_and_time``, ``evaluate_and_print_results``), so the elapsed time a
+    log line prints never holds them, while the silence before the next line does. The
+    agent therefore times a report by the wall clock between two lines, and announces
+    the report that will hold a save or an evaluation as a slow step (Megatron says it is
+    saving on rank 0 only, while its iteration lines come from the last rank, usually on
+    another node). A kind of step that falls in every log interval is no slow step: it
+    is in every report's time.
+    """
+
+    log_interval: int = 100
+    saves: tuple[int, ...] = ()
+    """``--save-interval`` (alias ``--persistent-save-interval``) and
+    ``--non-persistent-save-interval``: Megatron saves after every multiple of each."""
+    eval_interval: int | None = None
+
+    @classmethod
+    def of(cls, argv: Sequence[str]) -> Schedule:
+        log = _last_int(argv, ("--log-interval",))
+        saves = (
+            _last_int(argv, ("--save-interval", "--persistent-save-interval")),
+            _last_int(argv, ("--non-persistent-save-interval",)),
+        )
+        evals = _last_int(argv, ("--eval-interval",))
+        eval_iters = _last_int(argv, ("--eval-iters",))
+        return cls(
+            log_interval=log if log is not None and log > 0 else 100,
+            saves=tuple(s for s in saves if s is not None and s > 0),
+            eval_interval=evals if evals and evals > 0 and eval_iters != 0 else None,
+        )
+
+    def _slow(self, first: int, end: int) -> IterationPhase | None:
+        """The slow phase of a step after iterations ``first .. end - 1`` (saves first)."""
+        kinds: list[tuple[int, IterationPhase]] = [(s, IterationPhase.CHECKPOINT) for s in self.saves]
+        if self.eval_interval:
+            kinds.append((self.eval_interval, IterationPhase.EVAL))
+        for interval, phase in kinds:
+            if interval > self.log_interval and (end - 1) // interval >= -(-first // interval):
+                return phase
+        return None
+
+    def phase_between(self, previous: int | None, iteration: int) -> IterationPhase:
+        """The phase of the report of ``iteration``: a save or evaluation ran after one of
+        ``previous .. iteration - 1`` (the line before; None: the run's first line, whose
+        time Megatron's own)."""
+        if previous is None:
+            return IterationPhase.TRAIN
+        return self._slow(previous, iteration) or IterationPhase.TRAIN
+
+    def next_slow(self, iteration: int) -> IterationPhase | None:
+        """The phase to announce after the line of ``iteration``: a save or evaluation falls
+        before the next line (after one of ``iteration .. iteration + log_interval - 1``)."""
+        return self._slow(iteration, iteration + self.log_interval)
 
 
 def runs_megatron(argv: Sequence[str]) -> bool:
@@ -176,20 +221,21 @@ def to_timing(
     wall_time_s: float,
     previous: int | None = None,
     launch_id: str = "",
-    saved_before: bool = False,
+    phase: IterationPhase = IterationPhase.TRAIN,
+    gap_s: float | None = None,
 ) -> IterationTiming:
     """The protocol message for one parsed line: the interval's average as the duration.
 
     ``previous``: the iteration of the line before (same run), so ``span`` is the log
     interval; without it (the first line of a run) the span is 1, which only a warm-up
     step ever sees (hang monitors skip the first ``warmup_iterations`` reports).
-    ``saved_before``: Megatron saved a checkpoint since that line; its time is in this
-    line's (Megatron's interval timer runs through the save), so the step is a checkpoint
-    step, timed apart from training steps. The line of iteration ``train_iters`` is
-    ``final``.
+    ``gap_s``: the wall-clock time since that line, which holds any save or evaluation
+    between them (Megatron's own elapsed time does not: :class:`Schedule`); the duration
+    is then ``gap_s / span``. ``phase``: :meth:`Schedule.phase_between`. The line of
+    iteration ``train_iters`` is ``final``.
     """
     span = it.iteration - previous if previous is not None and it.iteration > previous else 1
-    phase = IterationPhase.CHECKPOINT if saved_before else IterationPhase.TRAIN
+    duration_s = gap_s / span if gap_s is not None and previous is not None else it.elapsed_ms / 1000.0
     grad_norm = it.extra.get("grad norm")
     loss_scale = it.extra.get("loss scale")
     return IterationTiming(
@@ -198,7 +244,7 @@ def to_timing(
         wall_time_s=wall_time_s,
         rank=rank,
         iteration=it.iteration,
-        duration_s=it.elapsed_ms / 1000.0,
+        duration_s=duration_s,
         samples=it.global_batch,
         phase=phase,
         loss=it.lm_loss,
@@ -290,6 +336,14 @@ _REFUSED: Final[Mapping[str, str]] = {
     "--num-virtual-stages-per-pipeline-rank": _LAYOUT,
     "--micro-batch-size": _LAYOUT,
     "--use-distributed-optimizer": _LAYOUT,
+    "--overlap-param-gather": (
+        "Megatron-LM allows it only with the distributed optimizer, which unicorn's layout decides "
+        "(off at DP 1, or with plan.distributed_optimizer = false)"
+    ),
+    "--overlap-param-gather-with-optimizer-step": (
+        "it needs the distributed optimizer and an interleaved schedule, which unicorn's layout decides"
+    ),
+    "--tp-comm-overlap": "Megatron-LM refuses it at TP 1, a layout unicorn may pick",
     "--recompute-granularity": _LAYOUT,
     "--recompute-method": _LAYOUT,
     "--recompute-num-layers": _LAYOUT,
@@ -475,6 +529,12 @@ def check_user_args(command: Sequence[str], model: ModelSpec) -> MegatronUserArg
         raise InvalidArgument(
             "--group-query-attention without --num-query-groups means 1 query group; the model file "
             f"has num_query_groups = heads = {model.heads} (no grouped-query attention)"
+        )
+    if "--swiglu" in given and "--ffn-hidden-size" not in values:
+        raise InvalidArgument(
+            "--swiglu needs --ffn-hidden-size: unicorn renders --ffn-hidden-size from the model file "
+            f"({model.ffn_hidden}), which would replace Megatron-LM's own SwiGLU default; give it, equal "
+            "to the model file's ffn_hidden"
         )
     save, load, interval = _checkpointing(values)
     return MegatronUserArgs(

@@ -97,8 +97,11 @@ class Register(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_fiel
             raise InvalidRequest(str(e)) from e
 
     def record(self) -> TaskRecord:
-        """The task; raises ProtocolError (shape, types) or InvalidArgument (values)."""
-        return TaskRecord.from_dict(self.task)
+        """The task, its command checked as a registration's; raises ProtocolError (shape,
+        types) or InvalidArgument (values)."""
+        task = TaskRecord.from_dict(self.task)
+        task.check_command()
+        return task
 
     def job_environment(self) -> JobEnvironment | None:
         """What the training command inherits; None: the agents' own environment."""

@@ -286,11 +286,10 @@ class TaskRecord(_Record):
     numbers this task's incidents, so incident ids are deterministic. ``launched_s`` is
     when the latest launch or relaunch was ordered (iterations reported after it prove
     the launch worked). ``framework`` says how a layout is passed to ``command``
-    (:data:`FRAMEWORKS`); a ``megatron`` command must pass
-    :func:`launcher.megatron.check_user_args`, so a registration (the CLI's record, or the
-    daemon's, decoded from the request) that conflicts with unicorn's flags is refused
-    before anything is stored. ``generation`` is the plan generation of the latest launch (its
-    rendezvous port and run id derive from it, so a restarted agent rejoins its peers).
+    (:data:`FRAMEWORKS`); a registration checks it (:meth:`check_command`), so one that
+    conflicts with unicorn's flags is refused before anything is stored. ``generation`` is
+    the plan generation of the latest launch (its rendezvous port and run id derive from
+    it, so a restarted agent rejoins its peers).
     ``finished_nodes``: nodes whose agent reported the training's clean exit since the
     latest (re)start of its ranks (all of them: the task finished). ``requeue``: a requeue
     of its job is under way (:class:`RequeueWait`). ``nodes`` is the one record of which
@@ -328,11 +327,6 @@ class TaskRecord(_Record):
         self.spec()  # name, weight, GPU bounds: TaskSpec's rules
         if not self.command:
             raise InvalidArgument(f"task {self.task_id}: command must not be empty")
-        if self.framework == "megatron":
-            try:
-                check_user_args(self.command, self.model)
-            except InvalidArgument as e:
-                raise InvalidArgument(f"task {self.task_id}: {e}") from None
         if self.job_id is not None:
             _non_negative(self.job_id, f"task {self.task_id}: job_id")
         for node in self.nodes:
@@ -344,6 +338,19 @@ class TaskRecord(_Record):
             _non_negative(getattr(self, what), f"task {self.task_id}: {what}")
         for t in (*self.recovery_times_s, *(() if self.launched_s is None else (self.launched_s,))):
             _finite(t, f"task {self.task_id}: timestamp")
+
+    def check_command(self) -> None:
+        """Registration's check of the command against unicorn's flags (a ``megatron`` one:
+        :func:`launcher.megatron.check_user_args`); raises InvalidArgument naming the task.
+
+        Run where a task is registered (the CLI, the daemon's request), not on every decode:
+        a stored task that today's rules refuse must not keep unicornd from reading its
+        state (its relaunch refuses to render instead, with the reason)."""
+        if self.framework == "megatron":
+            try:
+                check_user_args(self.command, self.model)
+            except InvalidArgument as e:
+                raise InvalidArgument(f"task {self.task_id}: {e}") from None
 
     def spec(self) -> TaskSpec:
         """The planner's view of this task."""

@@ -166,6 +166,7 @@ def task_register(  # noqa: PLR0917 - click passes options positionally
             task_id=task_id, name=task_id, model=model, command=argv, weight=weight, min_gpus=min_gpus,
             max_gpus=max_gpus, job_id=job_id, nodes=nodes, framework=framework,
         )  # fmt: skip
+        task.check_command()
     except UnicornError as e:
         raise _BadOptionError(str(e)) from None
     if dry_run:

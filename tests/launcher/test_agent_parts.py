@@ -14,6 +14,7 @@ import types
 import unittest.mock
 from pathlib import Path
 
+import pytest
 import redis.asyncio as aioredis
 
 from launcher import megatron as launcher_megatron
@@ -347,8 +348,11 @@ def test_agent_follows_megatron_lm_log_lines_only_for_megatron_runs(tmp_path: Pa
     agent.supervisor = types.SimpleNamespace(  # type: ignore[assignment]
         ranks={11: RankInfo(11, 2, 0, None), 12: RankInfo(12, 3, 1, None)}, exited={}
     )
-    for it in (10, 20, 30):
-        agent._on_line(_megatron_line(it, 250.0))
+    clock = [0.0]
+    with unittest.mock.patch("launcher.agent.time.monotonic", lambda: clock[0]):
+        for it in (10, 20, 30):  # one line per 10 iterations of 0.25 s
+            clock[0] += 2.5
+            agent._on_line(_megatron_line(it, 250.0))
     timings = [m for m in sent if isinstance(m, IterationTiming)]
     assert [(t.rank, t.iteration, t.span, t.launch_id) for t in timings] == [
         (3, 10, 1, "act-1"),
@@ -366,7 +370,7 @@ def test_agent_follows_megatron_lm_log_lines_only_for_megatron_runs(tmp_path: Pa
     # Saves: Megatron saves after every multiple of --save-interval; the agent announces the
     # next step as a checkpoint step (Megatron says it saves on rank 0 only). The last
     # iteration ends the run: its silence after it is no hang.
-    saving, sent = agent_for([*megatron_argv, "--save-interval", "5"])
+    saving, sent = agent_for([*megatron_argv, "--save-interval", "5", "--log-interval", "1"])
     saving.supervisor = agent.supervisor
     for it in (3, 4, 5, 6, 7):
         saving._on_line(_megatron_line(it, 250.0, total=8))
@@ -381,7 +385,8 @@ def test_agent_follows_megatron_lm_log_lines_only_for_megatron_runs(tmp_path: Pa
     saving._on_line(_megatron_line(8, 250.0, total=8))
     assert [m for m in sent if isinstance(m, IterationTiming)][-1].final
     assert saving.monitor.ranks == () and saving.iteration == 8
-    assert launcher_megatron.save_interval(["--save-interval=7", "--save-interval", "9"]) == 9
+    schedule = launcher_megatron.Schedule.of(["--save-interval=7", "--persistent-save-interval", "9"])
+    assert schedule == launcher_megatron.Schedule(log_interval=100, saves=(9,), eval_interval=None)
 
     trainer, sent = agent_for(["torchrun", "--no-python", "unicorn-train", "--tp=1"])
     trainer.supervisor = agent.supervisor
@@ -390,39 +395,46 @@ def test_agent_follows_megatron_lm_log_lines_only_for_megatron_runs(tmp_path: Pa
 
 
 def test_a_rank_exit_of_unknown_status_is_settled_by_torchruns_exit(tmp_path: Path) -> None:
-    """torchrun may reap a rank before the agent reads its status: the rank's exit then
-    waits for torchrun's, which is 0 only when every worker's was (a clean end of training
-    is no failure); a failed torchrun, or none within the wait, leaves it unknown."""
+    """torchrun may reap a rank before the agent reads its status. After the run's final
+    iteration such an exit waits for torchrun's, which is 0 only when every worker's was (a
+    clean end is no failure); a failed torchrun, or none within the wait, leaves it
+    unknown. Before the final iteration, or with an error file, it is reported at once."""
     from launcher.agent import Agent
     from launcher.supervisor import ExitInfo
     from unicorn_core.config import Config
     from unicorn_core.protocol import Message
 
-    def rank(pid: int) -> ExitInfo:
-        return ExitInfo(pid, pid - 100, 0, None, None, None, is_main=False)
+    def rank(pid: int, error_file: str | None = None) -> ExitInfo:
+        return ExitInfo(pid, pid - 100, 0, None, None, error_file, is_main=False)
 
     def main(code: int) -> ExitInfo:
         return ExitInfo(99, None, None, code, None, None, is_main=True)
 
-    async def run(torchrun: ExitInfo | None) -> list[tuple[int | None, int | None]]:
+    async def run(torchrun: ExitInfo | None, *, final: bool = True) -> list[tuple[int | None, int | None]]:
         agent = Agent(Config(), job_id=5, node="n1", run_dir=tmp_path, argv=[])
         agent._loop = asyncio.get_running_loop()
+        agent._final_seen = final
         sent: list[Message] = []
         agent._emit = sent.append  # type: ignore[method-assign]
         agent._on_exit(rank(101), 1)
         agent._on_exit(ExitInfo(102, 2, 1, 1, None, None, is_main=False), 1)  # a known status: at once
-        assert [(m.pid, m.exit_code) for m in sent if isinstance(m, ProcessExit)] == [(102, 1)]
+        agent._on_exit(rank(104, '{"message": "RuntimeError: x"}'), 1)  # an exception: at once
+        assert [(m.pid, m.exit_code) for m in sent if isinstance(m, ProcessExit)][-2:] == [
+            (102, 1),
+            (104, None),
+        ]
         if torchrun is not None:
             agent._on_exit(torchrun, 1)
         else:
             with unittest.mock.patch("launcher.agent._UNSETTLED_EXIT_S", 0.01):
                 agent._on_exit(rank(103), 1)
             await asyncio.sleep(0.05)
-        return [(m.pid, m.exit_code) for m in sent if isinstance(m, ProcessExit)][1:]
+        return [(m.pid, m.exit_code) for m in sent if isinstance(m, ProcessExit) and m.pid not in (102, 104)]
 
     assert asyncio.run(run(main(0))) == [(101, 0), (99, 0)]
     assert asyncio.run(run(main(1))) == [(101, None), (99, 1)]
     assert asyncio.run(run(None)) == [(103, None)]  # 101 still waits (5 s), 103 timed out
+    assert asyncio.run(run(main(0), final=False)) == [(101, None), (99, 0)]  # mid-run: at once
 
 
 def test_ranks_are_the_top_most_processes_with_rank_variables() -> None:
@@ -448,3 +460,51 @@ def test_ranks_are_the_top_most_processes_with_rank_variables() -> None:
                 os.kill(pid, signal.SIGKILL)
         launcher.kill()
         launcher.wait()
+
+
+def test_megatron_saves_and_evaluations_are_timed_by_the_wall_clock_and_announced() -> None:
+    """Megatron stops its interval timer while it saves or evaluates, so the line after a
+    save prints a training step's time; the silence before it holds the save. The agent
+    times reports by the gaps between lines and announces the step that will hold a save,
+    so a slow save (8 s against 1 s steps) is no hang, at the first save and every one
+    after it."""
+    from launcher.agent import Agent
+    from launcher.supervisor import RankInfo
+    from unicorn_core.config import Config, DetectConfig
+    from unicorn_core.protocol import Message
+
+    argv = ["torchrun", "-m", "launcher.mcore_ckpt", "pretrain_gpt.py", "--save-interval", "5",
+            "--log-interval", "1", "--eval-interval", "7", "--eval-iters", "2"]  # fmt: skip
+    agent = Agent(
+        Config(detect=DetectConfig(warmup_iterations=0)), job_id=5, node="n2", run_dir=Path("/x"), argv=[]
+    )
+    sent: list[Message] = []
+    agent._emit = sent.append  # type: ignore[method-assign]
+    agent._follow_log(argv)
+    agent.supervisor = types.SimpleNamespace(ranks={11: RankInfo(11, 1, 0, None)}, exited={})  # type: ignore[assignment]
+    clock = [100.0]
+    with unittest.mock.patch("launcher.agent.time.monotonic", lambda: clock[0]):
+        t = 100.0
+        for it in range(1, 18):
+            # 1 s steps; a save after every multiple of 5 takes 8 s, an evaluation after 7 and 14 3 s
+            t += (
+                1.0
+                + (8.0 if (it - 1) % 5 == 0 and it > 1 else 0.0)
+                + (3.0 if (it - 1) % 7 == 0 and it > 1 else 0.0)
+            )
+            clock[0] = t
+            agent._on_line(_megatron_line(it, 1000.0, total=100))
+            if it in (10, 15):  # right after a saving iteration's line: silence for 6 s (< the save's 8 s)
+                assert agent.monitor.check(t + 6.0) is None, it
+    timings = {m.iteration: m for m in sent if isinstance(m, IterationTiming)}
+    assert timings[6].phase is IterationPhase.CHECKPOINT and timings[6].duration_s == pytest.approx(9.0)
+    assert timings[8].phase is IterationPhase.EVAL and timings[8].duration_s == pytest.approx(4.0)
+    assert timings[7].phase is IterationPhase.TRAIN and timings[7].duration_s == pytest.approx(1.0)
+    assert timings[1].duration_s == 1.0  # the first line of a run: Megatron's own time
+    announced = [(m.iteration, m.phase) for m in sent if isinstance(m, SlowStep)]
+    assert announced == [
+        (6, IterationPhase.CHECKPOINT), (8, IterationPhase.EVAL), (11, IterationPhase.CHECKPOINT),
+        (15, IterationPhase.EVAL), (16, IterationPhase.CHECKPOINT),
+    ]  # fmt: skip
+    # A real stall after a training step is still one: 1 s steps, 2 x deadline.
+    assert agent.monitor.check(clock[0] + 30.0) is not None

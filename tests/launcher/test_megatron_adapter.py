@@ -247,6 +247,7 @@ def test_model_shape_and_global_batch_must_match_the_model_file(
         ((SCRIPT, *BASE, "--tensor_model_parallel_size", "2"), "it is spelled --tensor-model-parallel-size"),
         ((SCRIPT, *BASE, "--max-position-embeddings", "16"), "below the model file's sequence = 32"),
         ((SCRIPT, *BASE, "--group-query-attention"), "--group-query-attention without --num-query-groups"),
+        ((SCRIPT, *BASE, "--swiglu"), "--swiglu needs --ffn-hidden-size"),
     ],
 )
 def test_commands_that_cannot_resume_or_do_not_parse_are_refused(

@@ -149,6 +149,7 @@ def test_node_kill_resumes_megatron_at_a_new_layout_from_memory(cluster: DevClus
         want = reference(before.layout, ITERATIONS, tmp_path)
         for step in (last.steps[0], last.steps[-1]):
             assert step.loss == pytest.approx(want[step.iteration], rel=1e-4), (step, want[step.iteration])
+        cluster.slurm("scontrol", "update", f"nodename={victim}", "state=resume", check=False)
         print(
             f"layout {before.layout.describe()} -> {after.layout.describe()}, resumed at {last.loaded}"
             f" ({last.tiers}); lm loss at {last.steps[0].iteration}: {last.steps[0].loss} vs"
@@ -241,5 +242,5 @@ def test_megatron_rank_exception_and_stopped_rank_restart_in_place(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         assert snap.tasks[task_id].nodes == nodes
-        assert all(n.health is NodeHealth.HEALTHY for n in snap.nodes.values())
+        assert all(snap.nodes[n].health is NodeHealth.HEALTHY for n in nodes)
         assert not any(node_reason(cluster, n) for n in nodes)

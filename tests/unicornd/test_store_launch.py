@@ -119,15 +119,18 @@ def test_megatron_tasks_run_the_script_under_the_runner_with_unicorns_flags() ->
         ((*MEGATRON, "--num-layers", "2"), "--num-layers 2 differs from the model file's layers = 24"),
     ],
 )
-def test_a_megatron_task_with_a_conflicting_command_cannot_exist(
+def test_a_megatron_task_with_a_conflicting_command_is_refused_and_never_rendered(
     command: tuple[str, ...], message: str
 ) -> None:
-    """Neither registered (the CLI's record, the daemon's from the request) nor read back from the state."""
+    """Registration refuses it (the CLI's record, the daemon's from the request); one already
+    stored is still read back (unicornd must read its state) but never renders."""
+    task = _task(framework="megatron", command=command)
     with pytest.raises(InvalidArgument, match=f"task a: .*{re.escape(message)}"):
-        _task(framework="megatron", command=command)
+        task.check_command()
     doc = {**_task().to_dict(), "framework": "megatron", "command": list(command)}
+    assert TaskRecord.from_dict(doc) == task
     with pytest.raises(InvalidArgument, match=re.escape(message)):
-        TaskRecord.from_dict(doc)
+        render_task(task, Layout(1, 1, 1, 1, 12), ("n1",), cfg=AgentConfig(), gpus_per_node=1, generation=1)
 
 
 def test_agent_argv() -> None:
