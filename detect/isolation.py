@@ -13,6 +13,10 @@ status                         isolation   confirmed by
 =============================  ==========  ================================================
 other_software_error           never       (the training's code, data or configuration)
 illegal_memory_access          never       (Xid 13/31 class: the application's own access)
+nan_loss, loss_spike,          never       (the training's state: its data, learning rate
+grad_norm_explosion                        or numerics; restarting from saved state helps)
+silent_data_corruption         confirm     the paired check across the job's nodes (its
+                                           all-gather checks values), operator
 lost_connection                confirm     slurm (NOT_RESPONDING/DOWN), ssh (no route),
                                            node_check, operator
 ecc_error, gpu_driver_error,   confirm     nvml (the agent's own GPU readings),
@@ -74,9 +78,18 @@ _NODE_HARDWARE: Final = frozenset(
 )
 _ANY_NODE: Final = frozenset({Confirmation.NODE_CHECK, Confirmation.OPERATOR})
 
+TRAINING_STATE: Final = frozenset(
+    {ErrorStatus.NAN_LOSS, ErrorStatus.LOSS_SPIKE, ErrorStatus.GRAD_NORM_EXPLOSION}
+)
+"""Findings about the numbers a training computes (:mod:`detect.losshealth`): a bad batch,
+a learning rate too high, an fp16 overflow. No node causes them as such; the one case
+that points at a node (its replica alone keeps producing them) is
+``silent_data_corruption``, a status of its own."""
+
 ISOLATION: Final[Mapping[ErrorStatus, Isolation]] = {
     status: Isolation.NEVER
     if status in (ErrorStatus.OTHER_SOFTWARE_ERROR, ErrorStatus.ILLEGAL_MEMORY_ACCESS)
+    or status in TRAINING_STATE
     else Isolation.CONFIRM
     for status in ErrorStatus
     if status is not ErrorStatus.NONE
@@ -110,11 +123,20 @@ PAIRED_CHECK: Final = frozenset(
         ErrorStatus.CONNECTION_REFUSED_RESET,
         ErrorStatus.LINK_FLAPPING,
         ErrorStatus.TASK_HANG,
+        ErrorStatus.SILENT_DATA_CORRUPTION,
     }
 )
 """Statuses whose evidence does not name the culprit: every rank of a collective times
 out when one node stalls it, so the rank that reported is not the suspect. Their
-confirmation is the paired check across all of the job's nodes, which names the bad one."""
+confirmation is the paired check across all of the job's nodes, which names the bad one.
+``silent_data_corruption`` names a suspect, but only by the training's own numbers; the
+paired check's all-gather compares values, so a node that corrupts data fails it."""
+
+CHECK_AT_ONCE: Final = frozenset({ErrorStatus.SILENT_DATA_CORRUPTION})
+"""Statuses whose finding is itself the repeated evidence (the detector raises
+``silent_data_corruption`` only after one node's replica produced training-state findings
+several times while the other nodes' did not): the ladder runs the node's check at once
+instead of restarting in place first. Still nothing is drained until the check fails."""
 
 
 class Verdict(enum.StrEnum):

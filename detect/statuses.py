@@ -21,7 +21,8 @@ from typing import Final
 
 
 class ErrorStatus(enum.StrEnum):
-    """What went wrong, with exactly Unicron's Table 1 names, plus ``none`` (benign)."""
+    """What went wrong, with exactly Unicron's Table 1 names, plus ``none`` (benign) and
+    the training-state statuses of :mod:`detect.losshealth`."""
 
     NONE = "none"
     LOST_CONNECTION = "lost_connection"
@@ -38,6 +39,12 @@ class ErrorStatus(enum.StrEnum):
     NCCL_TIMEOUT = "nccl_timeout"
     LINK_FLAPPING = "link_flapping"
     TASK_HANG = "task_hang"
+    # Training-state findings (the Acme/InternEvo failure study; not in Unicron's Table 1):
+    # the hardware looks fine but the numbers do not (:mod:`detect.losshealth`).
+    NAN_LOSS = "nan_loss"
+    LOSS_SPIKE = "loss_spike"
+    GRAD_NORM_EXPLOSION = "grad_norm_explosion"
+    SILENT_DATA_CORRUPTION = "silent_data_corruption"
 
 
 class Severity(enum.StrEnum):
@@ -78,8 +85,17 @@ DEFAULT_SEVERITY: Final[dict[ErrorStatus, Severity]] = {
     ErrorStatus.NCCL_TIMEOUT: Severity.SEV3,
     ErrorStatus.LINK_FLAPPING: Severity.SEV3,
     ErrorStatus.TASK_HANG: Severity.SEV2,
+    ErrorStatus.NAN_LOSS: Severity.SEV2,
+    ErrorStatus.LOSS_SPIKE: Severity.SEV2,
+    ErrorStatus.GRAD_NORM_EXPLOSION: Severity.SEV2,
+    ErrorStatus.SILENT_DATA_CORRUPTION: Severity.SEV1,
 }
-"""Unicron Table 1: the severity of each status (``none`` has no severity)."""
+"""Unicron Table 1: the severity of each status (``none`` has no severity), and the
+training-state statuses: a NaN, a loss spike or a gradient-norm explosion needs the
+processes restarted from saved state (SEV2), never a node taken out
+(:data:`detect.isolation.ISOLATION` says ``never``). ``silent_data_corruption`` (one
+node's replica keeps producing them while the others do not) points at the node, so
+SEV1; it is never confirmed by the training's numbers alone: the paired check decides."""
 
 SECONDARY_BY_DEFAULT: Final[frozenset[ErrorStatus]] = frozenset(
     {ErrorStatus.NCCL_TIMEOUT, ErrorStatus.CONNECTION_REFUSED_RESET, ErrorStatus.TASK_HANG}

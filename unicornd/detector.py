@@ -1,11 +1,13 @@
 """The coordinator's detector: agent messages and a clock in, classified findings out.
 
 Pure: no I/O. :meth:`Detector.on_message` classifies what an agent reported (an abnormal
-exit, an exception, a GPU event, the agent's own fault report) and feeds heartbeats and
-iteration timings to the trackers; :meth:`Detector.check` turns silence into findings
-(a lost node agent, a task whose iterations stopped; the agents' heartbeats say how long
-their ranks waited for a CPU, so a task starved of CPU is not called hung). Both take
-the caller's monotonic clock, so the daemon and tests drive it alike.
+exit, an exception, a GPU event, the agent's own fault report), feeds heartbeats and
+iteration timings to the trackers and the training numbers of iteration timings to loss
+health (:mod:`detect.losshealth`: NaN, loss spike, grad-norm explosion);
+:meth:`Detector.check` turns silence into findings (a lost node agent, a task whose
+iterations stopped; the agents' heartbeats say how long their ranks waited for a CPU,
+so a task starved of CPU is not called hung). Both take the caller's monotonic clock,
+so the daemon and tests drive it alike.
 
 A finding is reported once per episode: a lost agent once until it beats again, a
 task hang once per stalled iteration (until the stalled ranks advance; another rank
@@ -31,6 +33,7 @@ from detect import (
     Liveness,
     Severity,
 )
+from detect.losshealth import LossHealth, LossHealthConfig, LossSample
 from unicorn_core.config import AgentConfig, DetectConfig
 from unicorn_core.protocol import (
     AgentAction,
@@ -81,6 +84,9 @@ class Detector:
     liveness: HeartbeatTracker = field(init=False)
     _jobs: dict[int, _JobState] = field(init=False, default_factory=dict)
     _lost: set[tuple[int, str]] = field(init=False, default_factory=set)
+    _loss: dict[int, LossHealth] = field(init=False, default_factory=dict)
+    """Per job: loss health (:mod:`detect.losshealth`). Kept across restarts (a spike at
+    the same data after a restart is found again without a second warm-up)."""
 
     def __post_init__(self) -> None:
         self.liveness = HeartbeatTracker(
@@ -117,6 +123,7 @@ class Detector:
     def forget_job(self, job_id: int) -> None:
         self.liveness.forget_job(job_id)
         self._jobs.pop(job_id, None)
+        self._loss.pop(job_id, None)
         self._lost = {k for k in self._lost if k[0] != job_id}
 
     def expect_checkpoint(self, job_id: int, now_s: float) -> None:
@@ -126,8 +133,12 @@ class Detector:
             job.monitor.expect_slow_step(IterationPhase.CHECKPOINT, now_s)
 
     def restart_job(self, job_id: int) -> None:
-        """The job's processes were relaunched (maybe at a new layout): relearn its timing."""
+        """The job's processes were relaunched (maybe at a new layout): relearn its timing;
+        its loss statistics stay, but iterations will be reported again."""
         self._jobs.pop(job_id, None)
+        health = self._loss.get(job_id)
+        if health is not None:
+            health.restarted()
 
     def follow(self, before: Snapshot, after: Snapshot, decision: Decision, now_s: float) -> None:
         """Follow a committed decision (``now_s``: monotonic): see the module docstring."""
@@ -189,8 +200,7 @@ class Detector:
                 job.monitor.expect_slow_step(msg.phase, now_s, iteration=msg.iteration, rank=msg.rank)
             return []
         if isinstance(msg, IterationTiming):
-            self._timing(msg, now_s)
-            return []
+            return self._timing(msg, now_s)
         c: Classification | None = None
         rank: int | None = None
         source = ""
@@ -212,7 +222,7 @@ class Detector:
             return []
         return [JobEvidence(msg.job_id, Evidence(msg.node, rank, now_s, c, source))]
 
-    def _timing(self, msg: IterationTiming, now_s: float) -> None:
+    def _timing(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:
         job = self._job(msg.job_id)
         job.monitor.observe(msg.rank, msg.iteration, msg.interval_s, msg.phase, now_s=now_s)
         job.rank_nodes[msg.rank] = msg.node
@@ -221,6 +231,49 @@ class Detector:
         if msg.final:  # the run ends next: its silence from now on is no hang
             job.monitor.reset()
             job.hang_reported = None
+        return self._loss_health(msg, now_s)
+
+    def _loss_health(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:
+        """Training-state findings (NaN, loss spike, grad-norm explosion) of the report.
+
+        Each names the node and rank that reported it; its source ``loss:<status>`` keeps
+        the finding ids of one report apart. They never drain a node by themselves
+        (:data:`detect.isolation.ISOLATION`): ``silent_data_corruption`` only runs the
+        paired check, whose failure drains."""
+        health = self._loss.get(msg.job_id)
+        if health is None:
+            health = self._loss[msg.job_id] = LossHealth(self._loss_cfg())
+        sample = LossSample(
+            node=msg.node,
+            iteration=msg.iteration,
+            loss=msg.loss,
+            grad_norm=msg.grad_norm,
+            skipped=msg.skipped_iterations,
+            nan=msg.nan_iterations,
+            span=msg.span,
+            rank=msg.rank,
+        )
+        return [
+            JobEvidence(
+                msg.job_id,
+                Evidence(f.node, f.rank, now_s, f.classification, f"loss:{f.status.value}"),
+            )
+            for f in health.observe(sample)
+        ]
+
+    def _loss_cfg(self) -> LossHealthConfig:
+        d = self.detect_cfg
+        return LossHealthConfig(
+            warmup=d.loss_warmup,
+            window=d.loss_window,
+            spike_z=d.loss_spike_z,
+            spike_ratio=d.loss_spike_ratio,
+            grad_z=d.grad_norm_z,
+            grad_ratio=d.grad_norm_ratio,
+            max_skipped=d.max_skipped_iterations,
+            sdc_findings=d.sdc_findings,
+            sdc_window=d.sdc_window,
+        )
 
     def _fault(self, msg: FaultReport) -> Classification:
         """The agent's classification, if it names a known status and severity; else re-classified."""

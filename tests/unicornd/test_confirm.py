@@ -175,3 +175,34 @@ def test_only_nvml_readings_of_unrecoverable_faults_confirm() -> None:
     assert not _nvml_confirms(c.classify_gpu(GpuFaultKind.NVLINK_ERROR, 3)), "corrected link errors"
     assert not _nvml_confirms(c.classify_gpu(GpuFaultKind.TEMPERATURE, 95))
     assert not _nvml_confirms(c.classify_gpu(GpuFaultKind.DRIVER_ERROR, 1))
+
+
+@pytest.mark.parametrize("status", [E.NAN_LOSS, E.LOSS_SPIKE, E.GRAD_NORM_EXPLOSION])
+def test_a_training_state_finding_restarts_in_place_and_never_drains(status: ErrorStatus) -> None:
+    """A NaN, a loss spike or a grad-norm explosion is the training's state, not a node's:
+    restart in place; once restarts are used up the task stops and nothing is drained,
+    even flagged SEV1."""
+    assert ISOLATION[status] is Isolation.NEVER
+    snap = snap3(max_restarts=1)
+    spike = replace(finding("f1", 1, "n3", status), evidence="lm loss 9.1 at iteration 40")
+    d = on_finding(snap, spike, T0)
+    snap = apply(snap, d)
+    assert not of_kind(d.actions, DrainNode) and not of_kind(d.actions, CheckNode)
+    assert snap.incidents["a.1"].stage is L.RESTART_PROCESSES
+    again = replace(spike, finding_id="f2", severity=Severity.SEV1)
+    d = on_finding(snap, again, T0 + 60)
+    after = apply(snap, d)
+    assert not of_kind(d.actions, DrainNode) and not of_kind(d.actions, CheckNode)
+    assert after.tasks["a"].state is TaskState.STOPPED
+    assert all(n.health is NodeHealth.HEALTHY for n in after.nodes.values())
+
+
+def test_silent_data_corruption_runs_the_paired_check_and_drains_only_what_it_names() -> None:
+    snap = snap3()
+    sdc = replace(
+        finding("f1", 1, "n2", E.SILENT_DATA_CORRUPTION, confirmed_by=""), evidence="n2 anomalous twice"
+    )  # as the detector reports it: from the training's numbers, unconfirmed
+    d = on_finding(snap, sdc, T0)
+    assert not of_kind(d.actions, DrainNode)
+    (check,) = of_kind(d.actions, CheckNode)
+    assert check.paired  # type: ignore[attr-defined]

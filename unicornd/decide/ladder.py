@@ -9,7 +9,7 @@ import zlib
 from dataclasses import replace
 from typing import Final
 
-from detect.isolation import PAIRED_CHECK, Confirmation, Verdict
+from detect.isolation import CHECK_AT_ONCE, PAIRED_CHECK, Confirmation, Verdict
 from detect.statuses import ErrorStatus, Severity
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.protocol import AgentAction
@@ -326,8 +326,15 @@ def _climb(draft: Draft, task: TaskRecord, inc: Incident, target: LadderStage, f
 
 def _wanted(draft: Draft, finding: Finding) -> LadderStage:
     """The rung a finding asks for: its severity's, except that a SEV1 whose node fault is
-    not confirmed (or that no node can cause) restarts in place (:mod:`detect.isolation`)."""
+    not confirmed (or that no node can cause) restarts in place (:mod:`detect.isolation`),
+    and one of :data:`detect.isolation.CHECK_AT_ONCE` goes to its check (never a drain)."""
     wanted = RUNG_OF_SEVERITY[finding.severity]
+    if (
+        wanted is _L.ISOLATE
+        and finding.status in CHECK_AT_ONCE
+        and Fault.of(finding).verdict() is Verdict.CHECK
+    ):
+        return _L.ISOLATE  # the finding is the repeated evidence: its check runs now, no drain yet
     if wanted is _L.ISOLATE and Fault.of(finding).verdict() is not Verdict.DRAIN:
         draft.notes.append(
             f"finding {finding.finding_id}: {finding.status} on {finding.node} not confirmed "
