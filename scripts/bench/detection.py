@@ -13,9 +13,21 @@ Faults, ``--trials`` each (the default 20):
 - ``exception``: the rank on n2 raises at a chosen iteration; latency = the rank's
   report time (``wall_time_s``, stamped by the hook as the exception propagates, same
   machine clock) -> finding.
-- ``hang``: SIGSTOP the rank on n2; latency = stop -> first hang finding (the agent's
-  local monitor or the coordinator's), divided by the mean iteration time.
+- ``hang``: SIGSTOP the rank on n2; delay = the end of that rank's last completed
+  iteration (its own ``IterationTiming`` stamp, same machine clock) -> the first hang
+  finding (the agent's local monitor or the coordinator's), divided by the learned mean
+  iteration time. This checks the configuration, it does not measure a capability:
+  the detector declares a hang after ``k`` x the mean of silence, ``k`` being
+  ``detect.hang_factor`` learned up to ``max_hang_factor`` (reported per trial as
+  ``hang_factor_in_force``), so the figure is ``k`` plus reporting latency
+  (``over_deadline`` = delay / (``k`` x mean)). The delay from the SIGSTOP itself is
+  reported too (``from_stop_over_mean``): it is shorter by the part of an iteration the
+  rank had done when stopped.
 - ``node_loss``: ``dev-cluster kill-node n2``; latency = kill -> heartbeat finding.
+
+Every trial's row is kept (``raw``); a trial that fails (no finding in time) is a row
+with its error, counted in ``failed`` and listed in ``failures``: the statistics cover
+the trials that succeeded, never silently fewer than were run.
 
 Then ``false_alarms``: a fault-free run of ``--quiet-s`` seconds with noise (a CPU hog
 process on this 2-core machine, and a checkpoint command every 20 s that makes one
@@ -74,7 +86,9 @@ def p95(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
 
 
-def summary(xs: list[float]) -> dict[str, float]:
+def summary(xs: list[float]) -> dict[str, Any]:
+    if not xs:
+        return {"n": 0, "p50": None, "p95": None, "max": None}
     return {
         "n": len(xs),
         "p50": round(statistics.median(xs), 4),
@@ -101,7 +115,10 @@ class Bench:
         self.args = args
         self.state = state
         self.env: dict[str, str] = {}
-        self.findings: list[tuple[float, JobEvidence]] = []
+        self.findings: list[tuple[float, float, JobEvidence]] = []
+        """(monotonic, wall clock, finding)"""
+        self.last_report: dict[tuple[str, int], float] = {}
+        """(node, rank) -> the wall-clock stamp of the rank's latest IterationTiming (its last step's end)"""
         self.heartbeats: dict[str, Heartbeat] = {}
         self.agents: dict[str, Any] = {}
         self.job_id = 0
@@ -119,6 +136,8 @@ class Bench:
     async def on_message(self, msg: Message, now: float, _entry_id: str, _stream: str) -> None:
         if isinstance(msg, Heartbeat):
             self.heartbeats[msg.node] = msg
+        if isinstance(msg, IterationTiming):
+            self.last_report[(msg.node, msg.rank)] = msg.wall_time_s
         found = self.detector.on_message(msg, now)
         if self.trace is not None and isinstance(msg, IterationTiming | SlowStep):
             self.record(now, type(msg).__name__, node=msg.node, rank=msg.rank, iteration=msg.iteration,
@@ -134,7 +153,7 @@ class Bench:
             self.trace.write(json.dumps({"t": round(now, 6), "kind": kind, **fields}) + "\n")
 
     def finding(self, now: float, f: JobEvidence) -> None:
-        self.findings.append((now, f))
+        self.findings.append((now, time.time(), f))
         self.record(now, "finding", node=f.evidence.node, rank=f.evidence.rank, source=f.evidence.source,
                     status=str(f.classification.status), evidence=f.classification.evidence)  # fmt: skip
 
@@ -208,18 +227,20 @@ class Bench:
 
     async def wait_finding(
         self, since: float, pred: Any, timeout_s: float = 30.0
-    ) -> tuple[float, JobEvidence]:
+    ) -> tuple[float, float, JobEvidence]:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for t, f in self.findings:
+            for t, wall, f in self.findings:
                 if t >= since and pred(f):
-                    return t, f
+                    return t, wall, f
             await asyncio.sleep(0.005)
         raise RuntimeError(
-            f"no finding after {timeout_s}s; have {[(f.classification.status) for _, f in self.findings]}"
+            f"no finding after {timeout_s}s; have {[(f.classification.status) for _, _, f in self.findings]}"
         )
 
-    async def trial(self, kind: str) -> float:
+    async def trial(self, kind: str) -> dict[str, Any]:
+        """One fault: its row, ``value`` being the figure the summary reports (seconds, or
+        a multiple of the mean iteration time for a hang)."""
         extra: list[str] = []
         if kind == "exception":
             extra = ["--raise-at", "40"]
@@ -231,37 +252,56 @@ class Bench:
                 pid = self.rank_pid()
                 t0 = time.monotonic()
                 os.kill(pid, signal.SIGKILL)
-                t, _ = await self.wait_finding(
+                t, _, _ = await self.wait_finding(
                     t0, lambda f: f.evidence.source == "exit" and f.evidence.node == "n2"
                 )
-                return t - t0
+                return {"value": round(t - t0, 4)}
             if kind == "exception":
                 await self.wait_finding(0, lambda f: f.evidence.source == "exception")
-                return self.exception_latency
+                return {"value": round(self.exception_latency, 4)}
             if kind == "hang":
-                pid = self.rank_pid()
-                mean = self.detector._jobs[self.job_id].monitor.mean_s() or self.args.iter_s
-                t0 = time.monotonic()
-                os.kill(pid, signal.SIGSTOP)
-                try:
-                    t, _ = await self.wait_finding(t0, lambda f: str(f.classification.status) == "task_hang")
-                finally:
-                    os.kill(pid, signal.SIGCONT)
-                return (t - t0) / mean
+                return await self.hang_trial()
             if kind == "node_loss":
                 t0 = time.monotonic()
                 self.dev("kill-node", "n2")
                 try:
-                    t, _ = await self.wait_finding(
+                    t, _, _ = await self.wait_finding(
                         t0, lambda f: f.evidence.source == "heartbeat" and f.evidence.node == "n2"
                     )
                 finally:
                     self.dev("revive-node", "n2")
                     await self.wait_node_back()
-                return t - t0
+                return {"value": round(t - t0, 4)}
             raise ValueError(kind)
         finally:
             await self.stop_agents()
+
+    async def hang_trial(self) -> dict[str, Any]:
+        """SIGSTOP rank 1 (on n2): delay from the end of its last completed iteration (its
+        own report's stamp) to the first hang finding, over the learned mean iteration time."""
+        pid = self.rank_pid()
+        monitor = self.detector._jobs[self.job_id].monitor
+        mean = monitor.mean_s() or self.args.iter_s
+        factor = monitor.effective_hang_factor()
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t, wall, f = await self.wait_finding(t0, lambda f: str(f.classification.status) == "task_hang")
+            last = self.last_report.get(("n2", 1))  # stopped: no report of it comes after t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        if last is None:
+            raise RuntimeError("no iteration report of rank 1 on n2 before the stop")
+        delay = wall - last
+        return {
+            "value": round(delay / mean, 4),
+            "delay_s": round(delay, 4),
+            "mean_iteration_s": round(mean, 4),
+            "hang_factor_in_force": round(factor, 3),
+            "over_deadline": round(delay / (factor * mean), 4),
+            "from_stop_over_mean": round((t - t0) / mean, 4),
+            "found_by": f.evidence.source,
+        }
 
     async def wait_node_back(self) -> None:
         deadline = time.monotonic() + 60
@@ -305,7 +345,7 @@ class Bench:
                     self.record(time.monotonic(), "checkpoint_now", id=f"ck{n_ckpt}")
                     for node in NODES:
                         await self.command(node, AgentAction.CHECKPOINT_NOW, f"ck{n_ckpt}")
-            alarms = [f for _, f in self.findings]
+            alarms = [f for _, _, f in self.findings]
             return {
                 "false_alarms": len(alarms),
                 "false_alarm_detail": [
@@ -411,13 +451,26 @@ class Bench:
             "iter_s": self.args.iter_s,
         }
         try:
-            results: dict[str, list[float]] = {}
+            results: dict[str, list[dict[str, Any]]] = {}
             for kind in self.args.faults if self.args.trials > 0 else []:
                 results[kind] = []
-                for _ in range(self.args.trials):
-                    results[kind].append(await self.trial(kind))
-            for kind, xs in results.items():
-                out[kind] = summary(xs)
+                for i in range(self.args.trials):
+                    try:
+                        row = {"trial": i, "ok": True, "error": None, **await self.trial(kind)}
+                    except Exception as e:  # a failed trial is a row, counted and kept
+                        row = {"trial": i, "ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                    results[kind].append(row)
+            for kind, rows in results.items():
+                out[kind] = {
+                    "trials": len(rows),
+                    "failed": sum(1 for r in rows if not r["ok"]),
+                    "failures": [f"#{r['trial']}: {r['error']}" for r in rows if not r["ok"]],
+                    **summary([r["value"] for r in rows if r["ok"]]),  # n: the trials that succeeded
+                }
+                if kind == "hang":
+                    for key in ("over_deadline", "from_stop_over_mean", "hang_factor_in_force"):
+                        out[kind][key] = summary([r[key] for r in rows if r["ok"]])
+                out[kind]["raw"] = rows
             if "process_exit" in results:
                 out["process_exit_p95_s"] = out["process_exit"]["p95"]
             if "exception" in results:
