@@ -7,7 +7,11 @@ then times a matmul on its own device (CUDA when available, else CPU); rank 0 pr
 JSON line ``{"ok": bool, "nodes": [...], "allgather_s": ..., "matmul_s": {node: s}}``.
 
 A test fails when a collective errors or times out (``--timeout-s``) or a rank's matmul
-is slower than ``--slow-factor`` x the fastest rank's (a degraded GPU or node).
+is slower than ``--slow-factor`` x the fastest rank's (a degraded GPU). The timing is
+judged on GPUs only: on CPU ranks it is reported, not judged, because a CPU matmul's time
+says more about what else the cores run than about the node (measured on the dev
+cluster, whose nodes share two cores: 0.016 s against 0.004 s on a healthy node, which the
+paired check then named bad).
 
 ``UNICORN_PAIRTEST_FAULT_NODE`` (TEST ONLY) makes the rank on that node corrupt its
 all-gather contribution, so tests can plant a bad node on a CPU cluster.
@@ -82,7 +86,7 @@ def main() -> None:
     all_problems = [msg for _, _, probs in reports for msg in probs]
     fastest = min(timings.values())
     for n, s in timings.items():
-        if s > args.slow_factor * fastest:
+        if device.type == "cuda" and s > args.slow_factor * fastest:
             all_problems.append(f"{n}: matmul {s:.3f}s > {args.slow_factor:g}x fastest {fastest:.3f}s")
     doc = {
         "ok": not all_problems,

@@ -269,7 +269,13 @@ class Executor:
         )
         d = report.diagnosis
         tests = "; ".join(f"{','.join(r.nodes)} {'ok' if r.ok else 'FAILED'}" for r in report.results)
-        log.info("paired_check", nodes=list(action.paired), bad=list(d.bad), unresolved=list(d.unresolved))
+        log.info(
+            "paired_check",
+            nodes=list(action.paired),
+            bad=list(d.bad),
+            unresolved=list(d.unresolved),
+            tests=[f"{','.join(r.nodes)}: {r.detail}" for r in report.results],
+        )
         if d.bad or d.unresolved:
             bad, unresolved = ",".join(d.bad) or "-", ",".join(d.unresolved) or "-"
             why = f"paired check: bad {bad}, unresolved {unresolved} ({tests})"
