@@ -132,11 +132,13 @@ def parse_iteration_line(line: str) -> MegatronIteration | None:
 
 def _last_int(argv: Sequence[str], names: Sequence[str]) -> int | None:
     """The value of the last of ``names`` given in ``argv`` (argparse's rule: the last one
-    wins), ``--flag v`` or ``--flag=v``; None when absent or not a number."""
+    wins), ``--flag v`` or ``--flag=v``, old names included (:data:`_ALIASES`); None when
+    absent or not a number. Tolerant, unlike :func:`_options`: it reads a rendered argv in
+    the agent, where nothing may raise."""
     found: str | None = None
     for i, arg in enumerate(argv):
         flag, eq, value = arg.partition("=")
-        if flag in names:
+        if _ALIASES.get(flag, flag) in names:
             found = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
     try:
         return int(found) if found is not None else None
@@ -168,7 +170,7 @@ class Schedule:
     def of(cls, argv: Sequence[str]) -> Schedule:
         log = _last_int(argv, ("--log-interval",))
         saves = (
-            _last_int(argv, ("--save-interval", "--persistent-save-interval")),
+            _last_int(argv, ("--save-interval",)),
             _last_int(argv, ("--non-persistent-save-interval",)),
         )
         evals = _last_int(argv, ("--eval-interval",))
