@@ -121,6 +121,8 @@ class Demo:
             # What the wrapper runs in the job (sbatch exports this environment to it).
             "UNICORNCTL": str(BIN / "unicornctl"),
             "UNICORN_WAIT_OPTIONS": "--progress-interval-s 10",
+            # torchrun's torchelastic_* and the ranks' scratch go with this run's files.
+            "TMPDIR": str(RUN),
         }
         if megatron:
             self.env |= {

@@ -141,7 +141,7 @@ def reference(layout: Layout, iterations: int, tmp: Path) -> dict[int, float]:
         "--master-port=29591", "-m", "launcher.mcore_ckpt", str(MEGATRON_LM / "pretrain_gpt.py"),
         *user_args(None, iterations), *megatron_args(layout),
     ]  # fmt: skip
-    env = {**os.environ, **job_env(), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    env = {**os.environ, **job_env(), "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TMPDIR": str(tmp)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {s.iteration: s.loss for s in runs(done.stdout + done.stderr)[0].steps}
