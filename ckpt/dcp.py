@@ -100,17 +100,26 @@ class MemoryStorageWriter(StorageWriter):
     Every rank passes its own ``SnapshotWriter`` (same root and job, its rank).
     ``seal=True`` computes checksums before ``save`` returns (a restore can read it at
     once); ``False`` leaves that to the agent and keeps the stall to the copy.
-    ``save_id``: the same on every rank of one save (see the module doc).
+    ``save_id``: the same on every rank of one save (see the module doc). ``extra``: the
+    caller's own JSON values, stored in every shard's metadata beside DCP's (e.g. the
+    iterations the run skipped), readable before any tensor is loaded.
     """
 
     def __init__(
-        self, writer: SnapshotWriter, iteration: int, *, seal: bool = True, save_id: str = ""
+        self,
+        writer: SnapshotWriter,
+        iteration: int,
+        *,
+        seal: bool = True,
+        save_id: str = "",
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.writer = writer
         self.iteration = iteration
         self.seal = seal
         self.save_id = save_id
+        self.extra = dict(extra or {})
         self.handle: SnapshotHandle | None = None
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -160,6 +169,7 @@ class MemoryStorageWriter(StorageWriter):
                 WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=(self.writer.rank, name))
             )
         extra = {
+            **self.extra,
             EXTRA_KEY: msgspec.to_builtins(items),
             "planner_data": _encode_planner_data(plan.planner_data),
             SAVE_ID_KEY: self.save_id,

@@ -54,6 +54,7 @@ from launcher.ckptagent import CkptPlan
 from launcher.gpu import FaultFile, GpuMonitor
 from launcher.hook import ENV_JOB_ID, ENV_NODE, ENV_SOCKET, MAX_DATAGRAM
 from launcher.outbox import Outbox
+from launcher.render import restart_rendezvous
 from launcher.supervisor import ExitInfo, Supervisor, process_state
 from unicorn_core import protocol, redis_io
 from unicorn_core.config import Config, load_config
@@ -189,7 +190,12 @@ class Agent:
         """How long the most-starved rank waited for a CPU, summed over samples (heartbeats)."""
         self._rank_waits: dict[int, float] = {}
         self.ckpt = CkptPlan.from_config(
-            cfg.ckpt, job_id=job_id, node=node, env=self.base_env, scope=cfg.redis.key_prefix
+            cfg.ckpt,
+            job_id=job_id,
+            node=node,
+            env=self.base_env,
+            scope=cfg.redis.key_prefix,
+            loss_stop_window=cfg.detect.loss_stop_window,
         )
 
     # --- envelope helpers -------------------------------------------------------------
@@ -274,7 +280,15 @@ class Agent:
             "-m",
             "launcher.ckptagent",
             "--ckpt-config",
-            json.dumps(dataclasses.asdict(self.cfg.ckpt)),
+            # memory_versions resolved here: the child sees no [detect] section to derive it from
+            json.dumps(
+                dataclasses.asdict(
+                    dataclasses.replace(
+                        self.cfg.ckpt,
+                        memory_versions=self.cfg.ckpt.memory_keep(self.cfg.detect.loss_stop_window),
+                    )
+                )
+            ),
             "--job-id",
             str(self.job_id),
             "--node",
@@ -345,7 +359,7 @@ class Agent:
         self._hang_reported = None
         self._follow_log(argv)
         sup = Supervisor(
-            argv,
+            restart_rendezvous(argv, self.launch_id, self.cfg.agent.rendezvous_port_base),
             env,
             self.run_dir / "train.log",
             on_line=self._on_line,

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from unicorn_core.config import CkptConfig
+from unicorn_core.config import CkptConfig, DetectConfig
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.logs import configure_logging, get_logger
 from unicorn_core.paths import CKPT_RING_ENV
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 PORT_SPAN: Final = 1000
 _JOB_STRIDE: Final = 97
+DEFAULT_LOSS_STOP_WINDOW: Final = DetectConfig().loss_stop_window
 SNAP_SUBDIR: Final = "snap"
 PEER_SUBDIR: Final = "peer"
 _SCAN_INTERVAL_S: Final = 0.1
@@ -66,6 +67,7 @@ ENV_REMOTE_DIR: Final = "UNICORN_CKPT_REMOTE_DIR"
 ENV_JOB: Final = "UNICORN_CKPT_JOB"
 ENV_EVERY: Final = "UNICORN_CKPT_EVERY"
 ENV_PEERS: Final = "UNICORN_CKPT_PEERS"
+ENV_SLOTS: Final = "UNICORN_CKPT_SLOTS"
 ENV_RING: Final = CKPT_RING_ENV
 
 log = get_logger(__name__)
@@ -113,6 +115,9 @@ class CkptPlan:
     keep_versions: int
     every: int
     bind_host: str
+    memory_versions: int = 2
+    """Versions kept in the memory tier: each rank's snapshot slots and the peer backups
+    (:meth:`unicorn_core.config.CkptConfig.memory_keep`)."""
 
     def __post_init__(self) -> None:
         names = [p.node for p in self.ring]
@@ -134,7 +139,14 @@ class CkptPlan:
 
     @classmethod
     def from_config(
-        cls, cfg: CkptConfig, *, job_id: int, node: str, env: Mapping[str, str], scope: str = ""
+        cls,
+        cfg: CkptConfig,
+        *,
+        job_id: int,
+        node: str,
+        env: Mapping[str, str],
+        scope: str = "",
+        loss_stop_window: int = DEFAULT_LOSS_STOP_WINDOW,
     ) -> CkptPlan | None:
         """The plan for ``job_id`` on ``node``; None when the memory tier is off (``shm_dir`` empty).
 
@@ -150,6 +162,9 @@ class CkptPlan:
         nothing is replicated. ``{node}`` in
         ``shm_dir`` or ``local_dir`` stands for the node's name: nodes that share one
         machine (the dev cluster) keep their memory and disk tiers apart, as real nodes do.
+        ``loss_stop_window``: iterations from a loss spike to its ranks stopping
+        (``detect.loss_stop_window``), from which the
+        memory tier's versions derive (:meth:`CkptConfig.memory_keep`).
         """
         if not cfg.shm_dir:
             return None
@@ -164,6 +179,7 @@ class CkptPlan:
             for i, name in enumerate(nodes)
         )
         shm = Path(cfg.shm_dir.replace("{node}", node))
+        memory_versions = cfg.memory_keep(loss_stop_window)
         return cls(
             job=f"{scope}.{job_id}" if scope else str(job_id),
             node=node,
@@ -177,6 +193,7 @@ class CkptPlan:
             keep_versions=cfg.keep_versions,
             every=cfg.snapshot_every,
             bind_host=cfg.peer_host or "0.0.0.0",  # noqa: S104 - peers on other nodes connect
+            memory_versions=memory_versions,
         )
 
     def rank_env(self) -> dict[str, str]:
@@ -186,6 +203,7 @@ class CkptPlan:
             ENV_BACKUP_DIR: str(self.backup_root),
             ENV_JOB: self.job,
             ENV_EVERY: str(self.every),
+            ENV_SLOTS: str(self.memory_versions),
             ENV_PEERS: ",".join(p.spec() for p in self.others),
         }
         if self.local_root is not None:
@@ -330,7 +348,8 @@ class CkptAgent:
             done.append(work)
         current = await asyncio.to_thread(lambda: {key for key in self.handled if _meta_key(key[0]) == key})
         self.handled = {key: work for key, work in self.handled.items() if key in current}
-        await asyncio.to_thread(self._backup.apply_retention, Retention(self.plan.keep_versions))
+        keep = max(self.plan.keep_versions, self.plan.memory_versions)
+        await asyncio.to_thread(self._backup.apply_retention, Retention(keep))
         return done
 
     async def _handle(self, work: ShardWork) -> None:

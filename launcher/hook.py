@@ -75,8 +75,11 @@ class Hook:
         samples: int | None = None,
         phase: IterationPhase | str = IterationPhase.TRAIN,
         loss: float | None = None,
+        final: bool = False,
     ) -> None:
-        """Report that this rank finished ``iteration`` in ``duration_s`` seconds. Never blocks."""
+        """Report that this rank finished ``iteration`` in ``duration_s`` seconds. Never blocks.
+
+        ``final``: the run's last iteration (its ranks end next: their silence is no hang)."""
         if self._sock is None:
             return
         if phase == IterationPhase.TRAIN:
@@ -91,6 +94,7 @@ class Hook:
             samples=samples,
             phase=IterationPhase(phase),
             loss=loss,
+            final=final,
         )
         self._send(protocol.encode(msg), blocking=False)
 

@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
+import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values  # type: ignore[import-untyped]
 from megatron.core.dist_checkpointing.mapping import (  # type: ignore[import-untyped]
     ShardedObject,
@@ -65,7 +66,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ckpt.dcp import MemoryStorageReader, MemoryStorageWriter
 from ckpt.errors import InvalidArgument
 from launcher import ckptagent
-from launcher.trainer.config import SnapshotOptions, parse_peers
+from launcher.megatron import SKIPPED_FILE, rollback_load, skipped_ranges
+from launcher.trainer.config import SnapshotOptions, format_ranges, parse_peers, skipped_before
 from launcher.trainer.snapshots import MemoryCheckpoints, tier_dirs
 from unicorn_core.logs import get_logger
 
@@ -137,7 +139,23 @@ class MemorySaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
         )
         planner = mcore_torch.MCoreSavePlanner(flatten_state_dict=False)
         state_dict_saver.save(state, storage_writer=writer, planner=planner)
+        _record_skipped(Path(checkpoint_dir), iteration)
         return AsyncRequest(None, (), [])
+
+
+def _record_skipped(checkpoint_dir: Path, iteration: int) -> None:
+    """Rank 0 writes what this run skipped by ``iteration`` into the version folder
+    (:data:`launcher.megatron.SKIPPED_FILE`), so a later roll back knows which versions
+    were trained on skipped data (:func:`launcher.megatron.rollback_load`)."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    skipped = format_ranges(skipped_before(skipped_ranges(sys.argv), iteration))
+    marker = checkpoint_dir / SKIPPED_FILE
+    if skipped:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{skipped}\n")
+    else:
+        marker.unlink(missing_ok=True)
 
 
 class MemoryLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):  # type: ignore[misc]
@@ -247,6 +265,7 @@ def options_from_env(env: Mapping[str, str]) -> SnapshotOptions | None:
         local_dir=env.get(ckptagent.ENV_LOCAL_DIR) or None,
         remote_dir=env.get(ckptagent.ENV_REMOTE_DIR) or None,
         peers=parse_peers(env.get(ckptagent.ENV_PEERS, "")),
+        slots=int(env.get(ckptagent.ENV_SLOTS, "") or 2),
     )
 
 
@@ -274,6 +293,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     installed = install_from_env()
     log.info("megatron checkpoints", memory_tier=installed, script=args[0])
+    rolled = rollback_load(args)
+    if rolled != args:
+        log.info(
+            "megatron roll back", skipped=format_ranges(skipped_ranges(args)), args=rolled[len(args) - 2 :]
+        )
+    args = rolled
     sys.argv = args
     from torch.distributed.elastic.multiprocessing.errors import record
 

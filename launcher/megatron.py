@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Final
 
 from launcher.render import MegatronCheckpointing, megatron_args
+from launcher.trainer.config import format_ranges, parse_ranges, skipped_before
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.layout import Layout
 from unicorn_core.model import ModelSpec
@@ -611,8 +612,101 @@ def _without(argv: Sequence[str], given: frozenset[str]) -> list[str]:
     return out
 
 
+ITERATIONS_TO_SKIP: Final = "--iterations-to-skip"
+
+
+def skip_args(user_args: Sequence[str], skip: Sequence[tuple[int, int]]) -> tuple[list[str], list[str]]:
+    """(the user's arguments less any ``--iterations-to-skip`` and its values, the flag to
+    append): Megatron-LM's ``--iterations-to-skip`` with the user's values and, for each of
+    unicorn's 1-based ranges ``(A, B)``, Megatron's numbers ``A-1 .. B-1``.
+
+    Megatron-LM tests ``iteration in args.iterations_to_skip`` before it trains a step,
+    where ``iteration`` counts the steps done: the step its log line calls ``k`` is skipped
+    by ``k-1``. It then consumes the step's batches without training on them (the data stays
+    aligned) and logs no line for it. argparse keeps the last ``--iterations-to-skip`` only,
+    so the user's values are merged into the one flag appended."""
+    kept: list[str] = []
+    values: set[int] = set()
+    taking = False
+    for token in user_args:
+        if token == ITERATIONS_TO_SKIP:
+            taking = True
+            continue
+        if taking and token.lstrip("-").isdigit():
+            values.add(int(token))
+            continue
+        taking = False
+        kept.append(token)
+    for first, last in skip:
+        values.update(range(first - 1, last))
+    return kept, ([ITERATIONS_TO_SKIP, *(str(v) for v in sorted(values))] if values else [])
+
+
+SKIPPED_FILE: Final = "unicorn-skipped"
+"""In a Megatron-LM version folder (``iter_NNNNNNN``): the iterations the saving run had
+skipped by then (``A-B,C-D``, 1-based as the log lines count; absent: none). Written by the
+runner (:mod:`launcher.mcore_ckpt`) with every memory-tier save."""
+TRACKER_FILE: Final = "latest_checkpointed_iteration.txt"
+
+
+def skipped_ranges(args: Sequence[str]) -> tuple[tuple[int, int], ...]:
+    """The 1-based iteration ranges Megatron-LM's ``--iterations-to-skip`` values in ``args``
+    skip (Megatron's value ``v`` skips the step its log calls ``v + 1``)."""
+    _, flag = skip_args(args, ())
+    return parse_ranges(",".join(str(int(v) + 1) for v in flag[1:]))
+
+
+def skipped_by(save_dir: str | Path, iteration: int) -> str:
+    """What the run that saved ``iteration`` in ``save_dir`` had skipped (:data:`SKIPPED_FILE`)."""
+    try:
+        return (Path(save_dir) / f"iter_{iteration:07d}" / SKIPPED_FILE).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+
+
+def rollback_load(args: Sequence[str]) -> list[str]:
+    """A Megatron-LM command that skips data (``--iterations-to-skip``) made to load only a
+    version of its own past: the newest complete one in ``--load`` whose saving run skipped
+    what this run skips by then (never one trained on the skipped data, such as the
+    versions the run that met a loss spike saved after it). Appends ``--ckpt-step N`` when
+    that is not the tracker's latest; drops ``--load`` when no version qualifies (the run
+    starts from its initial state). Unchanged without skips, with ``--ckpt-step`` given, or
+    without ``--load``."""
+    out = list(args)
+    skip = skipped_ranges(out)
+    if not skip or "--ckpt-step" in out or "--load" not in out:
+        return out
+    at = out.index("--load")
+    if at + 1 >= len(out):
+        return out
+    load = Path(out[at + 1])
+    try:
+        latest: int | None = int((load / TRACKER_FILE).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        latest = None
+    versions = sorted(
+        (
+            int(p.name.removeprefix("iter_"))
+            for p in load.glob("iter_[0-9]*")
+            if p.name.removeprefix("iter_").isdigit() and (p / "metadata.json").is_file()
+        ),
+        reverse=True,
+    )
+    for version in versions:
+        if latest is not None and version > latest:
+            continue
+        if skipped_by(load, version) == format_ranges(skipped_before(skip, version)):
+            return out if version == latest else [*out, "--ckpt-step", str(version)]
+    return out[:at] + out[at + 2 :] if versions or latest is not None else out
+
+
 def pretrain_command(
-    torchrun: Sequence[str], command: Sequence[str], *, layout: Layout, model: ModelSpec
+    torchrun: Sequence[str],
+    command: Sequence[str],
+    *,
+    layout: Layout,
+    model: ModelSpec,
+    skip: Sequence[tuple[int, int]] = (),
 ) -> list[str]:
     """One node's argv for a Megatron-LM task: the one place that assembles it.
 
@@ -632,6 +726,10 @@ def pretrain_command(
     from DP or the micro-batch, and all of them are the same at every layout, so a
     relaunch passes the check as is. The override would only hide a real change, and
     Megatron refuses it next to a user's ``--use-checkpoint-opt_param-scheduler``.
+
+    ``skip``: iterations (1-based ranges, as Megatron's log lines number them) whose data
+    the task skips after a roll back past a loss spike or NaN; appended as Megatron-LM's own
+    ``--iterations-to-skip`` (:func:`skip_args`).
     """
     user = check_user_args(command, model)
     if layout.global_batch != model.global_batch:
@@ -639,4 +737,5 @@ def pretrain_command(
             f"layout global_batch {layout.global_batch} differs from the model's {model.global_batch}"
         )
     ours = megatron_args(layout, model, MegatronCheckpointing(save_dir=user.save_dir, load_dir=user.load_dir))
-    return [*torchrun, "-m", MEMORY_TIER_RUNNER, user.script, *user.args, *_without(ours, user.given)]
+    args, skipping = skip_args(user.args, skip)
+    return [*torchrun, "-m", MEMORY_TIER_RUNNER, user.script, *args, *_without(ours, user.given), *skipping]

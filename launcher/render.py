@@ -11,6 +11,7 @@ followed by the training program and its arguments (:func:`megatron_args` for
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -357,3 +358,40 @@ def trainer_args(
         if checkpointing.load_dir is not None:
             argv.append(f"--load={checkpointing.load_dir}")
     return argv
+
+
+RESTART_RUNG = "restart_processes"
+"""The ladder rung whose steps restart every node's ranks (``<incident>/restart_processes/
+<attempt>/<restart_ranks|restart_agent|rollback>/<node>``; a roll back past a loss spike is
+that rung's relaunch)."""
+_RESTART_STEPS = ("restart_ranks", "restart_agent", "rollback")
+PORT_SPAN = 1000
+"""Rendezvous ports are ``[agent] rendezvous_port_base`` + [0, PORT_SPAN)
+(:func:`unicornd.launch.rendezvous_port`)."""
+
+
+def restart_rendezvous(argv: Sequence[str], launch_id: str, port_base: int) -> list[str]:
+    """``argv`` with its ``--master-port`` moved for a restart of every node's ranks.
+
+    A restart runs the same command on every node; with the same port, a node that starts
+    its new ranks before the rank-0 node's old torchrun has exited joins the old store, and
+    its ranks wait there until the collective timeout (seen in the soak bench: the ranks of
+    a fast node restarted 3.8 s before the master node's old store closed). Every node's step
+    of one restart (``restart_ranks`` or, where the agent was gone, ``restart_agent``; a
+    roll back's ``rollback`` relaunch) has the same id up to its last two parts, so each
+    derives the same new port from it, and a port no old store holds. Other launch ids,
+    and ports outside the rendezvous range, are left as they are.
+    """
+    parts = launch_id.split("/")
+    if len(parts) < 5 or parts[-4] != RESTART_RUNG or parts[-2] not in _RESTART_STEPS:
+        return list(argv)
+    offset = 1 + zlib.crc32("/".join(parts[:-2]).encode()) % (PORT_SPAN - 1)
+    out = []
+    for arg in argv:
+        flag, eq, value = arg.partition("=")
+        port = int(value) if flag == "--master-port" and eq and value.isdigit() else -1
+        if port_base <= port < port_base + PORT_SPAN:
+            out.append(f"--master-port={port_base + (port - port_base + offset) % PORT_SPAN}")
+        else:
+            out.append(arg)
+    return out

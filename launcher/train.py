@@ -27,6 +27,8 @@ import click
 
 from launcher import ckptagent
 from launcher.trainer.config import (
+    BatchCorruption,
+    CorruptMode,
     DataParallel,
     FaultInjection,
     FaultMode,
@@ -34,6 +36,7 @@ from launcher.trainer.config import (
     SnapshotOptions,
     TrainConfig,
     parse_peers,
+    parse_ranges,
     resolve_layout,
 )
 from unicorn_core.errors import UnicornError
@@ -124,6 +127,32 @@ def _env_int(name: str, default: int) -> int:
 @click.option("--snapshot-remote-dir", envvar=ckptagent.ENV_REMOTE_DIR, default=None, help="Remote tier.")
 @click.option(
     "--snapshot-peers", envvar=ckptagent.ENV_PEERS, default="", help="Other agents: NODE=HOST:PORT,..."
+)
+@click.option(
+    "--snapshot-slots",
+    envvar=ckptagent.ENV_SLOTS,
+    type=int,
+    default=2,
+    show_default=True,
+    help="Versions each rank keeps in the memory tier (the agent derives it from the loss window).",
+)
+@click.option(
+    "--skip-iterations",
+    default="",
+    help="Consume and discard the data of these iterations (A-B,C,...; 1-based): a roll back past a "
+    "loss spike. Versions saved by a run that trained on it are never restored.",
+)
+@click.option(
+    "--corrupt-iterations",
+    default="",
+    help="TEST ONLY: corrupt the batch of these iterations (A,B-C) on every rank.",
+)
+@click.option(
+    "--corrupt-mode",
+    type=click.Choice([m.value for m in CorruptMode]),
+    default=CorruptMode.SPIKE.value,
+    show_default=True,
+    help="TEST ONLY: spike (targets shifted: the loss jumps) or nan (NaN loss and gradients).",
 )
 @click.option(
     "--fail-at-iteration", type=int, default=None, help="TEST ONLY: inject a fault at this iteration."
@@ -223,7 +252,17 @@ def _config(opts: dict[str, object]) -> TrainConfig:
         fault=fault,
         dist_timeout_s=f("dist_timeout_s"),
         snapshots=_snapshots(opts),
+        skip_iterations=parse_ranges(str(opts["skip_iterations"] or "")),
+        corruption=_corruption(opts),
     )
+
+
+def _corruption(opts: dict[str, object]) -> BatchCorruption | None:
+    ranges = parse_ranges(str(opts["corrupt_iterations"] or ""), "--corrupt-iterations")
+    if not ranges:
+        return None
+    iterations = tuple(i for a, b in ranges for i in range(a, b + 1))
+    return BatchCorruption(iterations, CorruptMode(str(opts["corrupt_mode"])))
 
 
 def _snapshots(opts: dict[str, object]) -> SnapshotOptions | None:
@@ -234,8 +273,8 @@ def _snapshots(opts: dict[str, object]) -> SnapshotOptions | None:
     snap_dir = text("snapshot_dir")
     if snap_dir is None:
         return None
-    every = opts["snapshot_every"]
-    assert isinstance(every, int)
+    every, slots = opts["snapshot_every"], opts["snapshot_slots"]
+    assert isinstance(every, int) and isinstance(slots, int)
     return SnapshotOptions(
         snap_dir=snap_dir,
         job=str(opts["snapshot_job"]),
@@ -244,6 +283,7 @@ def _snapshots(opts: dict[str, object]) -> SnapshotOptions | None:
         local_dir=text("snapshot_local_dir"),
         remote_dir=text("snapshot_remote_dir"),
         peers=parse_peers(str(opts["snapshot_peers"] or "")),
+        slots=slots,
     )
 
 

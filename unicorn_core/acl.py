@@ -92,6 +92,7 @@ def _status_keys(keys: RedisKeys) -> list[str]:
     """Read grants for what ``unicornctl status`` and the wrapper read (never secrets)."""
     names = [
         keys.state(),
+        keys.goodput(),
         keys.incidents(),
         keys.daemon_liveness(),
         keys.leader(),

@@ -16,6 +16,7 @@ Key                            Redis type   Written by            Read by
 ``incidents()``                stream       unicornd              CLI
 ``actions_done()``             set          unicornd executor     unicornd executor
 ``state()``                    string       unicornd              unicornd, CLI
+``goodput()``                  string       unicornd              unicornd, CLI
 ``actions_pending()``          list         unicornd              unicornd executor
 ``control()``                  stream       CLI, sbatch wrapper   unicornd (group)
 ``operator_control()``         stream       operators' CLI        unicornd (group)
@@ -119,6 +120,13 @@ class RedisKeys:
         """Counter: the newest fencing token granted; a commit with an older one is refused."""
         return self._key("unicornd", "fence")
 
+    def commits(self) -> str:
+        """Hash: token -> how many commits the leader holding that token made (written by
+        the commit itself, so it counts exactly the accepted ones: a stale token's count
+        that grows after a newer token committed is a fencing failure, which the soak bench
+        looks for)."""
+        return self._key("unicornd", "commits")
+
     def standby(self, ident: str) -> str:
         """String with TTL: a unicornd waiting to take over (its id, host and pid)."""
         return self._key("unicornd", "standby", _component("standby id", ident))
@@ -138,6 +146,11 @@ class RedisKeys:
     def state(self) -> str:
         """String: unicornd's snapshot as JSON."""
         return self._key("state")
+
+    def goodput(self) -> str:
+        """String: unicornd's goodput ledger as JSON (:mod:`unicornd.goodput`), written by the
+        leader after its commits; read by ``unicornctl goodput``."""
+        return self._key("goodput")
 
     def actions_pending(self) -> str:
         """List: actions decided and persisted but not yet executed, in order (JSON each)."""

@@ -15,10 +15,10 @@ allocations), so a JIT checkpoint comes before the stop and a shrink before the 
 that takes the freed node, while a node check or one job's commands never hold up
 another job's recovery.
 
-Two kinds are *requests to the decision layer*, never executed: :class:`Replan` and
-:class:`RestartAgent`. :func:`unicornd.decide.resolve` replaces them, purely, with the
-planner's transition and with the new agent's :class:`LaunchAgents` before anything is
-committed.
+Three kinds are *requests to the decision layer*, never executed: :class:`Replan`,
+:class:`RestartAgent` and :class:`RollBack`. :func:`unicornd.decide.resolve` replaces
+them, purely, with the planner's transition, the new agent's :class:`LaunchAgents` and
+the rolled-back command's ``relaunch`` before anything is committed.
 """
 
 from __future__ import annotations
@@ -125,8 +125,9 @@ class LaunchAgents:
     commands: tuple[NodeArgv, ...]
     env: dict[str, str] = field(default_factory=dict)
     clear_commands: bool = False
-    """Delete the commands queued for the nodes' previous agents first (a new agent on a
-    node whose agent is gone would otherwise run the commands written for the old one)."""
+    """Kept so stored actions still decode; the executor now always deletes the commands
+    queued for the nodes' previous agents first (a new agent reads its stream from the
+    start and would otherwise run commands written for an agent before it)."""
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -142,6 +143,23 @@ class RestartAgent:
     :class:`LaunchAgents` (``clear_commands``) before it is committed."""
 
     kind: ClassVar[str] = "restart_agent"
+    action_id: str
+    task_id: str
+    job_id: int
+    node: str
+
+
+@dataclass(frozen=True)
+class RollBack:
+    """Restart the ranks of ``job_id`` on ``node`` past a loss spike or NaN: the task's
+    command rendered again with every skipped range of the task (``--skip-iterations``,
+    Megatron-LM's ``--iterations-to-skip``), so the ranks restore the newest version older
+    than the bad data and never train on it (issue 23).
+
+    A request to the decision layer: :func:`unicornd.decide.resolve` renders it into a
+    ``relaunch`` :class:`SendCommand` (same layout, same nodes) before it is committed."""
+
+    kind: ClassVar[str] = "roll_back"
     action_id: str
     task_id: str
     job_id: int
@@ -212,7 +230,7 @@ class CloseIncident:
     incident_id: str
 
 
-REQUESTS: Final = (Replan, RestartAgent)
+REQUESTS: Final = (Replan, RestartAgent, RollBack)
 """Action kinds that :func:`unicornd.decide.resolve` replaces before commit."""
 
 Action: TypeAlias = (
@@ -222,6 +240,7 @@ Action: TypeAlias = (
     | SendCommand
     | LaunchAgents
     | RestartAgent
+    | RollBack
     | Shrink
     | Grow
     | Requeue
@@ -239,6 +258,7 @@ ACTION_TYPES: Final[Mapping[str, type[Action]]] = {
         SendCommand,
         LaunchAgents,
         RestartAgent,
+        RollBack,
         Shrink,
         Grow,
         Requeue,
@@ -347,7 +367,7 @@ def resources(action: Action) -> frozenset[str]:
         return frozenset({f"node:{n}" for n in (action.node, *action.paired)})
     if isinstance(action, Shrink | Grow | Requeue):
         return frozenset({ALLOCATION, f"job:{action.job_id}"})
-    if isinstance(action, SendCommand | LaunchAgents | RestartAgent):
+    if isinstance(action, SendCommand | LaunchAgents | RestartAgent | RollBack):
         return frozenset({f"job:{action.job_id}"})
     return frozenset()
 

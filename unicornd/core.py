@@ -18,13 +18,17 @@ exactly as the uninterrupted one would have.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Final
 
+from unicorn_core.errors import UnicornError
 from unicorn_core.logs import get_logger
-from unicornd import decide
+from unicornd import decide, goodput
 from unicornd.actions import Decision, Outcome
+from unicornd.ledgerstore import SAVE_EVERY_S, save_ledger
 from unicornd.replan import PlanContext
 from unicornd.state import Snapshot, TaskRecord
 from unicornd.store import Owed, Store
@@ -35,7 +39,7 @@ PROGRESS_EVERY: Final = 10
 """Commit a task's iteration mark once it is this many iterations ahead of the committed
 one (else within a tick): the snapshot's mark is never far behind, and a busy cluster
 does not commit on every iteration."""
-_PROGRESS_FIELDS: Final = frozenset({"last_iteration", "recoveries_without_progress"})
+_PROGRESS_FIELDS: Final = frozenset({"last_iteration", "last_iteration_s", "recoveries_without_progress"})
 
 Follower = Callable[[Snapshot, Snapshot, Decision], None]
 """(committed before, committed after, the decision) -> None; must not raise or block."""
@@ -75,6 +79,11 @@ class Core:
         self._lock = asyncio.Lock()
         self._held: dict[str, list[str]] = {}
         self._ackable: dict[str, list[str]] = {}
+        self.ledger: goodput.Ledger | None = None
+        """The goodput ledger, advanced after every commit (None: none kept; the daemon
+        sets it from Redis before :meth:`start`)."""
+        self.clock: Callable[[], float] = time.time
+        self._ledger_saved_s = -math.inf
 
     @property
     def snap(self) -> Snapshot:
@@ -90,6 +99,7 @@ class Core:
         """Commit ``snap`` as the starting state (loaded, reconciled with Slurm)."""
         async with self._lock:
             await self.store.commit(snap)
+            await self._account(snap)
             self._set_committed(snap, snap, Decision())
 
     async def decide(self, now_s: float, fn: Callable[[Snapshot], Decision]) -> Decision:
@@ -150,6 +160,7 @@ class Core:
     async def _commit(self, after: Snapshot, decision: Decision, *, finished: Owed | None = None) -> None:
         voided = await self.store.commit(after, decision.actions, cancels=decision.cancels, finished=finished)
         before = self.committed or after
+        await self._account(after)
         self._set_committed(before, after, decision)
         for action in voided:
             log.info("action_voided", action=action.action_id, kind=action.kind)
@@ -159,6 +170,32 @@ class Core:
         for stream, ids in self._held.items():
             self._ackable.setdefault(stream, []).extend(ids)
         self._held = {}
+
+    async def _account(self, after: Snapshot) -> None:
+        """Advance the goodput ledger over a commit and save it when due. Never raises:
+        accounting must not stop recovery (a ledger that cannot advance is dropped, logged;
+        a save that fails is retried with the next commit)."""
+        if self.ledger is None:
+            return
+        now = self.clock()
+        try:
+            self.ledger = goodput.advance(self.ledger, after, now, self.ctx.gpu, self.ctx.assume)
+        except Exception as e:  # a bug in the accounting, never in the state
+            log.error("goodput_ledger_dropped", error=repr(e))
+            self.ledger = None
+            return
+        if now - self._ledger_saved_s >= SAVE_EVERY_S:
+            try:
+                await save_ledger(
+                    self.store.client,
+                    self.store.keys,
+                    self.ledger,
+                    token=self.store.token,
+                    holder=self.store.holder,
+                )
+                self._ledger_saved_s = now
+            except UnicornError as e:
+                log.warning("goodput_ledger_not_saved", error=str(e))
 
     def _set_committed(self, before: Snapshot, after: Snapshot, decision: Decision) -> None:
         self.snapshot = after

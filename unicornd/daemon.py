@@ -47,19 +47,22 @@ from detect import Classifier, load_classifier
 from plan.hardware import gpu_spec
 from unicorn_core import acl, redis_io
 from unicorn_core.config import Config
-from unicorn_core.errors import UnicornError
+from unicorn_core.errors import ProtocolError, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
 from unicorn_core.slurm.backend import SlurmBackend
+from unicorn_core.slurm.scope import Scope, resolve_scope
 from unicornd.actions import Decision
 from unicornd.agentusers import AgentUsers
 from unicornd.alerts import AlertSink, alerts_for
 from unicornd.core import Core
 from unicornd.detector import Detector
 from unicornd.executor import Executor
+from unicornd.goodput import new_ledger
 from unicornd.ingest import StreamIngest
-from unicornd.inputs import AgentInputs, SlurmWatch, Ticker
+from unicornd.inputs import AgentInputs, SlurmWatch, Ticker, observe
 from unicornd.leader import Lease
+from unicornd.ledgerstore import read_ledger
 from unicornd.metrics import SnapshotMetrics, start_metrics_server
 from unicornd.replan import PlanContext
 from unicornd.requests import Requests
@@ -93,7 +96,7 @@ class Daemon:
         self.slurm = slurm
         self.client = client
         self.keys = RedisKeys(cfg.redis.key_prefix)
-        self.store = Store(client, self.keys, policy or cfg.recovery)
+        self.store = Store(client, self.keys, policy or cfg.recovery, replication=cfg.redis)
         self.detector = Detector(
             cfg.detect, cfg.agent, classifier or load_classifier(cfg.detect.rules_file or None)
         )
@@ -108,6 +111,7 @@ class Daemon:
         self.executor = Executor(
             cfg, self.core, slurm, client, self.agent_users, config_path=config_path, lease=self.lease
         )
+        self.scope = Scope()
         self._stop = asyncio.Event()
         self._drain_only = False
 
@@ -128,23 +132,38 @@ class Daemon:
         self.detector.follow(before, after, decision, time.monotonic())
         self.alerts.submit(alerts_for(before, after, time.time()))
         self.metrics.update(after)
+        self.metrics.update_ledger(self.core.ledger)
+
+    async def _load_ledger(self) -> None:
+        """The stored goodput ledger, or a new one; one that does not decode is left as it is
+        (unicornd keeps none, recovery goes on; ``unicornctl goodput`` says why)."""
+        try:
+            ledger = await read_ledger(self.client, self.keys)
+        except ProtocolError as e:
+            log.error("goodput_ledger_unreadable", error=str(e), key=self.keys.goodput())
+            return
+        self.core.ledger = ledger if ledger is not None else new_ledger(time.time())
 
     async def _load(self) -> None:
-        nodes = await self.slurm.list_nodes()
+        view, self.scope = await observe(self.slurm, self.scope)
+        nodes = view.nodes
         gpus = max((n.gpus for n in nodes), default=1) or 1
         snap = await self.store.load(gpus)
         if snap.gpus_per_node != gpus:
             snap = replace(snap, gpus_per_node=gpus)
+        snap = _without(snap, {n.name for n in view.outside})
         added = [
             NodeRecord(
                 n.name,
                 health=NodeHealth.HEALTHY if n.usable else NodeHealth.DRAINED,
                 reason="" if n.usable else n.reason,
+                jobs=view.held.get(n.name, ()),
             )
             for n in nodes
             if n.name not in snap.nodes
         ]
         snap = prune(snap.apply(nodes=added), time.time())
+        await self._load_ledger()
         await self.core.start(snap)
         self.detector.expect_running(snap, time.monotonic())
         restored = await self.agent_users.restore(snap)
@@ -152,7 +171,8 @@ class Daemon:
             "state_loaded",
             tasks=len(snap.tasks),
             nodes=len(snap.nodes),
-            slurm_nodes=len(nodes),
+            slurm_nodes=len(nodes) + len(view.outside),
+            scope=self.scope.describe(),
             open_incidents=sum(i.is_open for i in snap.incidents.values()),
             owed_actions=len(await self.store.owed()),
             agent_users_restored=restored,
@@ -163,6 +183,9 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self._drain)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGQUIT, self._stop.set)
+        # A bad scope (unknown partition or reservation) is an error at start, standby or not.
+        self.scope = await resolve_scope(self.slurm, self.cfg.slurm)
+        self.requests.scope = self.scope
         if not await self._lead():
             return 0
         # Roles first: the committed state is what clients wait for, and a client that
@@ -188,7 +211,7 @@ class Daemon:
             "events": events.run(),
             "control": control.run(),
             "ticker": Ticker(self.core, self.detector, self.agents.on_finding).run(),
-            "slurm": SlurmWatch(self.core, self.slurm, self.agent_users, self.detector).run(),
+            "slurm": SlurmWatch(self.core, self.slurm, self.agent_users, self.detector, self.scope).run(),
             "executor": self._execute(),
             "liveness": self._liveness(),
             "alerts": self.alerts.run(),
@@ -237,6 +260,7 @@ class Daemon:
         if acquiring in done and not acquiring.cancelled():
             acquiring.result()  # a Redis error ends the standby (systemd restarts it)
             self.store.token = self.lease.token
+            self.store.holder = self.lease.holder
             return True
         log.info("unicornd_stopped", status=0, why="stopped while standing by")
         return False
@@ -251,6 +275,19 @@ class Daemon:
         self.core.wake.set()
 
     async def _liveness(self) -> None:
+        """Mark this unicornd alive; and notice a Redis server that lost its users (a
+        restart, or a Sentinel failover to the replica): Redis keeps users in its config,
+        which neither its data files nor replication carry. A disabled marker user that
+        unicornd makes tells: when it is gone, the roles and the running jobs' agent users
+        are made again."""
+        users_matter = bool(
+            self.cfg.redis.agent_acl
+            or self.cfg.redis.operator_password_file
+            or self.cfg.redis.user_password_file
+        )
+        marker = f"{self.keys.prefix}-unicornd-marker"
+        if users_matter:
+            await acl.set_user(self.client, marker, ["reset", "off"])
         while True:
             await redis_io.call(
                 ("SET", self.keys.daemon_liveness()),
@@ -260,7 +297,26 @@ class Daemon:
                     px=int(LIVENESS_TTL_S * 1000),
                 ),
             )
+            if users_matter and marker not in await acl.users(self.client):
+                roles = await acl.apply_roles(self.client, self.cfg.redis)
+                jobs = await self.agent_users.restore(self.snap)
+                await acl.set_user(self.client, marker, ["reset", "off"])
+                log.warning("redis_users_lost", roles=roles, agent_users_restored=jobs)
             await asyncio.sleep(LIVENESS_TTL_S / 3)
+
+
+def _without(snap: Snapshot, outside: set[str]) -> Snapshot:
+    """``snap`` without the records of nodes outside the scope (a scope narrowed since they
+    were recorded); a node a task still uses keeps its record (and is logged)."""
+    used = {n for t in snap.tasks.values() for n in t.nodes}
+    gone = sorted(n for n in snap.nodes if n in outside and n not in used)
+    kept = sorted(n for n in snap.nodes if n in outside and n in used)
+    if kept:
+        log.warning("out_of_scope_nodes_in_use", nodes=kept)
+    if not gone:
+        return snap
+    log.info("out_of_scope_nodes_forgotten", nodes=gone)
+    return replace(snap, nodes={k: v for k, v in snap.nodes.items() if k not in gone})
 
 
 async def run_daemon(cfg: Config, *, config_path: str | None = None) -> int:

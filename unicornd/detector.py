@@ -58,6 +58,11 @@ class JobEvidence:
 
     job_id: int
     evidence: Evidence
+    iteration: int | None = None
+    """For a finding from an iteration report (loss health): the report's iteration, the
+    iterations it covers (``span``) and the launch id of the ranks that sent it."""
+    span: int = 1
+    launch_id: str = ""
 
     @property
     def classification(self) -> Classification:
@@ -257,6 +262,9 @@ class Detector:
             JobEvidence(
                 msg.job_id,
                 Evidence(f.node, f.rank, now_s, f.classification, f"loss:{f.status.value}"),
+                iteration=f.iteration if f.iteration >= 1 else None,
+                span=msg.span,
+                launch_id=msg.launch_id,
             )
             for f in health.observe(sample)
         ]

@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 from launcher.paircheck import paired_check
 from unicorn_core import protocol, redis_io
 from unicorn_core.config import Config
-from unicorn_core.errors import CommandFailed, CommandTimeout, UnicornError
+from unicorn_core.errors import CommandFailed, CommandTimeout, InvalidArgument, UnicornError
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import get_logger
 from unicorn_core.paths import CKPT_RING_ENV
@@ -48,6 +48,7 @@ from unicornd.actions import (
     Requeue,
     RestartAgent,
     ResumeNode,
+    RollBack,
     SendCommand,
     Shrink,
     resources,
@@ -116,6 +117,7 @@ class Executor:
             CloseIncident: self._close,
             Replan: self._request,
             RestartAgent: self._request,
+            RollBack: self._request,
         }
 
     async def run(self, draining: Callable[[], bool]) -> None:
@@ -209,13 +211,23 @@ class Executor:
 
     # --- one handler per kind: act, return a detail, raise UnicornError on failure ------
 
+    def _managed(self, node: str, what: str) -> None:
+        """Never act on a node outside the scope: only the nodes in scope enter the snapshot
+        (:func:`unicornd.inputs.observe`), so this refuses only a decision that broke that."""
+        if node not in self.core.snap.nodes:
+            raise InvalidArgument(
+                f"node {node} is not one unicorn manages (outside [slurm] scope): not {what}"
+            )
+
     async def _drain_node(self, action: DrainNode) -> str:
+        self._managed(action.node, "drained")
         if action.down:
             await self.slurm.down(action.node, action.reason)
         await self.slurm.drain(action.node, action.reason)
         return "down+drain" if action.down else "drain"
 
     async def _resume_node(self, action: ResumeNode) -> str:
+        self._managed(action.node, "resumed")
         await self.slurm.resume(action.node)
         return "resumed"
 
@@ -296,9 +308,13 @@ class Executor:
         task = self.core.snap.tasks.get(action.task_id)
         ring = task.nodes if task is not None and set(action.nodes) <= set(task.nodes) else action.nodes
         for cmd in action.commands:
-            if action.clear_commands:
-                stream = self.keys.agent_commands(action.job_id, cmd.node)
-                await redis_io.call(("DEL", stream), self.client.delete(stream))
+            # A new agent reads its command stream from the start: whatever is queued there
+            # was written for an agent before it (one that died before reading it, e.g. a
+            # restart sent to a node that was being killed) and must never run now. Found by
+            # the soak bench: a requeue back onto a revived node restarted the new ranks
+            # with a restart written for that node three cycles earlier.
+            stream = self.keys.agent_commands(action.job_id, cmd.node)
+            await redis_io.call(("DEL", stream), self.client.delete(stream))
             old = self.steps.pop((action.job_id, cmd.node), None)
             if old is not None:
                 with contextlib.suppress(UnicornError, ProcessLookupError):
@@ -331,7 +347,7 @@ class Executor:
         await self._incident_log({"kind": "closed", "incident": inc.to_dict() if inc else action.incident_id})
         return "logged"
 
-    async def _request(self, action: Replan | RestartAgent) -> str:
+    async def _request(self, action: Replan | RestartAgent | RollBack) -> str:
         """Owed by an older unicornd, which executed these: resolve them now instead."""
         await self.core.decide(time.time(), lambda _snap: Decision(actions=(action,)))
         return "resolved"

@@ -5,7 +5,9 @@
   ``cmd-results`` stream (each agent's answer to a command -> an
   :class:`~unicornd.actions.Outcome`), both read through the coordinator's consumer group;
 - :class:`SlurmWatch`: one poll of nodes and jobs a second (a node back, drained outside
-  unicorn; a task's job ended; a requeued job running again);
+  unicorn; a task's job ended; a requeued job running again; which jobs hold each node).
+  :func:`observe` is the one place Slurm's nodes enter unicornd: only the nodes in
+  ``[slurm]``'s scope (:mod:`unicorn_core.slurm.scope`) pass, with the jobs on each;
 - :class:`Ticker`: silence becomes findings (lost agents, hangs), stage and requeue
   deadlines pass, progress held in memory is committed.
 
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Final
 
@@ -29,7 +32,8 @@ from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
 from unicorn_core.protocol import CommandResult, IterationTiming, Message, ProcessExit
 from unicorn_core.slurm.backend import SlurmBackend
-from unicorn_core.slurm.types import JobState, NodeInfo, NodeState
+from unicorn_core.slurm.scope import Scope, jobs_by_node
+from unicorn_core.slurm.types import JobInfo, JobState, NodeInfo, NodeState
 from unicornd import decide, oob
 from unicornd.actions import Outcome, OutcomeStatus
 from unicornd.agentusers import AgentUsers
@@ -44,6 +48,9 @@ log = get_logger(__name__)
 TICK_S: Final = 0.05
 SLURM_POLL_S: Final = 1.0
 SLURM_NOT_RESPONDING: Final = "slurm_not_responding"
+RESERVATION_REFRESH_S: Final = 30.0
+"""How often :func:`observe` reads the ``[slurm] reservation``'s nodes again (one more
+slurmctld RPC; a reservation changes rarely, the poll runs every second)."""
 NVML_CONFIRMS: Final = frozenset({"gpu_ecc_uncorrectable", "gpu_retired_pages", "gpu_remapped_rows"})
 """Rules of NVML readings that confirm a node fault by themselves (see :mod:`detect.isolation`)."""
 
@@ -67,6 +74,49 @@ def entry_time(entry_id: str) -> float:
     except ValueError:
         return time.time()
     return min(stamped, time.time())
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One look at Slurm through the scope: ``nodes`` in scope, ``outside`` the others,
+    every job, and ``held``: the jobs holding each node in scope (none: absent)."""
+
+    nodes: tuple[NodeInfo, ...]
+    outside: tuple[NodeInfo, ...]
+    jobs: tuple[JobInfo, ...]
+    held: Mapping[str, tuple[int, ...]]
+
+
+async def observe(slurm: SlurmBackend, scope: Scope) -> tuple[NodeView, Scope]:
+    """Nodes and jobs as unicornd may see them: the one place nodes enter its snapshot.
+
+    A reservation's nodes are read again every :data:`RESERVATION_REFRESH_S` (they change
+    while it lasts); the scope with them is returned. A reservation that cannot be read
+    again (it ended, slurmctld refused) keeps the nodes last read, logged: losing it must not
+    stop the poll (jobs ending, nodes lost) nor widen the scope. Raises the adapter's errors
+    for the nodes and jobs, or for a reservation never read (the caller skips the poll).
+    """
+    nodes = await slurm.list_nodes()
+    jobs = await slurm.list_jobs()
+    mono = time.monotonic()
+    if scope.reservation and (scope.reserved_s is None or mono - scope.reserved_s >= RESERVATION_REFRESH_S):
+        try:
+            reserved = frozenset(await slurm.reservation_nodes(scope.reservation))
+            scope = replace(scope, reserved=reserved, reserved_s=mono)
+        except UnicornError as e:
+            if scope.reserved is None:
+                raise
+            log.warning(
+                "reservation_unreadable",
+                reservation=scope.reservation,
+                kept=len(scope.reserved),
+                error=str(e),
+            )
+            scope = replace(scope, reserved_s=mono)
+    inside, outside = scope.split(nodes)
+    names = {n.name for n in inside}
+    held = {node: ids for node, ids in jobs_by_node(jobs).items() if node in names}
+    return NodeView(tuple(inside), tuple(outside), tuple(jobs), held), scope
 
 
 class AgentInputs:
@@ -129,8 +179,8 @@ class AgentInputs:
             node = task.nodes[0]  # a task-level hang whose stopped rank's node is unknown
         if not node:
             return
-        if f.source == "heartbeat" and self.cfg.ssh.enabled:
-            self._probe(jf, node, finding_id)
+        if f.source == "heartbeat" and self.cfg.ssh.enabled and node in self.core.snap.nodes:
+            self._probe(jf, node, finding_id)  # never a node outside the scope
             return
         await self._decide_finding(jf, node, finding_id, jf.classification, now_s)
 
@@ -190,6 +240,9 @@ class AgentInputs:
             rank=f.rank,
             rank_died=f.source == "exit",
             confirmed_by=confirmed_by,
+            iteration=jf.iteration,
+            span=jf.span,
+            launch_id=jf.launch_id,
         )
         if finding is None:
             return
@@ -212,12 +265,18 @@ class SlurmWatch:
     """Polls Slurm once a second and turns what changed into decisions."""
 
     def __init__(
-        self, core: Core, slurm: SlurmBackend, agent_users: AgentUsers, detector: Detector | None = None
+        self,
+        core: Core,
+        slurm: SlurmBackend,
+        agent_users: AgentUsers,
+        detector: Detector | None = None,
+        scope: Scope | None = None,
     ) -> None:
         self.core = core
         self.slurm = slurm
         self.agent_users = agent_users
         self.detector = detector
+        self.scope = scope or Scope()
 
     async def run(self) -> None:
         while True:
@@ -227,14 +286,17 @@ class SlurmWatch:
     async def poll(self) -> None:
         observed = time.time()
         try:
-            nodes = await self.slurm.list_nodes()
-            jobs = {j.job_id: j for j in await self.slurm.list_jobs()}
+            view, self.scope = await observe(self.slurm, self.scope)
         except UnicornError as e:
             log.warning("slurm_unavailable", error=str(e))
             return
+        jobs = {j.job_id: j for j in view.jobs}
         core = self.core
         now = time.time()
-        await self._nodes(nodes, now)
+        # Jobs first: a join's replan must see which nodes other users' jobs hold now.
+        await self._node_jobs(view.held, now)
+        await self._nodes(view.nodes, now, view.held)
+        await self._node_jobs(view.held, now)  # the nodes that joined just now
         render = core.ctx.render_for
         for task in list(core.snap.tasks.values()):
             if task.job_id is None or task.state not in PLANNED_STATES:
@@ -269,12 +331,29 @@ class SlurmWatch:
         except UnicornError as e:
             log.warning("agent_user_cleanup_failed", error=str(e))
 
-    async def _nodes(self, nodes: Sequence[NodeInfo], now: float) -> None:
-        """Nodes that joined, were drained outside unicorn, or stopped responding."""
+    async def _node_jobs(self, held: Mapping[str, tuple[int, ...]], now: float) -> None:
         core = self.core
+        if any(rec.jobs != held.get(name, ()) for name, rec in core.snap.nodes.items()):
+            await core.decide(now, partial(decide.on_node_jobs, jobs=held, now_s=now))
+
+    async def _nodes(
+        self, nodes: Sequence[NodeInfo], now: float, held: Mapping[str, tuple[int, ...]] | None = None
+    ) -> None:
+        """Nodes that joined, were drained outside unicorn, or stopped responding.
+
+        A node that other users' jobs hold (``held``, less the tasks' jobs) joins only once
+        they left: its join check would wait for their allocation, fail, and leave it out
+        of every plan; it is neither checked nor taken meanwhile (a known one stays drained,
+        a new one stays unknown)."""
+        core = self.core
+        ours = {t.job_id for t in core.snap.tasks.values() if t.job_id is not None}
         for info in nodes:
             rec = core.snap.nodes.get(info.name)
             if rec is None or (info.usable and rec.health is NodeHealth.DRAINED):
+                others = [j for j in (held or {}).get(info.name, ()) if j not in ours]
+                if others:
+                    log.debug("join_deferred", node=info.name, other_jobs=others)
+                    continue
                 await core.decide(now, partial(decide.on_node_join, node=info.name, now_s=now))
             elif not info.usable and info.drained and rec.health in (NodeHealth.HEALTHY, NodeHealth.DRAINING):
                 await core.decide(

@@ -47,6 +47,12 @@ def trainer_layout_args(layout: Layout) -> list[str]:
     ]
 
 
+def trainer_skip_args(skip: Sequence[tuple[int, int]]) -> list[str]:
+    """The built-in trainer's ``--skip-iterations=A-B,C-D`` for the task's skipped ranges
+    (:meth:`TaskRecord.skip_ranges`; nothing when none)."""
+    return [f"--skip-iterations={','.join(f'{a}-{b}' for a, b in skip)}"] if skip else []
+
+
 def rendezvous_port(cfg: AgentConfig, task_id: str, generation: int) -> int:
     """A port that differs between launches of a task and (almost surely) between tasks."""
     return cfg.rendezvous_port_base + (generation * 37 + zlib.crc32(task_id.encode())) % 1000
@@ -65,6 +71,8 @@ def render_task(
 
     A Megatron-LM task's argv is :func:`launcher.megatron.pretrain_command`'s, which checks
     the command again (:func:`launcher.megatron.check_user_args`): a bad one cannot render.
+    Iterations the task skips after a roll back (:meth:`TaskRecord.skip_ranges`) are
+    appended in the framework's flag: ``--skip-iterations`` or ``--iterations-to-skip``.
     """
     rdzv = Rendezvous(
         host=cfg.rendezvous_host or nodes[0],
@@ -74,15 +82,16 @@ def render_task(
     )
     options = TorchrunOptions(program=(str(bin_dir(cfg) / "torchrun"),), monitor_interval_s=0.1)
     heads = torchrun_argvs(layout, nodes=nodes, gpus_per_node=gpus_per_node, rendezvous=rdzv, options=options)
+    skip = task.skip_ranges()
     if task.framework == "megatron":
         return {
-            node: pretrain_command(heads[node], task.command, layout=layout, model=task.model)
+            node: pretrain_command(heads[node], task.command, layout=layout, model=task.model, skip=skip)
             for node in nodes
         }
     # torchrun runs a *.py program with python itself; anything else (python -m ..., a
     # console script such as unicorn-train) is an executable: --no-python.
     exe = [] if task.command[0].endswith(".py") else ["--no-python"]
-    tail = [*task.command, *trainer_layout_args(layout)]
+    tail = [*task.command, *trainer_layout_args(layout), *trainer_skip_args(skip)]
     return {node: [*heads[node], *exe, *tail] for node in nodes}
 
 

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 
 from unicorn_core import redis_io
 from unicorn_core.config import LeaderConfig
-from unicorn_core.errors import UnicornError
+from unicorn_core.errors import RedisCallError, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
 
@@ -62,7 +62,11 @@ class Lease:
     """This process's side of the election (see the module docstring)."""
 
     def __init__(
-        self, client: aioredis.Redis, keys: RedisKeys, cfg: LeaderConfig, ident: str | None = None
+        self,
+        client: aioredis.Redis,
+        keys: RedisKeys,
+        cfg: LeaderConfig,
+        ident: str | None = None,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -86,10 +90,20 @@ class Lease:
         return int(cast(int, raw))
 
     async def acquire(self) -> int:
-        """Wait as a standby until the lease is ours; returns the token."""
+        """Wait as a standby until the lease is ours; returns the token.
+
+        A Redis that does not answer (a failover in progress) is waited out, not fatal: a
+        standby has nothing to lose.
+        """
         waiting_since = time.monotonic()
         while True:
-            token = await self.try_acquire()
+            try:
+                token = await self.try_acquire()
+                if not token:
+                    await self._announce_standby()
+            except RedisCallError as e:
+                log.warning("standby_redis_unavailable", ident=self.ident, error=str(e))
+                token = 0
             if token:
                 self.token = token
                 await redis_io.call(("DEL",), self.client.delete(self.keys.standby(self.ident)))
@@ -100,8 +114,12 @@ class Lease:
                     waited_s=round(time.monotonic() - waiting_since, 3),
                 )
                 return token
-            await self._announce_standby()
             await asyncio.sleep(self.renew_every_s)
+
+    @property
+    def holder(self) -> str:
+        """The lease's value while this unicornd leads: ``token:id``."""
+        return f"{self.token}:{self.ident}"
 
     async def keep(self) -> None:
         """Renew the lease every third of it, forever; raises LeaseLost once another leads."""
@@ -114,11 +132,18 @@ class Lease:
                 )
 
     async def check(self) -> None:
-        """Raise LeaseLost unless the fence still carries our token (before a side effect)."""
-        fence = await redis_io.call(("GET", self.keys.fence()), self.client.get(self.keys.fence()))
+        """Raise LeaseLost unless the fence still carries our token and the lease names no
+        other holder (before a side effect; the commit script checks the same)."""
+        fence, held = await redis_io.call(
+            ("MGET", self.keys.fence()), self.client.mget(self.keys.fence(), self.keys.leader())
+        )
         if fence is None or int(cast(bytes, fence)) != self.token:
             raise LeaseLost(
                 f"unicornd {self.ident} (token {self.token}) is fenced off: the fence is {fence!r}"
+            )
+        if held is not None and cast(bytes, held).decode() != self.holder:
+            raise LeaseLost(
+                f"unicornd {self.ident} (token {self.token}) is fenced off: the lease is {held!r}"
             )
 
     async def release(self) -> None:

@@ -19,19 +19,27 @@ from unicorn_core.config import Config, load_config
 from unicorn_core.errors import ConfigError, UnicornError
 from unicorn_core.logs import configure_logging, get_logger
 from unicorn_core.slurm import make_backend
+from unicorn_core.slurm.scope import resolve_scope
 
 
 async def check(cfg: Config) -> None:
     log = get_logger("unicornd")
     slurm = await make_backend(cfg.slurm)
     version = await slurm.version()
-    nodes = await slurm.list_nodes()
+    scope = await resolve_scope(slurm, cfg.slurm)  # an unknown partition or reservation fails here
+    nodes = [n for n in await slurm.list_nodes() if scope.admits(n)]
     client = redis_io.connect(cfg.redis, client_name="unicornd-check")
     try:
         await redis_io.call(("PING",), client.ping())
     finally:
         await client.aclose()
-    log.info("check passed", slurm_version=version, nodes=len(nodes), redis=cfg.redis.url.split("@")[-1])
+    log.info(
+        "check passed",
+        slurm_version=version,
+        nodes=len(nodes),
+        scope=scope.describe(),
+        redis=cfg.redis.url.split("@")[-1],
+    )
 
 
 @click.command()

@@ -32,6 +32,18 @@ which Prometheus reads as a counter reset):
   fault itself to its detection is not in the snapshot (incidents carry no fault time).
 * ``unicorn_incident_recovery_seconds{severity}``: from detection to ``resumed``, per
   closed incident that resumed (one closed because its task ended is not a recovery).
+
+From the goodput ledger (:mod:`unicornd.goodput`; :meth:`~SnapshotMetrics.update_ledger`),
+cumulative since the ledger started (it is kept in Redis, so they survive restarts):
+
+* ``unicorn_goodput_gpu_seconds_total``, ``unicorn_goodput_productive_gpu_seconds_total``
+  and ``unicorn_goodput_lost_gpu_seconds_total{cause}``: GPU-seconds accounted, productive,
+  lost by :class:`~unicornd.goodput.Cause`;
+* gauges ``unicorn_goodput_{ideal,achieved}_wtflop`` and
+  ``unicorn_goodput_lost_wtflop{cause}``: weighted TFLOP (a cause can be negative);
+* gauges ``unicorn_goodput_achieved_waf_tflops`` (measured, now),
+  ``unicorn_goodput_ideal_waf_tflops`` (W* now) and
+  ``unicorn_goodput_task_achieved_waf_tflops{task}``.
 """
 
 from __future__ import annotations
@@ -43,7 +55,7 @@ from typing import Final
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from plan.hardware import GpuSpec
@@ -51,6 +63,7 @@ from plan.perf import estimate_layout
 from unicorn_core.config import MetricsConfig
 from unicorn_core.errors import ConfigError, InvalidArgument
 from unicornd.alerts import incident_milestones
+from unicornd.goodput import Cause, Ledger
 from unicornd.state import NodeHealth, Snapshot, TaskRecord, TaskState
 
 LATENCY_BUCKETS_S: Final = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
@@ -70,6 +83,7 @@ class SnapshotMetrics:
         self.registry = CollectorRegistry()
         self.gpu = gpu
         self._snap: Snapshot | None = None
+        self.ledger: Ledger | None = None
         self._seen: set[str] = set()
         self._observed: set[str] = set()
         self.incidents = Counter(
@@ -118,6 +132,10 @@ class SnapshotMetrics:
         self._observed &= snap.incidents.keys()
         self._snap = snap
 
+    def update_ledger(self, ledger: Ledger | None) -> None:
+        """Take ``ledger`` as the current goodput ledger (None: none kept, no goodput metrics)."""
+        self.ledger = ledger
+
     def task_waf_tflops(self, task: TaskRecord, gpus_per_node: int) -> float | None:
         """Unicron's F for the task as it runs now: weight x planned TFLOP/s of its layout
         (0 unless running); None without a GPU type or when the layout does not fit the model."""
@@ -144,6 +162,8 @@ class _SnapshotCollector(Collector):
         yield from self._tasks(snap)
         yield from _nodes(snap)
         yield from _incidents(snap)
+        if self.owner.ledger is not None:
+            yield from goodput_metrics(self.owner.ledger)
         yield GaugeMetricFamily(
             "unicorn_plan_generation", "Plans applied so far.", value=snap.plan_generation
         )
@@ -183,6 +203,51 @@ class _SnapshotCollector(Collector):
             yield GaugeMetricFamily(
                 "unicorn_waf_tflops", "Sum of the tasks' weighted planned TFLOP/s.", value=total_waf
             )
+
+
+def goodput_metrics(ledger: Ledger) -> Iterator[Metric]:
+    """The goodput ledger's metrics (see the module docstring)."""
+    t = ledger.totals
+    yield CounterMetricFamily(
+        "unicorn_goodput_gpu_seconds", "GPU-seconds accounted by the goodput ledger.", value=t.gpu_s
+    )
+    yield CounterMetricFamily(
+        "unicorn_goodput_productive_gpu_seconds",
+        "GPU-seconds that advanced training at the calibrated rate.",
+        value=t.productive_gpu_s,
+    )
+    lost = CounterMetricFamily(
+        "unicorn_goodput_lost_gpu_seconds", "GPU-seconds lost, by cause.", labels=["cause"]
+    )
+    lost_work = GaugeMetricFamily(
+        "unicorn_goodput_lost_wtflop", "Weighted TFLOP of the gap to the ideal, by cause.", labels=["cause"]
+    )
+    for c in Cause:
+        lost.add_metric([c.value], t.lost_gpu_s.get(c, 0.0))
+        lost_work.add_metric([c.value], t.lost_wtflop.get(c, 0.0))
+    yield from (lost, lost_work)
+    yield GaugeMetricFamily(
+        "unicorn_goodput_ideal_wtflop", "Weighted TFLOP the ideal would have done.", value=t.ideal_wtflop
+    )
+    yield GaugeMetricFamily(
+        "unicorn_goodput_achieved_wtflop", "Weighted TFLOP achieved (measured).", value=t.achieved_wtflop
+    )
+    yield GaugeMetricFamily(
+        "unicorn_goodput_achieved_waf_tflops",
+        "Achieved WAF now: weight x model FLOP/s of the running tasks' measured iterations.",
+        value=ledger.achieved_wtflops(),
+    )
+    yield GaugeMetricFamily(
+        "unicorn_goodput_ideal_waf_tflops",
+        "Ideal WAF now: the planner's best failure-free allocation, calibrated.",
+        value=ledger.ideal_wtflops(),
+    )
+    per_task = GaugeMetricFamily(
+        "unicorn_goodput_task_achieved_waf_tflops", "A task's measured WAF now.", labels=["task"]
+    )
+    for tid, book in sorted(ledger.tasks.items()):
+        per_task.add_metric([tid], book.achieved_wtflops if book.phase == "running" else 0.0)
+    yield per_task
 
 
 def _nodes(snap: Snapshot) -> Iterator[Metric]:

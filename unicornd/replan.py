@@ -73,15 +73,15 @@ def plan_for(
 ) -> Plan | None:
     """The planner's allocation for ``snapshot``: the call every replan of unicornd makes.
 
-    Healthy nodes that are not held form the cluster; tasks with an open incident are the
-    faulted ones. None when no task is planned. ``unicornctl plan --what-if-fail`` calls
+    The nodes :meth:`Snapshot.plannable` names form the cluster (healthy, not held, no
+    other user's job unless a task holds the node already); tasks with an open incident
+    are the faulted ones. None when no task is planned. ``unicornctl plan --what-if-fail`` calls
     it on a hypothetical snapshot, so both always agree.
     """
     tasks = sorted((t for t in snapshot.tasks.values() if t.state in PLANNED_STATES), key=lambda t: t.task_id)
     if not tasks:
         return None
-    healthy = [n for n in snapshot.nodes.values() if n.health is NodeHealth.HEALTHY and not n.held]
-    cluster = Cluster(len(healthy), snapshot.gpus_per_node, gpu, Granularity.NODE)
+    cluster = Cluster(len(snapshot.plannable()), snapshot.gpus_per_node, gpu, Granularity.NODE)
     curves = task_curves([t.spec() for t in tasks], cluster, cluster.workers + 1, assume)
     current = tuple(len(t.nodes) for t in tasks)
     faulted = frozenset(t.name for t in tasks if snapshot.open_incident(t.task_id) is not None)
@@ -115,8 +115,9 @@ def _nodes_needed(assignment: Assignment, gpus_per_node: int) -> tuple[int, Layo
 def _allocate(
     snapshot: Snapshot, tasks: Sequence[TaskRecord], needs: Mapping[str, int]
 ) -> dict[str, tuple[str, ...]]:
-    """New node list per task: current healthy nodes first (in their order), then free ones."""
-    usable = sorted(n.name for n in snapshot.nodes.values() if n.health is NodeHealth.HEALTHY and not n.held)
+    """New node list per task: current healthy nodes first (in their order), then free ones
+    (never a node another user's job holds: :meth:`Snapshot.plannable`)."""
+    usable = snapshot.plannable()
     usable_set = set(usable)
     taken: set[str] = set()
     out: dict[str, list[str]] = {}
@@ -128,7 +129,8 @@ def _allocate(
     short = sum(needs[t.task_id] - len(out[t.task_id]) for t in tasks) - len(free)
     if short > 0:
         raise InvalidArgument(
-            f"plan needs {sum(needs.values())} nodes, only {len(usable)} are healthy and not held "
+            f"plan needs {sum(needs.values())} nodes, only {len(usable)} are healthy, not held "
+            "and free of other users' jobs "
             f"({short} missing); replan on the current snapshot"
         )
     for task in tasks:

@@ -26,6 +26,7 @@ from unicorn_core.errors import InvalidArgument, UnicornError
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import get_logger
 from unicorn_core.slurm.backend import SlurmBackend
+from unicorn_core.slurm.scope import Scope
 from unicornd import decide
 from unicornd.control import (
     OPERATOR_REQUESTS,
@@ -58,6 +59,8 @@ class Requests:
         self.slurm = slurm
         self.client = client
         self.keys = RedisKeys(cfg.redis.key_prefix)
+        self.scope = Scope()
+        """The nodes unicorn manages (unicornd sets the resolved ``[slurm]`` scope at start)."""
         self.handlers: dict[type[Any], Callable[[Any, float], Awaitable[None]]] = {
             Register: self._register,
             Stop: self._stop,
@@ -94,6 +97,7 @@ class Requests:
         task = req.record()
         environment = req.job_environment()
         await self._authenticate(req, task)
+        await self._in_scope(task)
         arrived = partial(decide.on_task_arrived, task=task, now_s=now)
         if environment is None or task.job_id is None:
             await self.core.decide(now, arrived)
@@ -126,6 +130,20 @@ class Requests:
         await self.core.decide(
             now, partial(decide.on_operator_confirm_drain, incident_id=req.incident, now_s=now)
         )
+
+    async def _in_scope(self, task: TaskRecord) -> None:
+        """A task whose job holds nodes outside ``[slurm]``'s scope is refused: unicorn would
+        have to probe, drain or plan nodes it does not manage."""
+        if self.scope.everything or not task.nodes:
+            return
+        known = {n.name: n for n in await self.slurm.list_nodes()}
+        why = [self.scope.why_outside(known[n]) for n in task.nodes if n in known]
+        outside = [w for w in why if w is not None]
+        if outside:
+            raise InvalidArgument(
+                f"job {task.job_id} holds nodes unicorn does not manage ({self.scope.describe()}): "
+                + "; ".join(outside)
+            )
 
     async def _authenticate(self, req: Register, task: TaskRecord) -> None:
         """The registration was signed (MUNGE) for exactly this request by the owner of the

@@ -268,6 +268,43 @@ class RequeueWait:
     done_s: float | None = None
 
 
+@dataclass(frozen=True)
+class Rollback:
+    """A roll back of a task past a loss spike or NaN (issue 23): the data of iterations
+    ``first``..``last`` (inclusive, 1-based) is skipped, and the ranks restart from the newest
+    saved version strictly older than ``first`` (from any tier; the trainer finds it, see
+    ``unicorn-train --skip-iterations``). ``iteration``: the iteration the finding named.
+    ``incident_id``: the incident that decided it; ``launch``: the prefix of the relaunch's
+    action ids (the rolled-back ranks' iterations carry launch ids that start with it);
+    ``version``: the version the ranks restored, as their first report shows it (the first
+    iteration they reported, less one; None until then)."""
+
+    first: int
+    last: int
+    iteration: int
+    incident_id: str
+    launch: str
+    decided_s: float
+    version: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.first < 1 or self.last < self.first or not self.first <= self.iteration:
+            raise InvalidArgument(
+                f"rollback: need 1 <= first <= last and first <= iteration, got "
+                f"{self.first}, {self.last}, {self.iteration}"
+            )
+        _finite(self.decided_s, "rollback: decided_s")
+        if self.version is not None and not 0 <= self.version < self.first:
+            raise InvalidArgument(
+                f"rollback: version {self.version} must be >= 0 and older than iteration {self.first}"
+            )
+
+    @property
+    def skipped(self) -> str:
+        """The skipped range as ``unicorn-train --skip-iterations`` writes it (``A-B``)."""
+        return f"{self.first}-{self.last}"
+
+
 FRAMEWORKS: Final = ("unicorn-train", "megatron")
 """``unicorn-train``: the built-in trainer (layout as --tp/--pp/--dp/...); ``megatron``:
 Megatron-LM's pretrain_gpt.py (layout as --tensor-model-parallel-size/...)."""
@@ -293,7 +330,10 @@ class TaskRecord(_Record):
     ``finished_nodes``: nodes whose agent reported the training's clean exit since the
     latest (re)start of its ranks (all of them: the task finished). ``requeue``: a requeue
     of its job is under way (:class:`RequeueWait`). ``nodes`` is the one record of which
-    task uses which node (:meth:`Snapshot.owner`).
+    task uses which node (:meth:`Snapshot.owner`). ``rollbacks``: every roll back past a
+    loss spike or NaN (:class:`Rollback`), oldest first; their skipped ranges are part of
+    every later launch's command (:meth:`skip_ranges`). ``last_iteration_s``: when a rank
+    finished ``last_iteration`` (its wall clock; the goodput ledger times work by it).
     """
 
     task_id: str
@@ -317,6 +357,8 @@ class TaskRecord(_Record):
     generation: int = 0
     finished_nodes: tuple[str, ...] = ()
     requeue: RequeueWait | None = None
+    rollbacks: tuple[Rollback, ...] = ()
+    last_iteration_s: float | None = None
 
     def __post_init__(self) -> None:
         _name(self.task_id, "task_id")
@@ -336,8 +378,20 @@ class TaskRecord(_Record):
             _non_negative(self.last_iteration, f"task {self.task_id}: last_iteration")
         for what in ("recoveries_without_progress", "resizes_this_run", "incidents_opened", "generation"):
             _non_negative(getattr(self, what), f"task {self.task_id}: {what}")
-        for t in (*self.recovery_times_s, *(() if self.launched_s is None else (self.launched_s,))):
+        stamps = (self.launched_s, self.last_iteration_s)
+        for t in (*self.recovery_times_s, *(t for t in stamps if t is not None)):
             _finite(t, f"task {self.task_id}: timestamp")
+
+    def skip_ranges(self) -> tuple[tuple[int, int], ...]:
+        """The iterations whose data every launch of the task skips: ``(first, last)`` pairs,
+        sorted, overlapping ones merged."""
+        merged: list[tuple[int, int]] = []
+        for first, last in sorted((r.first, r.last) for r in self.rollbacks):
+            if merged and first <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+            else:
+                merged.append((first, last))
+        return tuple(merged)
 
     def check_command(self) -> None:
         """Registration's check of the command against unicorn's flags (a ``megatron`` one:
@@ -378,7 +432,10 @@ class NodeRecord(_Record):
     ``failures_s``: times unicorn found it faulty (SEV1 isolations, failed node checks);
     ``drains_s``: times unicorn drained it (the drain limiter counts these across the
     cluster); ``held``: failed too often, stays drained until an operator resumes it;
-    ``joins``: how often it (re)joined, so join actions get deterministic ids.
+    ``joins``: how often it (re)joined, so join actions get deterministic ids;
+    ``jobs``: the Slurm jobs holding it at the last poll (ascending ids). Those that are no
+    task's job are other users' (:meth:`Snapshot.foreign_jobs`): unicorn neither drains
+    nor plans a node they run on.
     """
 
     name: str
@@ -388,12 +445,16 @@ class NodeRecord(_Record):
     drains_s: tuple[float, ...] = ()
     held: bool = False
     joins: int = 0
+    jobs: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _name(self.name, "node name")
         for t in (*self.failures_s, *self.drains_s):
             _finite(t, f"node {self.name}: timestamp")
         _non_negative(self.joins, f"node {self.name}: joins")
+        for job_id in self.jobs:
+            if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id <= 0:
+                raise InvalidArgument(f"node {self.name}: job id {job_id!r} is not a positive integer")
 
     def with_health(self, new: NodeHealth, reason: str | None = None) -> NodeRecord:
         """Copy in health ``new`` (raises :class:`IllegalTransition`); same health: only the reason."""
@@ -425,7 +486,9 @@ class Incident(_Record):
     check must confirm the fault before any is drained (:mod:`detect.isolation`);
     ``confirmed_by`` what confirmed the last drain (a
     :class:`detect.isolation.Confirmation` value). ``finding_ids`` (the newest
-    :attr:`Policy.remembered_findings`) make a redelivered finding a no-op.
+    :attr:`Policy.remembered_findings`) make a redelivered finding a no-op. ``rollback``:
+    the roll back this incident ordered (skipped range, bound and restored version;
+    :class:`Rollback`), None when it ordered none.
     """
 
     incident_id: str
@@ -447,6 +510,7 @@ class Incident(_Record):
     note: str = ""
     pending_check: tuple[str, ...] = ()
     confirmed_by: str = ""
+    rollback: Rollback | None = None
 
     def __post_init__(self) -> None:
         if not self.incident_id:
@@ -522,6 +586,26 @@ class Snapshot:
             if node in task.nodes:
                 return task
         return None
+
+    def foreign_jobs(self, node: str) -> tuple[int, ...]:
+        """Jobs on ``node`` (at the last Slurm poll) that are no task's: other users' work."""
+        rec = self.nodes.get(node)
+        if rec is None or not rec.jobs:
+            return ()
+        ours = {t.job_id for t in self.tasks.values() if t.job_id is not None}
+        return tuple(j for j in rec.jobs if j not in ours)
+
+    def plannable(self) -> list[str]:
+        """The nodes the planner may use, by name: healthy, not held, and free of other
+        users' jobs unless a task runs there already (it keeps what it has)."""
+        used = {n for t in self.tasks.values() for n in t.nodes}
+        return sorted(
+            n.name
+            for n in self.nodes.values()
+            if n.health is NodeHealth.HEALTHY
+            and not n.held
+            and (n.name in used or not self.foreign_jobs(n.name))
+        )
 
     def task_of_job(self, job_id: int) -> TaskRecord | None:
         for task in self.tasks.values():

@@ -23,6 +23,7 @@ from typing import Any, Final, cast
 import redis.asyncio as aioredis
 
 from unicorn_core import redis_io
+from unicorn_core.config import RedisConfig
 from unicorn_core.errors import ProtocolError, RedisCallError, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
@@ -114,11 +115,18 @@ class Owed:
 
 _COMMIT: Final = """
 local token = tonumber(ARGV[1])
-if token > 0 and tonumber(redis.call('GET', KEYS[4]) or '0') ~= token then
-  return redis.error_reply('FENCED token ' .. ARGV[1] .. ', fence ' .. tostring(redis.call('GET', KEYS[4])))
+if token > 0 then
+  if tonumber(redis.call('GET', KEYS[4]) or '0') ~= token then
+    return redis.error_reply('FENCED token ' .. ARGV[1] .. ', fence ' .. tostring(redis.call('GET', KEYS[4])))
+  end
+  local held = redis.call('GET', KEYS[5])
+  if held and held ~= ARGV[2] then
+    return redis.error_reply('FENCED lease held by ' .. held .. ', not ' .. ARGV[2])
+  end
+  redis.call('HINCRBY', KEYS[6], ARGV[1], 1)
 end
-redis.call('SET', KEYS[1], ARGV[2])
-local i = 3
+redis.call('SET', KEYS[1], ARGV[3])
+local i = 4
 local n = tonumber(ARGV[i])
 for j = 1, n do redis.call('LREM', KEYS[2], 1, ARGV[i + j]) end
 i = i + n + 1
@@ -131,10 +139,14 @@ if ARGV[i] ~= '' then
 end
 return 1
 """
-"""One commit, atomically. KEYS: state, owed list, done set, fence. ARGV: token (0: no
-election), snapshot, the voided entries (count first), the new entries (count first),
-the finished entry and its id ("" ""). Refused, changing nothing, when a token is given
-and the fence has moved past it (another unicornd took the lease)."""
+"""One commit, atomically. KEYS: state, owed list, done set, fence, lease, commits per
+token (counted for each accepted commit made under a token). ARGV: token
+(0: no election), the lease holder ``token:id``, snapshot, the voided entries (count
+first), the new entries (count first), the finished entry and its id ("" ""). Refused,
+changing nothing, when a token is given and the fence has moved past it (another unicornd
+took the lease), or when the lease names another holder: after a Sentinel failover that
+lost an unreplicated INCR of the fence, a second leader can be handed the same token, and
+only the lease's holder tells the two apart."""
 
 
 class Fenced(UnicornError):
@@ -147,12 +159,27 @@ class Store:
     ``token``: this unicornd's fencing token (:mod:`unicornd.leader`); 0 when no election
     guards the commits (tests, tools)."""
 
-    def __init__(self, client: aioredis.Redis, keys: RedisKeys, policy: Policy, *, token: int = 0) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: RedisKeys,
+        policy: Policy,
+        *,
+        token: int = 0,
+        holder: str = "",
+        replication: RedisConfig | None = None,
+    ) -> None:
         self.client = client
         self.keys = keys
         self.policy = policy
         self.token = token
+        self.holder = holder
+        """The lease value ``token:id`` this unicornd holds (set with ``token``)."""
+        self.replication = replication or RedisConfig()
         self.commits = 0
+        self.unreplicated = 0
+        """Commits the primary acknowledged but ``wait_replicas`` replicas did not within
+        ``wait_timeout_ms`` (a failover in that window would lose them: see ARCHITECTURE)."""
 
     async def load(self, gpus_per_node: int) -> Snapshot:
         """The persisted snapshot, or an empty one for a fresh installation."""
@@ -187,21 +214,43 @@ class Store:
                 and (finished is None or o.raw != finished.raw)
             ]
         k = self.keys
-        args: list[str | int] = [self.token, snapshot_to_json(snap), len(voided), *(o.raw for o in voided)]
+        args: list[str | int] = [
+            self.token,
+            self.holder,
+            snapshot_to_json(snap),
+            len(voided),
+            *(o.raw for o in voided),
+        ]
         args += [len(actions), *(json.dumps(action_to_dict(a)) for a in actions)]
         args += [finished.raw, finished.action.action_id] if finished is not None else ["", ""]
         try:
-            await redis_io.call(
+            _, replicated = await redis_io.eval_replicated(
+                self.client,
+                self.replication,
                 ("EVAL", "commit", k.state()),
-                self.client.eval(
-                    _COMMIT, 4, k.state(), k.actions_pending(), k.actions_done(), k.fence(), *args
-                ),
+                _COMMIT,
+                6,
+                k.state(),
+                k.actions_pending(),
+                k.actions_done(),
+                k.fence(),
+                k.leader(),
+                k.commits(),
+                *args,
             )
         except RedisCallError as e:
             if "FENCED" in str(e):
                 raise Fenced(f"commit refused: {e}; another unicornd leads") from e
             raise
         self.commits += 1
+        if not replicated:
+            self.unreplicated += 1
+            log.warning(
+                "commit_not_replicated",
+                replicas=self.replication.wait_replicas,
+                timeout_ms=self.replication.wait_timeout_ms,
+                unreplicated=self.unreplicated,
+            )
         return [o.action for o in voided]
 
     async def owed(self) -> list[Owed]:

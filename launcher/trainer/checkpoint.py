@@ -24,6 +24,9 @@ from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from unicorn_core.errors import InvalidArgument
 
 LATEST_MARKER: Final = "latest"
+SKIPPED_FILE: Final = "unicorn-skipped"
+"""In a version folder: the iterations the saving run had skipped by then (``A-B,C-D``;
+absent: none), so a run that skips data never resumes from a version trained on it."""
 
 
 def version_dir(directory: str | os.PathLike[str], iteration: int) -> Path:
@@ -75,11 +78,33 @@ def _publish(directory: Path, iteration: int) -> None:
         os.close(fd)
 
 
-def save(state: dict[str, Any], iteration: int, directory: str | os.PathLike[str]) -> Path:
+def complete_versions(directory: str | os.PathLike[str]) -> list[int]:
+    """Iterations of every complete version folder in ``directory`` (DCP's ``.metadata``
+    written), newest first."""
+    out = []
+    for path in Path(directory).glob("iter_*"):
+        number = path.name.removeprefix("iter_")
+        if number.isdigit() and (path / ".metadata").is_file():
+            out.append(int(number))
+    return sorted(out, reverse=True)
+
+
+def skipped_of(directory: str | os.PathLike[str], iteration: int) -> str:
+    """What the run that saved version ``iteration`` had skipped (:data:`SKIPPED_FILE`)."""
+    try:
+        return (version_dir(directory, iteration) / SKIPPED_FILE).read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def save(
+    state: dict[str, Any], iteration: int, directory: str | os.PathLike[str], *, skipped: str = ""
+) -> Path:
     """Write ``state`` as version ``iteration`` and publish it; returns the version folder.
 
     ``state`` maps names to tensors, plain values or ``Stateful`` objects (DCP calls
-    their ``state_dict()``).
+    their ``state_dict()``). ``skipped``: the iterations the run skipped so far
+    (:data:`SKIPPED_FILE`, written before the version is published).
     """
     if iteration < 0:
         raise InvalidArgument(f"iteration must be >= 0, got {iteration}")
@@ -91,6 +116,11 @@ def save(state: dict[str, Any], iteration: int, directory: str | os.PathLike[str
     state_dict_saver.save(state, checkpoint_id=str(target))
     _barrier()  # every rank's shards and DCP's metadata are written
     if _is_writer():
+        marker = target / SKIPPED_FILE
+        if skipped:
+            marker.write_text(f"{skipped}\n")
+        else:
+            marker.unlink(missing_ok=True)
         _publish(root, iteration)
     _barrier()  # no rank proceeds (or exits) before the version is published
     return target

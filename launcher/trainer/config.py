@@ -59,6 +59,64 @@ class FaultInjection:
     once_marker: str | None = None
 
 
+class CorruptMode(StrEnum):
+    """Test-only data corruption: what a corrupted batch does to the step."""
+
+    SPIKE = "spike"  # targets shifted, loss and gradients x16 (an outlier batch): the loss jumps
+    NAN = "nan"  # the step's loss and gradients become NaN
+
+
+@dataclass(frozen=True)
+class BatchCorruption:
+    """Corrupt the batch of each of ``iterations`` on every rank (a bad stretch of data,
+    for the loss-spike roll back's tests). A skipped iteration's batch is never trained on,
+    so it cannot spike."""
+
+    iterations: tuple[int, ...]
+    mode: CorruptMode = CorruptMode.SPIKE
+
+    def __post_init__(self) -> None:
+        if not self.iterations or any(isinstance(i, bool) or i < 1 for i in self.iterations):
+            raise InvalidArgument(f"--corrupt-iterations needs iterations >= 1, got {list(self.iterations)}")
+
+
+_RANGE_RE: Final = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def parse_ranges(text: str, what: str = "--skip-iterations") -> tuple[tuple[int, int], ...]:
+    """``A-B,C,D-E`` (1-based, inclusive) -> sorted ``(first, last)`` pairs, overlapping or
+    adjacent ones merged; an empty text is no range. Raises InvalidArgument on anything else."""
+    pairs: list[tuple[int, int]] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        match = _RANGE_RE.match(item)
+        if match is None:
+            raise InvalidArgument(f"{what} item {item!r}: expected A-B or A (iterations >= 1)")
+        first = int(match[1])
+        last = int(match[2]) if match[2] is not None else first
+        if first < 1 or last < first:
+            raise InvalidArgument(f"{what} item {item!r}: need 1 <= A <= B")
+        pairs.append((first, last))
+    merged: list[tuple[int, int]] = []
+    for first, last in sorted(pairs):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], last))
+        else:
+            merged.append((first, last))
+    return tuple(merged)
+
+
+def format_ranges(ranges: tuple[tuple[int, int], ...]) -> str:
+    """Inverse of :func:`parse_ranges` (``A-B`` items joined by commas)."""
+    return ",".join(f"{a}-{b}" for a, b in ranges)
+
+
+def skipped_before(ranges: tuple[tuple[int, int], ...], iteration: int) -> tuple[tuple[int, int], ...]:
+    """The part of ``ranges`` at or before ``iteration``: what a run that reached
+    ``iteration`` has skipped. A saved version is this run's past only if it skipped exactly
+    that (see :mod:`launcher.trainer.snapshots`)."""
+    return tuple((a, min(b, iteration)) for a, b in ranges if a <= iteration)
+
+
 _JOB_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _PEER_RE: Final = re.compile(r"^([^=,\s]+)=([^=,\s]+):(\d{1,5})$")
 
@@ -92,6 +150,9 @@ class SnapshotOptions:
     other nodes' snapshots; ``peers``: other nodes' agents; ``local_dir``/``remote_dir``:
     where the agent persists. Shards live under ``<dir>/<job>/``. ``every``: iterations
     between snapshots (0 = only at save-interval iterations, SIGUSR1/SIGTERM and the end).
+    ``slots``: versions each rank keeps in the memory tier (the agent derives it from the
+    loss detector's window, ``ckpt.memory_versions``, so a roll back past a loss spike
+    finds a version older than the spike).
     """
 
     snap_dir: str
@@ -101,8 +162,11 @@ class SnapshotOptions:
     local_dir: str | None = None
     remote_dir: str | None = None
     peers: tuple[PeerSpec, ...] = ()
+    slots: int = 2
 
     def __post_init__(self) -> None:
+        if isinstance(self.slots, bool) or self.slots < 1:
+            raise InvalidArgument(f"--snapshot-slots must be an integer >= 1, got {self.slots!r}")
         if not _JOB_RE.match(self.job):
             raise InvalidArgument(
                 f"--snapshot-job {self.job!r}: expected 1-128 of [A-Za-z0-9._-], not starting with . or -"
@@ -118,7 +182,10 @@ class TrainConfig:
     Iterations are 1-based as in Megatron: iteration ``k`` consumes global samples
     ``[(k-1)*G, k*G)``; a checkpoint "at k" holds the state after ``k`` iterations.
     ``iterations`` is the total (Megatron's ``--train-iters``) and fixes the learning-rate
-    schedule, so a relaunch must pass the same value.
+    schedule, so a relaunch must pass the same value. ``skip_iterations``: iterations whose
+    data is consumed and discarded, never trained on (a roll back past a loss spike; the
+    iteration numbers, the data positions and the LR schedule of the others are unchanged).
+    ``corruption``: test-only bad batches (:class:`BatchCorruption`).
     """
 
     model: ModelSpec
@@ -140,10 +207,20 @@ class TrainConfig:
     fault: FaultInjection | None = None
     dist_timeout_s: float = 120.0
     snapshots: SnapshotOptions | None = None
+    skip_iterations: tuple[tuple[int, int], ...] = ()
+    corruption: BatchCorruption | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
         self._check_options()
+        if self.skip_iterations != parse_ranges(format_ranges(self.skip_iterations)):
+            raise InvalidArgument(
+                f"skip_iterations must be sorted, disjoint (first, last) pairs, got {self.skip_iterations}"
+            )
+
+    def skips(self, iteration: int) -> bool:
+        """Whether iteration ``iteration``'s data is skipped (``--skip-iterations``)."""
+        return any(a <= iteration <= b for a, b in self.skip_iterations)
 
     def _check_numbers(self) -> None:
         positive_ints = {"iterations": self.iterations, "log_interval": self.log_interval}

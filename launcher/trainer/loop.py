@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from launcher.hook import get_hook
 from launcher.trainer import checkpoint
-from launcher.trainer.config import FaultMode, TrainConfig
+from launcher.trainer.config import CorruptMode, FaultMode, TrainConfig, format_ranges, skipped_before
 from launcher.trainer.data import batch, replica_samples
 from launcher.trainer.logline import iteration_line
 from launcher.trainer.model import build_stage, placement
@@ -56,6 +56,10 @@ from unicorn_core.errors import InvalidArgument, UnicornError
 from unicorn_core.protocol import IterationPhase
 
 FAULT_EXIT_CODE: Final = 3
+SPIKE_FACTOR: Final = 16.0
+"""A corrupted batch (``--corrupt-mode spike``, test only) has its targets shifted and its
+loss and gradients scaled by this: an outlier batch. Shifted targets alone do not stand out
+while the tiny model still predicts nearly uniformly (every target then costs ln V)."""
 
 
 class InjectedFault(RuntimeError):
@@ -242,7 +246,10 @@ def _loop(cfg: TrainConfig, trainer: _Trainer, rank: int, done: int) -> tuple[in
     iteration, last_saved = done, done
     for iteration in range(done + 1, cfg.iterations + 1):
         _inject_fault(cfg, iteration, rank)
-        stop_now = trainer.train_iteration(iteration, first=iteration == done + 1)
+        if cfg.skips(iteration):
+            stop_now = trainer.skip_iteration(iteration)
+        else:
+            stop_now = trainer.train_iteration(iteration, first=iteration == done + 1)
         exiting = stop_now or iteration == cfg.exit_at_iteration
         periodic = cfg.save_interval is not None and iteration % cfg.save_interval == 0
         asked = trainer.save_now
@@ -291,7 +298,7 @@ class _Trainer:
         self.runner = StepRunner(module, mesh, layout, device, cfg.pp_schedule)
         self.state: dict[str, Any] = {"train": TrainState(stage, self.optimizer), "meta": _meta(cfg)}
         self.memory = (
-            MemoryCheckpoints(cfg.snapshots, rank, dist.get_world_size())
+            MemoryCheckpoints(cfg.snapshots, rank, dist.get_world_size(), cfg.skip_iterations)
             if cfg.snapshots is not None
             else None
         )
@@ -307,7 +314,7 @@ class _Trainer:
         cfg = self.cfg
         on_disk = None
         if cfg.load_dir is not None and cfg.load_iteration is None:
-            box = [checkpoint.latest_iteration(cfg.load_dir) if self.rank == 0 else None]
+            box = [self._disk_version(cfg.load_dir) if self.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)
             on_disk = box[0]
         if self.memory is not None:
@@ -329,7 +336,7 @@ class _Trainer:
                 raise InvalidArgument(f"no tier holds a complete version of iteration {cfg.load_iteration}")
             return 0
         if cfg.load_iteration is None:
-            loaded = checkpoint.load_latest(self.state, cfg.load_dir)
+            loaded = None if on_disk is None else checkpoint.load_version(self.state, cfg.load_dir, on_disk)
         else:
             loaded = checkpoint.load_version(self.state, cfg.load_dir, cfg.load_iteration)
         if loaded is None:
@@ -338,6 +345,21 @@ class _Trainer:
         if self.rank == 0:
             print(f"[unicorn-train] restored iteration {loaded} from --load {cfg.load_dir}", flush=True)
         return loaded
+
+    def _disk_version(self, directory: str) -> int | None:
+        """The version of ``--load`` to resume from: the published one, or with
+        ``--skip-iterations`` the newest complete one, not newer, whose saving run skipped
+        what this run skips by then (never one trained on data this run skips)."""
+        latest = checkpoint.latest_iteration(directory)
+        skip = self.cfg.skip_iterations
+        if not skip or latest is None:
+            return latest
+        for version in checkpoint.complete_versions(directory):
+            if version <= latest and checkpoint.skipped_of(directory, version) == format_ranges(
+                skipped_before(skip, version)
+            ):
+                return version
+        return None
 
     def start_jit(self, done: int) -> None:
         """With a memory tier: start the just-in-time thread; ``done`` is the restored iteration."""
@@ -372,7 +394,9 @@ class _Trainer:
             stall_s = self.memory.save(self.state, iteration)
         if self.jit is not None:
             self.jit.saved(iteration)
-        self.hook.iteration(iteration, stall_s, phase=IterationPhase.CHECKPOINT)
+        self.hook.iteration(
+            iteration, stall_s, phase=IterationPhase.CHECKPOINT, final=iteration == self.cfg.iterations
+        )
         if self.rank == 0:
             print(
                 f"[unicorn-train] snapshot of iteration {iteration} in memory ({stall_s:.3f} s)", flush=True
@@ -392,7 +416,10 @@ class _Trainer:
         inputs, targets = batch(
             first_index, count, seed=cfg.seed, sequence=cfg.model.sequence, vocabulary=cfg.model.vocabulary
         )
-        local_loss = self.runner.step(inputs.to(self.device), targets.to(self.device))
+        targets = self._corrupt_targets(iteration, targets)
+        local_loss = self._corrupt_step(
+            iteration, self.runner.step(inputs.to(self.device), targets.to(self.device))
+        )
         # The state a JIT snapshot may take changes here only (the lr set above is
         # recomputed every iteration, so a snapshot holding the next one's is harmless).
         with self._updating():
@@ -418,8 +445,91 @@ class _Trainer:
             self.clock.first_iteration_s = time.time()
             if self.rank == 0:
                 print(f"[unicorn-train] startup {json.dumps(asdict(self.clock))}", flush=True)
-        self.hook.iteration(iteration, dt, samples=layout.global_batch, phase=IterationPhase.TRAIN, loss=loss)
+        self.hook.iteration(
+            iteration,
+            dt,
+            samples=layout.global_batch,
+            phase=IterationPhase.TRAIN,
+            loss=loss,
+            final=iteration == cfg.iterations,
+        )
         self._log(iteration, dt, lr, loss, force=stop_now)
+        return stop_now
+
+    def _corrupting(self, iteration: int) -> CorruptMode | None:
+        corruption = self.cfg.corruption
+        return corruption.mode if corruption is not None and iteration in corruption.iterations else None
+
+    def _corrupt_targets(self, iteration: int, targets: torch.Tensor) -> torch.Tensor:
+        """``--corrupt-iterations`` (test only): the batch's targets, shifted in spike mode."""
+        mode = self._corrupting(iteration)
+        if mode is None:
+            return targets
+        if self.rank == 0:
+            print(
+                f"[unicorn-train] corrupting the batch of iteration {iteration} "
+                f"({mode}, --corrupt-iterations: test only)",
+                flush=True,
+            )
+        vocabulary = self.cfg.model.vocabulary
+        return (targets + vocabulary // 2) % vocabulary if mode is CorruptMode.SPIKE else targets
+
+    def _corrupt_step(self, iteration: int, local_loss: float | None) -> float | None:
+        """``--corrupt-iterations`` (test only): the step's gradients and loss, scaled by
+        :data:`SPIKE_FACTOR` (spike) or NaN (nan)."""
+        mode = self._corrupting(iteration)
+        if mode is None:
+            return local_loss
+        nan = mode is CorruptMode.NAN
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if nan:
+                    param.grad.fill_(float("nan"))
+                else:
+                    param.grad.mul_(SPIKE_FACTOR)
+        if local_loss is None:
+            return None
+        return float("nan") if nan else local_loss * SPIKE_FACTOR
+
+    def skip_iteration(self, iteration: int) -> bool:
+        """Iteration ``iteration`` of ``--skip-iterations``: its batch is consumed and
+        discarded (no forward, no backward, no optimizer step; the next iteration reads the
+        next samples, as in an uninterrupted run), the ranks still agree on stop and save
+        requests, and the iteration is reported without a loss. Returns whether any rank
+        asked to stop."""
+        cfg, layout = self.cfg, self.cfg.layout
+        t0 = time.monotonic()
+        first_index, count = replica_samples(
+            iteration, global_batch=layout.global_batch, dp=layout.dp, dp_rank=self.runner.coords.dp
+        )
+        batch(first_index, count, seed=cfg.seed, sequence=cfg.model.sequence, vocabulary=cfg.model.vocabulary)
+        if self.jit is not None:
+            self.jit.completed(iteration)  # the state is the previous iteration's, unchanged
+        agreed = torch.tensor(
+            [1.0 if self.stop.requested else 0.0, 1.0 if self.stop.save_requested else 0.0],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        self.stop.save_requested = False
+        dist.all_reduce(agreed)
+        stop_now, self.save_now = bool(agreed[0].item() > 0), bool(agreed[1].item() > 0)
+        dt = time.monotonic() - t0
+        self.hook.iteration(
+            iteration,
+            dt,
+            samples=layout.global_batch,
+            phase=IterationPhase.TRAIN,
+            final=iteration == cfg.iterations,
+        )
+        first_global = (iteration - 1) * layout.global_batch
+        if self.is_logger:
+            print(
+                f"[unicorn-train] skipped iteration {iteration}: samples {first_global}.."
+                f"{first_global + layout.global_batch - 1} consumed and discarded (--skip-iterations)",
+                flush=True,
+            )
         return stop_now
 
     def _log(self, iteration: int, dt: float, lr: float, loss: float, *, force: bool) -> None:
@@ -443,8 +553,14 @@ class _Trainer:
     def save(self, iteration: int, directory: str) -> None:
         self.hook.slow_step(IterationPhase.CHECKPOINT)  # a save is slow, not a hang
         t_save = time.monotonic()
-        checkpoint.save(self.state, iteration, directory)
-        self.hook.iteration(iteration, time.monotonic() - t_save, phase=IterationPhase.CHECKPOINT)
+        skipped = format_ranges(skipped_before(self.cfg.skip_iterations, iteration))
+        checkpoint.save(self.state, iteration, directory, skipped=skipped)
+        self.hook.iteration(
+            iteration,
+            time.monotonic() - t_save,
+            phase=IterationPhase.CHECKPOINT,
+            final=iteration == self.cfg.iterations,
+        )
         if self.rank == 0:
             print(f"[unicorn-train] saved iteration {iteration} to {directory}", flush=True)
 

@@ -44,9 +44,12 @@ from ckpt.restore import PeerAddress, Restorer, RestoreReport
 from ckpt.shard import OpenShard, seal_shard
 from ckpt.snapshot import SnapshotWriter
 from ckpt.tier import Tier, TierDir
-from launcher.trainer.config import SnapshotOptions
+from launcher.trainer.config import SnapshotOptions, format_ranges, skipped_before
 
 RESTORE_LOCK: Final = ".restore.lock"
+SKIPPED_KEY: Final = "skipped_iterations"
+"""Shard metadata ``extra`` key: the iterations the saving run had skipped by then
+(``A-B,C-D``; absent: none)."""
 _FETCH_TIMEOUT_S: Final = 60.0
 
 
@@ -80,10 +83,20 @@ def tier_dirs(opts: SnapshotOptions) -> tuple[TierDir, ...]:
 class MemoryCheckpoints:
     """One rank's view of the tiers in ``opts``. Construct on every rank together (collective)."""
 
-    def __init__(self, opts: SnapshotOptions, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        opts: SnapshotOptions,
+        rank: int,
+        world_size: int,
+        skip: tuple[tuple[int, int], ...] = (),
+    ) -> None:
+        """``skip``: the iterations this run skips (``--skip-iterations``): each save records
+        the part it has passed, and a restore takes only versions whose record agrees (see
+        :meth:`restore`)."""
         self.opts = opts
         self.rank = rank
         self.world_size = world_size
+        self.skip = skip
         self._tiers = tier_dirs(opts)
         self.snap = self._tiers[0]
         self.backups = tuple(t for t in self._tiers if t.tier is Tier.PEER)
@@ -105,7 +118,9 @@ class MemoryCheckpoints:
         """This rank's shm writer, created at its first use (a save or the JIT thread's start),
         which must come after any restore (see ``__init__``)."""
         if self._writer is None:
-            self._writer = SnapshotWriter(self.snap.root, self.snap.job_id, self.rank, self.world_size)
+            self._writer = SnapshotWriter(
+                self.snap.root, self.snap.job_id, self.rank, self.world_size, slots=self.opts.slots
+            )
         return self._writer
 
     def save(self, state: dict[str, Any], iteration: int, *, local: bool = False) -> float:
@@ -114,8 +129,13 @@ class MemoryCheckpoints:
         ``local``: no collective (DCP ``no_dist``), so a dead peer cannot block it.
         """
         start = time.perf_counter()
+        skipped = format_ranges(skipped_before(self.skip, iteration))
         writer = MemoryStorageWriter(
-            self.writer(), iteration, seal=False, save_id=f"{self.run_id}-{iteration}"
+            self.writer(),
+            iteration,
+            seal=False,
+            save_id=f"{self.run_id}-{iteration}",
+            extra={SKIPPED_KEY: skipped} if skipped else None,
         )
         state_dict_saver.save(state, storage_writer=writer, no_dist=local)
         return time.perf_counter() - start
@@ -131,7 +151,12 @@ class MemoryCheckpoints:
         self, state: dict[str, Any], *, exactly: int | None = None, at_least: int | None = None
     ) -> Restored | None:
         """Load the newest version every rank can read verified (``exactly`` that one, or
-        one ``>= at_least``) into ``state`` in place; None when no candidate qualifies."""
+        one ``>= at_least``) into ``state`` in place; None when no candidate qualifies.
+
+        A version is this run's past only if it skipped what this run skips up to it: one
+        saved at or after a skipped iteration by a run that trained on it (the run a roll
+        back replaces) is passed over with its reason, so the ranks restore the newest
+        version older than the bad data, at this launch and at every later one."""
         skipped: list[str] = []
         for iteration in self._candidates():
             if (exactly is not None and iteration != exactly) or (
@@ -142,6 +167,15 @@ class MemoryCheckpoints:
                 shards, sources = self.open_version(iteration)
             except RestoreFailed as exc:
                 skipped.append(f"iteration {iteration}: {exc}")
+                continue
+            recorded = str(shards[0].meta.extra.get(SKIPPED_KEY, "")) if shards else ""
+            expected = format_ranges(skipped_before(self.skip, iteration))
+            if recorded != expected:
+                _close(shards)
+                skipped.append(
+                    f"iteration {iteration}: saved by a run that skipped [{recorded}], this run "
+                    f"skips [{expected}] by then (it trained on data this run skips)"
+                )
                 continue
             reader = MemoryStorageReader([self.snap], iteration, shards=shards)
             try:

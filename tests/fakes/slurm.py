@@ -32,19 +32,24 @@ import dataclasses
 import os
 from collections.abc import Iterable, Mapping, Sequence
 
-from unicorn_core.errors import CommandFailed, InvalidArgument, UnknownJob, UnknownNode
+from unicorn_core.errors import InvalidArgument, UnknownJob, UnknownNode
 from unicorn_core.proc import CommandOutput
-from unicorn_core.slurm.backend import ResizeUnsupported, StepHandle
+from unicorn_core.slurm.backend import ResizeUnsupported, StepHandle, UnknownReservation
 from unicorn_core.slurm.types import GrowResult, JobInfo, JobState, NodeInfo, NodeState
 
 __all__ = ["FakeSlurm", "idle_node", "running_job"]
 
 
 def idle_node(
-    name: str, *, cpus: int = 4, gpus: int = 2, partitions: tuple[str, ...] = ("debug",)
+    name: str,
+    *,
+    cpus: int = 4,
+    gpus: int = 2,
+    partitions: tuple[str, ...] = ("debug",),
+    features: tuple[str, ...] = (),
 ) -> NodeInfo:
     """An idle, responding, undrained node with ``gpus`` GPUs and 1 GiB of memory."""
-    return NodeInfo(name, NodeState.IDLE, frozenset(), "", cpus, gpus, 0, 1024, partitions)
+    return NodeInfo(name, NodeState.IDLE, frozenset(), "", cpus, gpus, 0, 1024, partitions, features)
 
 
 def running_job(job_id: int, nodes: Sequence[str], *, name: str = "unicorn", user: str = "root") -> JobInfo:
@@ -64,12 +69,15 @@ class FakeSlurm:
         *,
         version: str = "22.05.8",
         local_steps: bool = False,
+        reservations: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.nodes: dict[str, NodeInfo] = {}
         for node in nodes:
             info = node if isinstance(node, NodeInfo) else idle_node(node)
             self.nodes[info.name] = info
         self.jobs: dict[int, JobInfo] = {j.job_id: j for j in jobs}
+        self.reservations: dict[str, tuple[str, ...]] = {k: tuple(v) for k, v in (reservations or {}).items()}
+        """Reservation name -> its nodes (``reservation_nodes`` answers from it)."""
         self.version_string = version
         self.local_steps = local_steps
         self.calls: list[tuple[object, ...]] = []
@@ -154,6 +162,17 @@ class FakeSlurm:
     async def get_node(self, name: str) -> NodeInfo:
         self._query("get_node")
         return self._node(name)
+
+    async def list_partitions(self) -> list[str]:
+        """Every partition some node is in (a fake has no partition without nodes)."""
+        self._query("list_partitions")
+        return sorted({p for n in self.nodes.values() for p in n.partitions})
+
+    async def reservation_nodes(self, name: str) -> tuple[str, ...]:
+        self._query("reservation_nodes")
+        if name not in self.reservations:
+            raise UnknownReservation(name)
+        return self.reservations[name]
 
     async def list_jobs(self) -> list[JobInfo]:
         self._query("list_jobs")
@@ -249,12 +268,14 @@ class FakeSlurm:
         return GrowResult(job_id, "expand", added)
 
     async def requeue(self, job_id: int, nodes: Sequence[str] = ()) -> None:
-        """Back to PENDING (``start_job`` runs it again); a pending job fails as in scontrol."""
+        """Back to PENDING (``start_job`` runs it again). A job already pending (Slurm
+        requeued it itself) stays pending and gets the new node count, as the CLI adapter
+        then still sets it."""
         self._act("requeue", job_id, tuple(nodes))
         job = self._job(job_id)
         if job.state is JobState.PENDING:
-            argv = ("scontrol", "requeue", str(job_id))
-            raise CommandFailed(argv, 1, "", f"Requeue of JobId={job_id} returned an error: Job is pending")
+            self._set_job(job_id, num_nodes=len(nodes) or job.num_nodes)
+            return
         self._set_job(
             job_id,
             state=JobState.PENDING,

@@ -167,3 +167,28 @@ def test_render_imports_no_torch() -> None:
 
     code = "import sys, launcher.render; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 0
+
+
+def test_a_restart_of_every_nodes_ranks_moves_the_rendezvous_port_the_same_way_on_each() -> None:
+    """Each node's step of one restart (restart_ranks, or restart_agent where the agent was
+    gone) derives the same new port, which differs from the launch's; other launches and
+    ports outside the rendezvous range are left alone."""
+    from launcher.render import restart_rendezvous
+
+    base = 29000
+    argv = ["torchrun", "--nnodes=2", "--master-addr=10.0.0.1", f"--master-port={base + 998}", "train.py"]
+    n1 = restart_rendezvous(argv, "b.2/restart_processes/1/restart_ranks/n1", base)
+    n2 = restart_rendezvous(argv, "b.2/restart_processes/1/restart_agent/n2", base)
+    assert n1 == n2 and n1 != argv
+    (port,) = [int(a.split("=")[1]) for a in n1 if a.startswith("--master-port=")]
+    assert base <= port < base + 1000 and port != base + 998
+    assert [a for a in n1 if not a.startswith("--master-port=")] == [
+        a for a in argv if "master-port" not in a
+    ]
+    again = restart_rendezvous(argv, "b.2/restart_processes/2/restart_ranks/n1", base)
+    assert again != n1  # the next attempt moves elsewhere again (not to the port just left)
+    assert restart_rendezvous(argv, "plan-5/b/launch/n1", base) == argv
+    rolled = restart_rendezvous(argv, "c.1/restart_processes/1/rollback/n1", base)
+    assert rolled == restart_rendezvous(argv, "c.1/restart_processes/1/rollback/n2", base) != argv
+    outside = ["torchrun", "--master-port=4000"]
+    assert restart_rendezvous(outside, "b.2/restart_processes/1/restart_ranks/n1", base) == outside

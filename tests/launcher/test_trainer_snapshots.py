@@ -79,6 +79,7 @@ def snapshot_args(plan: CkptPlan) -> list[str]:
         "UNICORN_CKPT_JOB": "--snapshot-job",
         "UNICORN_CKPT_EVERY": "--snapshot-every",
         "UNICORN_CKPT_PEERS": "--snapshot-peers",
+        "UNICORN_CKPT_SLOTS": "--snapshot-slots",
     }
     return [f"{flags[k]}={v}" for k, v in env.items()]
 

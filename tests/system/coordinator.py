@@ -11,12 +11,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
+from urllib.parse import urlsplit
 
 import redis
+import redis.sentinel
 
 from tests.conftest import DevCluster
 from unicorn_core import redis_io
@@ -80,6 +84,9 @@ class Coordinator:
     keys: RedisKeys
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    supervised: Supervisor | None = None
+    """Set while a :class:`Supervisor` keeps unicornd running: an exit is then restarted,
+    not a failure of :meth:`wait`."""
 
     def start(self) -> None:
         self.proc = self.spawn(self.log_path)
@@ -101,8 +108,29 @@ class Coordinator:
             self.proc.kill()
             return self.proc.wait(timeout=10)
 
+    def redis_config(self) -> RedisConfig:
+        """The Redis settings unicornd gets (with the sentinels, when the cluster has them)."""
+        sentinels = self.env.get("UNICORN_REDIS__SENTINELS", "")
+        return RedisConfig(
+            url=self.env["UNICORN_REDIS__URL"],
+            sentinels=tuple(e for e in sentinels.split(",") if e),
+            master_name=self.env.get("UNICORN_REDIS__MASTER_NAME", "unicorn"),
+        )
+
     def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.env["UNICORN_REDIS__URL"])
+        """A client of the Redis primary (through the sentinels, when there are some, so it
+        follows a failover)."""
+        cfg = self.redis_config()
+        if not cfg.sentinels:
+            return redis.Redis.from_url(cfg.url)
+        sentinel = redis.sentinel.Sentinel(cfg.sentinel_endpoints(), socket_timeout=2.0)  # type: ignore[no-untyped-call]
+        client = sentinel.master_for(  # type: ignore[no-untyped-call]
+            cfg.master_name,
+            password=urlsplit(cfg.url).password,
+            socket_timeout=5.0,
+            socket_connect_timeout=2.0,
+        )
+        return cast(redis.Redis, client)
 
     def snapshot(self) -> Snapshot | None:
         with contextlib.closing(self.client()) as c:
@@ -117,7 +145,7 @@ class Coordinator:
             if snap is not None and pred(snap):
                 return snap
             assert self.proc is not None
-            if self.proc.poll() is not None:
+            if self.supervised is None and self.proc.poll() is not None:
                 raise AssertionError(f"unicornd exited {self.proc.returncode}:\n{self.tail()}")
             time.sleep(0.25)
         raise AssertionError(f"timed out waiting for {what}; state: {snap}\n{self.tail()}")
@@ -127,7 +155,7 @@ class Coordinator:
 
     def _run(self, coro_fn: Callable[[object], object]) -> None:
         async def go() -> None:
-            client = redis_io.connect(RedisConfig(url=self.env["UNICORN_REDIS__URL"]))
+            client = redis_io.connect(self.redis_config())
             try:
                 await coro_fn(client)  # type: ignore[misc]
             finally:
@@ -171,6 +199,8 @@ def coordinator(cluster: DevCluster, tmp: Path, **env: str) -> Iterator[Coordina
         c.wait(lambda _: True, "unicornd to commit its first state", 60)
         yield c
     finally:
+        if c.supervised is not None:
+            c.supervised.stop()
         c.stop(signal.SIGINT)
         for job in set(cluster.slurm("squeue", "-h", "-o", "%i").stdout.split()) - jobs_before:
             cluster.slurm("scancel", job, check=False)
@@ -178,3 +208,57 @@ def coordinator(cluster: DevCluster, tmp: Path, **env: str) -> Iterator[Coordina
         while cluster.slurm("squeue", "-h").stdout.strip() and time.monotonic() < deadline:
             time.sleep(0.5)
         shutil.rmtree(AGENT_RUN_ROOT / prefix, ignore_errors=True)  # the agents' run folders
+
+
+class Supervisor:
+    """Keeps ``count`` unicornd on the coordinator's keys running, as systemd does on two
+    head nodes (``Restart=on-failure``): one that exits is started again ``restart_s``
+    later. The first is the coordinator's own process. ``exits`` records (when, pid, code).
+    """
+
+    def __init__(self, c: Coordinator, tmp: Path, *, count: int = 2, restart_s: float = 1.0) -> None:
+        assert c.proc is not None
+        self.c = c
+        self.restart_s = restart_s
+        self.logs = [c.log_path, *(tmp / f"unicornd-{c.keys.prefix}-{i}.log" for i in range(1, count))]
+        self.procs = [c.proc, *(c.spawn(log) for log in self.logs[1:])]
+        self.exits: list[tuple[float, int, int]] = []
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="unicornd-supervisor", daemon=True)
+        c.supervised = self
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.1):
+            for i, proc in enumerate(self.procs):
+                code = proc.poll()
+                if code is None:
+                    continue
+                self.exits.append((time.monotonic(), proc.pid, code))
+                if self._stop.wait(self.restart_s):
+                    return
+                self.procs[i] = self.c.spawn(self.logs[i])
+                self.restarts += 1
+                if i == 0:
+                    self.c.proc = self.procs[0]
+
+    def by_pid(self, pid: int) -> subprocess.Popen[bytes] | None:
+        return next((p for p in self.procs if p.pid == pid), None)
+
+    def stop(self) -> None:
+        """Stop watching, then SIGINT every unicornd (a clean stop) and wait for them."""
+        self._stop.set()
+        self._thread.join(10)
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)  # a paused one must run to stop
+                proc.send_signal(signal.SIGINT)
+        for proc in self.procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        self.c.supervised = None

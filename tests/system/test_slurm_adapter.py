@@ -208,3 +208,29 @@ async def test_dead_node_set_down_drained_and_its_job_requeued_elsewhere(
         return (await slurm.get_node("n2")).usable
 
     await eventually(usable_again, 40, "n2 usable after resume")
+
+
+async def test_a_requeue_of_a_job_slurm_already_requeued_still_moves_it(
+    slurm: CliSlurm, cluster: DevCluster
+) -> None:
+    """Slurm requeues a batch job by itself when a node of it goes DOWN; unicornd's requeue
+    then finds it pending (scontrol: "Job is pending execution"). The requeue must still
+    set the new nodes: the job held n2 and must run on n1, n3 (it waited for the lost node
+    until the requeue deadline before; found by the soak bench)."""
+    job_id = await running_job(slurm, 2, "--nodelist", "n1,n2")
+    try:
+        await slurm._run("scontrol", "requeue", str(job_id))  # what Slurm or a first attempt did
+
+        async def pending() -> bool:
+            return (await slurm.get_job(job_id)).state is JobState.PENDING
+
+        await eventually(pending, 30, f"job {job_id} pending")
+        await slurm.requeue(job_id, ["n1", "n3"])
+
+        async def moved() -> bool:
+            job = await slurm.get_job(job_id)
+            return job.state is JobState.RUNNING and job.nodes == ("n1", "n3")
+
+        await eventually(moved, 30, f"job {job_id} RUNNING on n1, n3")
+    finally:
+        await slurm.cancel(job_id)

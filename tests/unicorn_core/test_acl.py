@@ -171,6 +171,7 @@ def test_status_reads_name_only_keys_unicorn_writes() -> None:
     reads = [rule for rule in acl.reader_rules(KEYS, "pw") if rule.startswith("%R~")]
     names = [
         "t:state",
+        "t:goodput",
         "t:incidents",
         "t:unicornd:alive",
         "t:unicornd:leader",

@@ -27,8 +27,9 @@ from unicorn_core.errors import ConfigError
 from unicorn_core.paths import etc_dir
 
 REDIS_KEYS = (
-    "agent_acl, connect_timeout_s, key_prefix, operator_password_file, password_file, "
-    "socket_timeout_s, url, user_password_file"
+    "agent_acl, connect_timeout_s, key_prefix, master_name, operator_password_file, password_file, "
+    "sentinel_password_file, sentinels, socket_timeout_s, url, user_password_file, wait_replicas, "
+    "wait_timeout_ms"
 )
 SECTIONS = ", ".join(sorted(f.name for f in dataclasses.fields(Config)))
 
@@ -454,3 +455,27 @@ def test_recovery_section_sets_the_daemons_policy(tmp_path: Path) -> None:
         load_config(path, env={})
     assert "recovery.max_drain_fraction = 1.5: must be <= 1" in str(ei.value)
     assert "unknown key 'recovery.drain_everything'" in str(ei.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "problem"),
+    [
+        ({"UNICORN_REDIS__SENTINELS": "127.0.0.1:26379,nohost"}, 'sentinels entry "nohost" is not HOST:PORT'),
+        ({"UNICORN_REDIS__SENTINELS": "h:0"}, 'sentinels entry "h:0" is not HOST:PORT'),
+        (
+            {"UNICORN_REDIS__SENTINELS": "h:26379", "UNICORN_REDIS__URL": "unix:///run/redis.sock"},
+            "url is a unix socket",
+        ),
+        ({"UNICORN_REDIS__SENTINELS": "h:26379", "UNICORN_REDIS__MASTER_NAME": " "}, "master_name is empty"),
+        ({"UNICORN_REDIS__WAIT_REPLICAS": "1"}, "wait_replicas is set without sentinels"),
+        ({"UNICORN_REDIS__WAIT_REPLICAS": "-1"}, "wait_replicas"),
+    ],
+)
+def test_sentinel_settings_are_checked(env: dict[str, str], problem: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        load_config(None, env=env)
+
+
+def test_sentinel_endpoints_parse() -> None:
+    cfg = load_config(None, env={"UNICORN_REDIS__SENTINELS": "10.0.0.1:26379, [::1]:26380"}).redis
+    assert cfg.sentinel_endpoints() == [("10.0.0.1", 26379), ("::1", 26380)]

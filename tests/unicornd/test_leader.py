@@ -9,6 +9,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+from tests.conftest import free_port
 from tests.unicornd.coord_world import task, world
 from unicorn_core.config import LeaderConfig
 from unicorn_core.keys import RedisKeys
@@ -54,16 +55,17 @@ def test_one_leader_and_a_standby_that_takes_over_with_a_newer_token(redis_url: 
 def test_a_deposed_leaders_commit_is_refused_and_changes_nothing(redis_url: str) -> None:
     async def body(client: aioredis.Redis) -> None:
         a, b = Lease(client, KEYS, CFG, "head-a"), Lease(client, KEYS, CFG, "head-b")
-        old = Store(client, KEYS, Policy(), token=await a.acquire())
+        old = Store(client, KEYS, Policy(), token=await a.acquire(), holder=a.holder)
         snap = world(2, [task("t", 1, ["n1"])])
         await old.commit(snap)
         await asyncio.sleep(CFG.lease_s + 0.1)  # a paused past its lease
-        new = Store(client, KEYS, Policy(), token=await b.acquire())
+        new = Store(client, KEYS, Policy(), token=await b.acquire(), holder=b.holder)
         moved = snap.apply(nodes=[snap.nodes["n2"]], plan_generation=7)
         await new.commit(moved)
         with pytest.raises(Fenced, match="another unicornd leads"):
             await old.commit(snap)  # a resumes and tries to commit what it decided
         assert await client.get(KEYS.state()) == snapshot_to_json(moved).encode()
+        assert await client.hgetall(KEYS.commits()) == {b"1": b"1", b"2": b"1"}  # the refused one uncounted
         assert await old.owed() == []
 
     run(redis_url, body)
@@ -80,3 +82,40 @@ def test_renewal_notices_a_lost_lease_and_a_clean_stop_hands_over_at_once(redis_
             await asyncio.wait_for(a.keep(), 5)
 
     run(redis_url, body)
+
+
+def test_a_second_leader_with_the_same_token_is_told_apart_by_the_lease(redis_url: str) -> None:
+    """A Sentinel failover can lose the primary's last writes: here the fence's increment
+    and the lease that gave head-a token 1. head-b then gets token 1 too. head-a's commit
+    and side effects are refused (the lease names head-b), head-b's go through."""
+
+    async def body(client: aioredis.Redis) -> None:
+        a, b = Lease(client, KEYS, CFG, "head-a"), Lease(client, KEYS, CFG, "head-b")
+        old = Store(client, KEYS, Policy(), token=await a.acquire(), holder=a.holder)
+        await client.delete(KEYS.leader(), KEYS.fence())  # the promoted replica never saw them
+        new = Store(client, KEYS, Policy(), token=await b.acquire(), holder=b.holder)
+        assert new.token == old.token == 1
+        snap = world(2, [task("t", 1, ["n1"])])
+        await new.commit(snap)
+        with pytest.raises(Fenced, match="lease held by 1:head-b"):
+            await old.commit(snap.apply(plan_generation=9))
+        assert await client.get(KEYS.state()) == snapshot_to_json(snap).encode()
+        with pytest.raises(LeaseLost, match="the lease is"):
+            await a.check()
+        await b.check()
+
+    run(redis_url, body)
+
+
+def test_a_standby_waits_out_a_redis_it_cannot_reach() -> None:
+    """During a failover nothing answers: a standby keeps trying instead of exiting."""
+
+    async def main() -> None:
+        client = aioredis.Redis(port=free_port(), socket_connect_timeout=0.1)
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(Lease(client, KEYS, CFG, "head-c").acquire(), 0.8)
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())

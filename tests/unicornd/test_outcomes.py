@@ -76,11 +76,33 @@ def test_an_outcome_of_an_earlier_attempt_is_stale_and_only_recorded() -> None:
     assert apply(snap, d).incidents["a.1"].attempts_at(L.RESTART_PROCESSES) == 2
 
 
-def test_a_done_command_changes_nothing() -> None:
+def test_a_done_command_only_dates_the_settle_time_from_when_it_was_performed() -> None:
     snap, cmd = restarting()
+    d = on_outcome(snap, Outcome(cmd, Outcome.AGENT_COMMAND, OutcomeStatus.DONE, "restarted"), T0 + 1)
+    after = apply(snap, d)
+    assert not d.actions and after.tasks == snap.tasks
+    assert after.incidents["a.1"] == replace(snap.incidents["a.1"], last_action_s=T0 + 1)
+    # an outcome that arrives dated earlier than the decision moves nothing back
     assert on_outcome(
-        snap, Outcome(cmd, Outcome.AGENT_COMMAND, OutcomeStatus.DONE, "restarted"), T0 + 1
+        snap, Outcome(cmd, Outcome.AGENT_COMMAND, OutcomeStatus.DONE, "restarted"), T0 - 1
     ).empty
+
+
+def test_the_consequence_of_a_restart_replayed_after_a_takeover_is_absorbed() -> None:
+    """A new leader replays the finding that restarts the task at the finding's own time
+    (T0) but performs the restart 8 s later; the old ranks' SIGKILL exit 5 s after that (a
+    stopped rank, killed after the grace) is the restart's consequence, not a new failure.
+    Dated from the decision it would be 13 s > settle_s = 10 s, and the task climbed to a
+    node check and was stopped (the soak bench's cycle 26)."""
+    snap, cmd = restarting()
+    sent = Outcome(cmd, Outcome.AGENT_COMMAND, OutcomeStatus.DONE, "restart_ranks sent")
+    snap = apply(snap, on_outcome(snap, sent, T0 + 8))
+    killed = finding("f2", 1, "n1", ErrorStatus.EXITED_ABNORMALLY, confirmed_by="")
+    d = on_finding(snap, killed, T0 + 13)
+    after = apply(snap, d)
+    assert not d.actions, d.actions
+    assert after.incidents["a.1"].stage is L.RESTART_PROCESSES
+    assert after.incidents["a.1"].attempts_at(L.RESTART_PROCESSES) == 1
 
 
 def test_a_command_that_keeps_failing_to_start_asks_the_operator_and_drains_nothing() -> None:

@@ -26,7 +26,7 @@ from unicorn_core.config.coordinator import (
     RecoveryConfig,
     SshConfig,
 )
-from unicorn_core.config.node import AgentConfig, CkptConfig, DetectConfig
+from unicorn_core.config.node import AgentConfig, CkptConfig, DetectConfig, memory_versions_needed
 from unicorn_core.config.schema import (
     _BOUNDS,
     ENV_PREFIX,
@@ -89,6 +89,15 @@ class Config(Section):
                 f"detect.heartbeat_timeout_s = {self.detect.heartbeat_timeout_s:g} must be greater "
                 f"than agent.heartbeat_interval_s = {self.agent.heartbeat_interval_s:g} "
                 "(every healthy agent would be declared lost between beats)"
+            ]
+        needed = memory_versions_needed(self.detect.loss_stop_window, self.ckpt.snapshot_every)
+        if self.ckpt.memory_versions and self.ckpt.memory_versions < needed:
+            return [
+                f"ckpt.memory_versions = {self.ckpt.memory_versions} cannot hold a version older than "
+                f"a loss spike (its ranks stop within detect.loss_stop_window = "
+                f"{self.detect.loss_stop_window} iterations, "
+                f"a snapshot every ckpt.snapshot_every = {self.ckpt.snapshot_every}): needs >= {needed} "
+                "(or 0 to derive it), else a roll back past a loss spike finds no version in memory"
             ]
         return []
 

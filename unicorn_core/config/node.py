@@ -138,6 +138,18 @@ class DetectConfig(Section):
             ge=5,
         ),
     )
+    loss_stop_window: int = field(
+        default=10,
+        metadata=_meta(
+            "Iterations from a loss spike's first bad iteration to its ranks being stopped "
+            "for the roll back: the spike is found on its own report (a NaN at once), then "
+            "decided and relaunched, within a few iterations. The memory tier keeps enough "
+            "versions that one is older than this (ckpt.memory_versions). Default 10: the "
+            "loop takes 1-3 s and an LLM iteration is seconds; a Megatron-LM job whose log "
+            "interval is longer needs at least that interval.",
+            ge=1,
+        ),
+    )
     loss_spike_z: float = field(
         default=8.0,
         metadata=_meta(
@@ -219,6 +231,17 @@ class DetectConfig(Section):
         return []
 
 
+def memory_versions_needed(stop_window: int, snapshot_every: int) -> int:
+    """Versions the memory tier must keep to always hold one older than a loss spike: the
+    ranks stop at most ``stop_window`` iterations after the spike's first bad iteration
+    (``detect.loss_stop_window``), a version is saved every ``snapshot_every``, so
+    ``ceil(window / every)`` of them can be newer than the spike and one more is older. 2
+    (the writer's default) without periodic snapshots."""
+    if snapshot_every <= 0:
+        return 2
+    return -(-stop_window // snapshot_every) + 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class CkptConfig(Section):
     """The checkpoint engine as the node agent and the built-in trainer run it (``ckpt/``)."""
@@ -259,6 +282,19 @@ class CkptConfig(Section):
             "the latest complete one is never evicted. Default 3: the newest, and two to fall "
             "back to if it turns out incomplete.",
             ge=1,
+        ),
+    )
+    memory_versions: int = field(
+        default=0,
+        metadata=_meta(
+            "Versions the memory tier keeps (each rank's snapshot slots in shm and the peer "
+            "backups), so that a roll back past a loss spike or NaN finds one older than the "
+            "spike there. 0 = derived: ceil(detect.loss_stop_window / snapshot_every) + 1, "
+            "the fewest that always hold a version older than the spike (default 10 / 10 + "
+            "1 = 2); a value below that is refused. Costs versions x "
+            "the node's share of model and optimizer state in host memory. With "
+            "snapshot_every = 0 nothing is derived (2). Default 0.",
+            ge=0,
         ),
     )
     peer_factor: int = field(
@@ -307,3 +343,9 @@ class CkptConfig(Section):
             ge=0,
         ),
     )
+
+    def memory_keep(self, stop_window: int) -> int:
+        """The memory tier's versions: ``memory_versions``, or when 0 the fewest that hold a
+        version older than a loss spike stopped within ``stop_window`` iterations
+        (:func:`memory_versions_needed`). ``Config`` refuses an explicit value below that."""
+        return self.memory_versions or memory_versions_needed(stop_window, self.snapshot_every)

@@ -3,12 +3,14 @@
 ``[redis]`` (the coordination store: URL, timeouts, key prefix, password files and the
 per-job ACL users; with ``read_secret`` for its password files), ``[slurm]`` (how to
 reach the Slurm controller: backend, command timeout, client paths, MUNGE socket,
-operators' group) and ``[log]`` (level and format). unicornd, unicornctl and the sbatch
+operators' group; and which nodes unicorn manages: partitions, node feature,
+reservation) and ``[log]`` (level and format). unicornd, unicornctl and the sbatch
 wrapper read all three; the node agent reads ``[redis]`` and ``[log]``.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -22,6 +24,7 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["auto", "json", "console"]
 
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
+_SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +103,49 @@ class RedisConfig(Section):
             "at start. Readable by every user of the cluster. Default: empty (no such user)."
         ),
     )
+    sentinels: tuple[str, ...] = field(
+        default=(),
+        metadata=_meta(
+            "Redis Sentinel endpoints as HOST:PORT entries (in the environment: comma-"
+            "separated). Set = every unicorn process asks the sentinels for the current "
+            "primary of master_name and follows a failover (redis-py's Sentinel client); the "
+            "host and port of url are then unused, its user, password and database still "
+            "apply. Default: empty (one Redis at url, no failover)."
+        ),
+    )
+    master_name: str = field(
+        default="unicorn",
+        metadata=_meta(
+            "The name the sentinels monitor the primary under (sentinel monitor NAME ...). Default: unicorn."
+        ),
+    )
+    sentinel_password_file: str = field(
+        default="",
+        metadata=_meta(
+            "Password file for the sentinels themselves (their requirepass); empty = they "
+            "need none. Default: empty."
+        ),
+    )
+    wait_replicas: int = field(
+        default=0,
+        metadata=_meta(
+            "Replicas that must hold a write before unicornd treats it as safe: after taking "
+            "the lease (so a failover cannot hand the same fencing token to two leaders) and "
+            "after each commit (WAIT). 0 = no WAIT. Default 0 (a single Redis); set 1 with "
+            "Sentinel (scripts/bench/commit.py measures the cost, see BENCHMARKS.md).",
+            ge=0,
+        ),
+    )
+    wait_timeout_ms: int = field(
+        default=200,
+        metadata=_meta(
+            "Milliseconds a WAIT may block for the replicas. A lease not replicated within it "
+            "is given up (taken again later); a commit not replicated within it is kept and "
+            "logged (the primary holds it; only a failover within the replication lag loses "
+            "it). Default 200: a replica on the same network acknowledges in about 1 ms.",
+            ge=1,
+        ),
+    )
 
     def problems(self) -> list[str]:
         found = []
@@ -113,7 +159,26 @@ class RedisConfig(Section):
             found.append("url carries a password and password_file is set too; keep only one")
         if not self.key_prefix or self.key_prefix != self.key_prefix.strip():
             found.append(f"key_prefix = {_show(self.key_prefix)}: expected a non-empty name without spaces")
+        found += [
+            f"sentinels entry {_show(e)} is not HOST:PORT" for e in self.sentinels if _endpoint(e) is None
+        ]
+        if self.sentinels and parts.scheme == "unix":
+            found.append("sentinels are set but url is a unix socket: Sentinel hands out TCP addresses")
+        if not self.master_name.strip():
+            found.append("master_name is empty")
+        if self.wait_replicas and not self.sentinels:
+            found.append("wait_replicas is set without sentinels: a lone Redis has no replica to wait for")
         return found
+
+    def sentinel_endpoints(self) -> list[tuple[str, int]]:
+        """``sentinels`` as (host, port) pairs (a loaded config has no bad entry)."""
+        return [p for p in map(_endpoint, self.sentinels) if p is not None]
+
+    def sentinel_password(self) -> str | None:
+        """The sentinels' password (:attr:`sentinel_password_file`), None when unset."""
+        if not self.sentinel_password_file:
+            return None
+        return read_secret("redis.sentinel_password_file", self.sentinel_password_file)
 
     def password(self) -> str | None:
         """The password read from ``password_file``; None when no file is configured.
@@ -122,6 +187,14 @@ class RedisConfig(Section):
         Raises ``ConfigError`` naming the file when it cannot be read or is empty.
         """
         return read_secret("redis.password_file", self.password_file) if self.password_file else None
+
+
+def _endpoint(entry: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` as (host, port); None when it is not one."""
+    host, colon, port = entry.strip().rpartition(":")
+    if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+        return None
+    return host.strip("[]"), int(port)
 
 
 def read_secret(key: str, path_text: str) -> str:
@@ -202,6 +275,53 @@ class SlurmConfig(Section):
             "a client that bypasses unicornctl."
         ),
     )
+    partitions: tuple[str, ...] = field(
+        default=(),
+        metadata=_meta(
+            "The Slurm partitions whose nodes unicorn manages (in the environment: "
+            "comma-separated); empty = every partition. A node in none of them is never "
+            "drained, resumed, planned or probed, and unicornctl drain/resume refuses it. "
+            "Default: empty (unicorn owns the whole cluster); on a cluster shared with "
+            "other teams, name the training partitions. An unknown partition stops unicornd "
+            "at start."
+        ),
+    )
+    node_feature: str = field(
+        default="",
+        metadata=_meta(
+            "Manage only nodes with this active Slurm feature (sinfo %b), on top of "
+            "partitions; empty = no feature needed. Default: empty; set it when training "
+            "nodes share a partition with others and carry a feature (e.g. a GPU type)."
+        ),
+    )
+    reservation: str = field(
+        default="",
+        metadata=_meta(
+            "Manage only the nodes of this Slurm reservation, on top of partitions and "
+            "node_feature; empty = no reservation. Default: empty; set it when the site "
+            "reserves nodes for training. A reservation that does not exist stops unicornd "
+            "at start."
+        ),
+    )
+
+    @property
+    def scoped(self) -> bool:
+        """Some scope key is set: unicorn manages part of the cluster, not all of it."""
+        return bool(self.partitions or self.node_feature or self.reservation)
+
+    def problems(self) -> list[str]:
+        found = []
+        for key, names in (
+            ("partitions", self.partitions),
+            ("node_feature", (self.node_feature,) if self.node_feature else ()),
+            ("reservation", (self.reservation,) if self.reservation else ()),
+        ):
+            for name in names:
+                if not _SLURM_NAME.match(name):
+                    found.append(f"{key}: {_show(name)} is not a Slurm name (letters, digits, '_', '.', '-')")
+        if len(set(self.partitions)) != len(self.partitions):
+            found.append(f"partitions: {list(self.partitions)} names a partition twice")
+        return found
 
 
 @dataclass(frozen=True, kw_only=True)

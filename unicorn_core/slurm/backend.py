@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from unicorn_core.errors import UnicornError
+from unicorn_core.errors import InvalidArgument, UnicornError
 from unicorn_core.proc import CommandOutput, terminate_group
 from unicorn_core.slurm.types import GrowResult, JobInfo, NodeInfo
 
@@ -18,6 +18,16 @@ class ResizeUnsupported(UnicornError):
     Slurm without slurmdbd allows one resize per job run, and Slurm 22.05 refuses to
     change the node count of a requeued job; the caller resubmits the task instead.
     """
+
+
+class UnknownReservation(InvalidArgument):
+    """A Slurm reservation that does not exist (``[slurm] reservation``)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"unknown Slurm reservation {name!r} (scontrol show reservation has none by that name)"
+        )
+        self.name = name
 
 
 @dataclass(slots=True)
@@ -54,6 +64,12 @@ class SlurmBackend(Protocol):
     async def list_nodes(self) -> list[NodeInfo]: ...
 
     async def get_node(self, name: str) -> NodeInfo: ...
+
+    async def list_partitions(self) -> list[str]: ...
+
+    async def reservation_nodes(self, name: str) -> tuple[str, ...]:
+        """The nodes of reservation ``name``; :class:`UnknownReservation` if it does not exist."""
+        ...
 
     async def drain(self, node: str, reason: str) -> None: ...
 

@@ -17,13 +17,15 @@ from pathlib import Path
 from unicorn_core import proc
 from unicorn_core.errors import CommandFailed, InvalidArgument, UnknownJob, UnknownNode
 from unicorn_core.proc import CommandOutput
-from unicorn_core.slurm.backend import ResizeUnsupported, StepHandle
+from unicorn_core.slurm.backend import ResizeUnsupported, StepHandle, UnknownReservation
 from unicorn_core.slurm.hostlist import compress
 from unicorn_core.slurm.parse import (
     SlurmParseError,
     job_from_scontrol,
     jobs_from_squeue_json,
     nodes_from_sinfo_json,
+    parse_partitions,
+    parse_reservation_nodes,
     parse_scontrol_record,
 )
 from unicorn_core.slurm.types import (
@@ -107,6 +109,25 @@ class CliSlurm:
             if n.name == name:
                 return n
         raise UnknownNode(name, [n.name for n in nodes])
+
+    async def list_partitions(self) -> list[str]:
+        """Every partition's name (``scontrol -o show partition``)."""
+        return parse_partitions(await self._run("scontrol", "-o", "show", "partition"))
+
+    async def reservation_nodes(self, name: str) -> tuple[str, ...]:
+        """The nodes of reservation ``name`` (``scontrol -o show reservation NAME``)."""
+        if not name or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise InvalidArgument(f"invalid reservation name {name!r}")
+        try:
+            out = await self._run("scontrol", "-o", "show", "reservation", name)
+        except CommandFailed as e:  # 22.05: "Reservation X not found" on stdout, exit 1
+            if "not found" in e.stdout + e.stderr:
+                raise UnknownReservation(name) from e
+            raise
+        nodes = parse_reservation_nodes(out, name)
+        if nodes is None:
+            raise UnknownReservation(name)
+        return nodes
 
     async def drain(self, node: str, reason: str) -> None:
         await self._update_node(node, "state=drain", f"reason={check_reason(reason)}")
@@ -308,7 +329,11 @@ class CliSlurm:
         except CommandFailed as e:
             if "Invalid job id" in e.stderr:
                 raise UnknownJob(job_id) from e
-            raise
+            # Already pending: requeued by Slurm itself (a node of the job went DOWN) or by
+            # this call's first run before unicornd died. Its node list must still be set,
+            # or it waits for the node it lost.
+            if "pending" not in f"{e.stdout} {e.stderr}".lower():
+                raise
         deadline = time.monotonic() + self.timeout_s
         while (await self.get_job(job_id)).state is not JobState.PENDING:
             if time.monotonic() > deadline:

@@ -104,6 +104,39 @@ def _node_state(raw: Any, flags_raw: Any) -> tuple[NodeState, frozenset[str]]:
     return base, frozenset(flags)
 
 
+def _features(raw: Any) -> tuple[str, ...]:
+    """Node features: a comma-separated string (22.05, scontrol) or a list (newer JSON)."""
+    if isinstance(raw, list):
+        words = [str(w) for w in raw]
+    elif isinstance(raw, str):
+        words = raw.split(",")
+    else:
+        return ()
+    return tuple(w.strip() for w in words if w.strip() and w.strip() != "(null)")
+
+
+def parse_partitions(text: str) -> list[str]:
+    """Partition names from ``scontrol -o show partition`` (one record a line)."""
+    names = []
+    for line in text.splitlines():
+        if line.strip().startswith("PartitionName="):
+            names.append(parse_scontrol_record(line)["PartitionName"])
+    return names
+
+
+def parse_reservation_nodes(text: str, name: str) -> tuple[str, ...] | None:
+    """The nodes of reservation ``name`` in ``scontrol -o show reservation`` output; None
+    when no record of that name is there."""
+    for line in text.splitlines():
+        if not line.strip().startswith("ReservationName="):
+            continue
+        rec = parse_scontrol_record(line)
+        if rec.get("ReservationName") == name:
+            nodes = rec.get("Nodes", "")
+            return tuple(expand(nodes if nodes != "(null)" else ""))
+    return None
+
+
 def _strip_reason_suffix(reason: str) -> str:
     return _REASON_TAIL.sub("", reason).strip()
 
@@ -127,6 +160,7 @@ def node_from_sinfo_json(d: Mapping[str, Any]) -> NodeInfo:
         gpus_used=gpus_in_gres(str(d.get("gres_used") or "")),
         real_memory_mib=_int(d.get("real_memory")),
         partitions=tuple(str(p) for p in partitions),
+        features=_features(d.get("active_features", d.get("features"))),
     )
 
 
@@ -151,6 +185,7 @@ def node_from_scontrol(rec: Mapping[str, str]) -> NodeInfo:
         gpus_used=gpus_in_gres(rec.get("GresUsed", "")),
         real_memory_mib=_int(rec.get("RealMemory")),
         partitions=tuple(p for p in parts.split(",") if p and p != "(null)"),
+        features=_features(rec.get("ActiveFeatures", rec.get("AvailableFeatures"))),
     )
 
 

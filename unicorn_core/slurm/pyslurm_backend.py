@@ -116,6 +116,13 @@ def _node_state(node: Any) -> object:
     return state
 
 
+def _feature_list(raw: Any) -> str | list[str]:
+    """pyslurm's active features (a list, or a comma-separated string in older bindings)."""
+    if raw is None or isinstance(raw, str):
+        return raw or ""
+    return [str(f) for f in raw]
+
+
 def node_from_pyslurm(node: Any) -> NodeInfo:
     """A ``pyslurm.Node`` as :class:`NodeInfo`, through the ``sinfo --json`` parser."""
     return node_from_sinfo_json(
@@ -128,6 +135,7 @@ def node_from_pyslurm(node: Any) -> NodeInfo:
             "gres_used": gres_string(node.allocated_gres),
             "real_memory": node.real_memory,
             "partitions": list(node.partitions or ()),
+            "active_features": _feature_list(getattr(node, "active_features", None)),
         }
     )
 

@@ -78,6 +78,8 @@ class NodeInfo:
     gpus_used: int
     real_memory_mib: int
     partitions: tuple[str, ...]
+    features: tuple[str, ...] = ()
+    """Active node features (``sinfo``'s ``active_features``, ``scontrol``'s ``ActiveFeatures``)."""
 
     @property
     def drained(self) -> bool:

@@ -39,6 +39,7 @@ from unicornd.cli.common import (
     config_of,
     read_snapshot,
 )
+from unicornd.cli.goodput import goodput
 from unicornd.cli.operator import Caller, confirm, drain, operator_refusal, resume, slurm_user_from_config
 from unicornd.cli.preview import Outlook, outlook, outlook_json, plan_command, render_outlook, what_if_fail
 from unicornd.cli.status import (
@@ -122,6 +123,8 @@ def node_check(ctx: click.Context, /, **options: Any) -> None:
 
 incidents.add_command(confirm)
 for command in (status, tasks, incidents, drain, resume, plan_command(), classify_command, simulate_command):
+    cli.add_command(command)
+for command in (goodput,):
     cli.add_command(command)
 cli.add_command(task_group)
 

@@ -26,8 +26,10 @@ from unicorn_core import acl, proc, redis_io
 from unicorn_core.config import Config
 from unicorn_core.errors import InvalidArgument, UnicornError
 from unicorn_core.keys import RedisKeys
+from unicorn_core.slurm import make_backend
 from unicorn_core.slurm.cli import client_env
 from unicorn_core.slurm.hostlist import compress
+from unicorn_core.slurm.scope import resolve_scope
 from unicornd.cli.common import (
     NoDaemonError,
     NotConfirmedError,
@@ -214,10 +216,29 @@ def operator_request(
     click.echo(f"unicornd accepted: {verb}" + "".join(f"\n  {n}" for n in seen.decision.notes))
 
 
-def _node(node: str) -> Target:
+async def outside_scope(cfg: Config, node: str) -> str | None:
+    """Why Slurm's ``node`` is outside ``[slurm]``'s scope (None: in it, unscoped, or not a
+    node Slurm has)."""
+    if not cfg.slurm.scoped:
+        return None
+    slurm = await make_backend(cfg.slurm)
+    scope = await resolve_scope(slurm, cfg.slurm)
+    for info in await slurm.list_nodes():
+        if info.name == node:
+            return scope.why_outside(info)
+    return None
+
+
+def _node(node: str, cfg: Config | None = None) -> Target:
     def unknown(snap: Snapshot) -> str | None:
         if node in snap.nodes:
             return None
+        try:
+            outside = asyncio.run(outside_scope(cfg, node)) if cfg is not None else None
+        except UnicornError as e:
+            outside = f"node {node!r}: cannot check [slurm] scope: {e}"
+        if outside is not None:
+            return f"{outside}: outside unicorn's scope, so unicorn never drains, resumes or plans it"
         return f"unknown node {node!r}; unicornd knows: {compress(sorted(snap.nodes)) or 'none'}"
 
     return Target(f"node {node!r}", unknown)
@@ -270,7 +291,13 @@ def drain(ctx: click.Context, node: str, reason: str, yes: bool) -> None:
 
     req = _request(lambda: Drain(node=node, reason=reason))
     operator_request(
-        ctx, _node(node), req, yes=yes, preview=preview, command=f"drain {node}", verb=f"drain {node}"
+        ctx,
+        _node(node, config_of(ctx)),
+        req,
+        yes=yes,
+        preview=preview,
+        command=f"drain {node}",
+        verb=f"drain {node}",
     )
 
 
@@ -287,7 +314,13 @@ def resume(ctx: click.Context, node: str, yes: bool) -> None:
 
     req = _request(lambda: Resume(node=node))
     operator_request(
-        ctx, _node(node), req, yes=yes, preview=preview, command=f"resume {node}", verb=f"resume {node}"
+        ctx,
+        _node(node, config_of(ctx)),
+        req,
+        yes=yes,
+        preview=preview,
+        command=f"resume {node}",
+        verb=f"resume {node}",
     )
 
 

@@ -22,6 +22,7 @@ from unicorn_core.errors import InvalidArgument, ProtocolError, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.slurm import JobInfo, NodeInfo, make_backend
 from unicorn_core.slurm.hostlist import compress
+from unicorn_core.slurm.scope import Scope, resolve_scope
 from unicornd import store
 from unicornd.alerts import incident_milestones, stage_spans
 from unicornd.cli.common import clock, config_of, snapshot_of
@@ -44,6 +45,18 @@ class ClusterStatus:
     fence: int = 0
     """The newest fencing token granted (the leader's, unless a takeover is under way)."""
     standbys: tuple[str, ...] = ()
+    scope: Scope = dataclasses.field(default_factory=Scope)
+    """The nodes unicorn manages (``[slurm]`` partitions, node_feature, reservation)."""
+    scope_error: str = ""
+
+
+def ownership(st: ClusterStatus, node: NodeInfo) -> tuple[str, list[int]]:
+    """(``ours`` | ``not ours`` | ``outside``, other users' jobs on the node): outside the
+    scope, in it with jobs that are no unicorn task's (unicornd's last Slurm poll), or ours."""
+    if not st.scope.admits(node):
+        return "outside", []
+    others = list(st.snapshot.foreign_jobs(node.name)) if st.snapshot is not None else []
+    return ("not ours" if others else "ours"), others
 
 
 async def gather_status(cfg: Config) -> ClusterStatus:
@@ -51,6 +64,11 @@ async def gather_status(cfg: Config) -> ClusterStatus:
     client = acl.connect_caller(cfg.redis, client_name="unicornctl")
     try:
         nodes, jobs = await asyncio.gather(slurm.list_nodes(), slurm.list_jobs())
+        scope, scope_error = Scope(), ""
+        try:
+            scope = await resolve_scope(slurm, cfg.slurm)
+        except UnicornError as e:
+            scope_error = f"bad [slurm] scope: {e}"
         keys = RedisKeys(cfg.redis.key_prefix)
         alive, snap, state_error = False, None, ""
         leader: str | None = None
@@ -69,7 +87,18 @@ async def gather_status(cfg: Config) -> ClusterStatus:
     finally:
         await client.aclose()
     return ClusterStatus(
-        nodes, jobs, redis_ok, redis_error, alive, snap, state_error, leader, fence, tuple(standbys)
+        nodes,
+        jobs,
+        redis_ok,
+        redis_error,
+        alive,
+        snap,
+        state_error,
+        leader,
+        fence,
+        tuple(standbys),
+        scope,
+        scope_error,
     )
 
 
@@ -119,8 +148,12 @@ def _unicorn_json(st: ClusterStatus) -> dict[str, Any]:
     }
 
 
-def _node_json(n: NodeInfo) -> dict[str, Any]:
+def _node_json(n: NodeInfo, st: ClusterStatus) -> dict[str, Any]:
+    owner, others = ownership(st, n)
     return {
+        "scope": owner,
+        "other_jobs": others,
+        "partitions": list(n.partitions),
         "name": n.name,
         "state": n.state.value,
         "flags": sorted(n.flags),
@@ -160,7 +193,8 @@ def status(ctx: click.Context, as_json: bool, check: bool) -> None:
         raise click.ClickException(f"cannot read cluster state: {e}") from None
     if as_json:
         doc = {
-            "nodes": [_node_json(n) for n in st.nodes],
+            "nodes": [_node_json(n, st) for n in st.nodes],
+            "scope": {"nodes": st.scope.describe(), "error": st.scope_error},
             "jobs": [_job_json(j) for j in st.jobs],
             "redis": {"ok": st.redis_ok, "error": st.redis_error},
             "unicorn": _unicorn_json(st),
@@ -174,7 +208,12 @@ def status(ctx: click.Context, as_json: bool, check: bool) -> None:
             flags = "+".join(sorted(n.flags))
             state = n.state.value.lower() + (f"+{flags.lower()}" if flags else "")
             reason = f"  reason: {n.reason}" if n.reason else ""
-            click.echo(f"  {n.name:<10} {state:<22} gpus {n.gpus_used}/{n.gpus}{reason}")
+            owner, others = ownership(st, n)
+            whose = f"  [{owner}: jobs {','.join(map(str, others))}]" if others else ""
+            whose = "  [outside scope]" if owner == "outside" else whose
+            click.echo(f"  {n.name:<10} {state:<22} gpus {n.gpus_used}/{n.gpus}{reason}{whose}")
+        if not st.scope.everything or st.scope_error:
+            click.echo(f"  scope: {st.scope_error or st.scope.describe()}")
         active = [j for j in st.jobs if not j.state.finished]
         click.echo(f"jobs: {len(active)} active")
         for j in active:

@@ -53,6 +53,10 @@ RUNG_LEVEL: Final[dict[LadderStage, int]] = {
     _L.REPLAN: 3,
 }
 
+ROLLBACK_STATUSES: Final = frozenset({ErrorStatus.NAN_LOSS, ErrorStatus.LOSS_SPIKE})
+"""Training-state findings that roll the task back past the bad data instead of restarting
+it from its newest state (issue 23): that state has already learned from the bad batch."""
+
 WAITING_FOR_PLAN: Final = frozenset({_L.ISOLATE, _L.REPLAN})
 AWAITING_PROGRESS: Final = frozenset({_L.RETRY_IN_PLACE, _L.RESTART_PROCESSES, _L.TRANSITION})
 UNPRINTABLE: Final = re.compile(r"[^\x20-\x7e]+")
@@ -85,7 +89,10 @@ class Finding:
     ``secondary``: usually a consequence of a failure elsewhere (peers' NCCL timeouts).
     ``confirmed_by``: the out-of-band source that vouches the node is at fault (a
     :class:`detect.isolation.Confirmation` value; "" for the training's own output and
-    unconfirmed silence). Only a confirmed finding can drain a node.
+    unconfirmed silence). Only a confirmed finding can drain a node. ``iteration``,
+    ``span``, ``launch_id``: for a finding from an iteration report (loss health), the
+    report's iteration, the iterations it covers, and the action that started the
+    reporting ranks ("" unknown).
     """
 
     finding_id: str
@@ -99,12 +106,27 @@ class Finding:
     rank_died: bool = False
     secondary: bool = False
     confirmed_by: str = ""
+    iteration: int | None = None
+    span: int = 1
+    launch_id: str = ""
 
     def __post_init__(self) -> None:
         if not self.finding_id:
             raise InvalidArgument("finding_id must be non-empty")
         if not self.node:
             raise InvalidArgument("finding node must be non-empty")
+        if self.iteration is not None and (self.iteration < 1 or self.span < 1):
+            raise InvalidArgument(
+                f"finding iteration and span must be >= 1, got {self.iteration}, {self.span}"
+            )
+
+    def bad_iterations(self) -> tuple[int, int] | None:
+        """The iterations a training-state finding points at (:data:`ROLLBACK_STATUSES`):
+        the report's span ending at its iteration (a Megatron-LM line covers the log
+        interval); None for any other finding."""
+        if self.status not in ROLLBACK_STATUSES or self.iteration is None:
+            return None
+        return max(1, self.iteration - self.span + 1), self.iteration
 
     @classmethod
     def of(
@@ -117,6 +139,9 @@ class Finding:
         rank: int | None = None,
         rank_died: bool = False,
         confirmed_by: str = "",
+        iteration: int | None = None,
+        span: int = 1,
+        launch_id: str = "",
     ) -> Finding | None:
         """A finding from a classification; None when it is benign (no severity)."""
         if classification.severity is None:
@@ -133,6 +158,9 @@ class Finding:
             rank_died=rank_died,
             secondary=classification.secondary,
             confirmed_by=confirmed_by,
+            iteration=iteration,
+            span=span,
+            launch_id=launch_id,
         )
 
 
@@ -215,13 +243,24 @@ class Fault:
     rank_died: bool = False
     rule: str = ""
     confirmed_by: str = ""
+    bad_iterations: tuple[int, int] | None = None
+    """A loss spike's or NaN's iterations (:meth:`Finding.bad_iterations`): its restart rung
+    rolls back past them instead of restarting from the newest state."""
+    iteration: int = 0
 
     @classmethod
     def of(cls, finding: Finding) -> Fault:
         rank = "" if finding.rank is None else f" rank {finding.rank}"
         detail = f"{finding.rule}{rank}: {finding.evidence}".strip()
         return cls(
-            finding.node, finding.status.value, detail, finding.rank_died, finding.rule, finding.confirmed_by
+            finding.node,
+            finding.status.value,
+            detail,
+            finding.rank_died,
+            finding.rule,
+            finding.confirmed_by,
+            finding.bad_iterations(),
+            finding.iteration or 0,
         )
 
     @property

@@ -21,6 +21,7 @@ from unicornd.actions import (
     NotifyOperator,
     Replan,
     RestartAgent,
+    RollBack,
     SendCommand,
 )
 from unicornd.decide.common import (
@@ -44,6 +45,7 @@ from unicornd.state import (
     Incident,
     LadderStage,
     NodeHealth,
+    Rollback,
     Snapshot,
     StageEntry,
     TaskRecord,
@@ -159,10 +161,15 @@ def _isolate(
     """Rung SEV1: drain the node and ask for a replan, or ask the operator to confirm."""
     pol, now_s = draft.policy, draft.now_s
     was_waiting = inc.stage in WAITING_FOR_PLAN
-    drained = _drain(draft, _enter(inc, _L.ISOLATE, now_s), fault, confirmed=confirmed)
+    # Other users' jobs on the node: unicorn never drains it on its own; a person may.
+    others = () if confirmed else draft.snap.foreign_jobs(fault.node)
+    drained = None if others else _drain(draft, _enter(inc, _L.ISOLATE, now_s), fault, confirmed=confirmed)
     if drained is None:
         why = (
-            f"drain limit reached: {draft.drains_within_window()} drains "
+            f"node {fault.node} also runs other users' jobs {list(others)}: not drained; "
+            f"confirm the drain of {fault.node} for {fault.status}"
+            if others
+            else f"drain limit reached: {draft.drains_within_window()} drains "
             f"in the last {pol.drain_window_s:g} s "
             f"(limit {pol.drain_limit(max(len(draft.snap.nodes), 1))} of {len(draft.snap.nodes)} nodes); "
             f"confirm the drain of {fault.node} for {fault.status}"
@@ -171,7 +178,8 @@ def _isolate(
             inc = inc.moved(_L.ESCALATED_TO_OPERATOR, now_s)
         draft.put(replace(inc, pending_drain=fault.node, note=why, last_action_s=now_s))
         _mark_suspect(draft, fault)
-        draft.act(NotifyOperator(f"{inc.incident_id}/notify/drain-limit/{fault.node}", inc.incident_id, why))
+        held_back = "foreign" if others else "drain-limit"
+        draft.act(NotifyOperator(f"{inc.incident_id}/notify/{held_back}/{fault.node}", inc.incident_id, why))
         draft.notes.append(f"{inc.incident_id}: {why}")
         return
     attempt = drained.attempts_at(_L.ISOLATE)
@@ -296,6 +304,9 @@ def _climb(draft: Draft, task: TaskRecord, inc: Incident, target: LadderStage, f
         return
     if task.job_id is None:
         raise InvalidArgument(f"task {task.task_id} is {task.state} without a Slurm job id")
+    if target is _L.RESTART_PROCESSES and fault.bad_iterations is not None:
+        _roll_back(draft, task, inc, fault, bad=fault.bad_iterations, job_id=task.job_id)
+        return
     inc = _enter(inc, target, draft.now_s)
     attempt = inc.attempts_at(target)
     nodes = (fault.node,) if target is _L.RETRY_IN_PLACE else task.nodes
@@ -322,6 +333,101 @@ def _climb(draft: Draft, task: TaskRecord, inc: Incident, target: LadderStage, f
     draft.put(inc)
     what = f"restart_ranks on {', '.join(nodes)}" if acts else "wait"
     draft.notes.append(f"{inc.incident_id}: {target.value} #{attempt} ({fault.status}): {what}")
+
+
+# --- roll back past a loss spike or NaN (issue 23) --------------------------------------
+
+_SPIKE_WORDS: Final = {ErrorStatus.LOSS_SPIKE: "loss spike", ErrorStatus.NAN_LOSS: "NaN loss"}
+
+
+def _roll_back(
+    draft: Draft, task: TaskRecord, inc: Incident, fault: Fault, *, bad: tuple[int, int], job_id: int
+) -> None:
+    """The restart rung of a loss spike or NaN: every node's ranks restart from the newest
+    version older than the bad iterations and skip their data (:class:`RollBack`, rendered
+    with the task's skipped ranges). The task and the incident record the roll back."""
+    now_s = draft.now_s
+    inc = _enter(inc, _L.RESTART_PROCESSES, now_s)
+    attempt = inc.attempts_at(_L.RESTART_PROCESSES)
+    launch = step_id(inc, _L.RESTART_PROCESSES, attempt, "rollback", "")
+    first, last = bad
+    rollback = Rollback(
+        first=first,
+        last=last,
+        iteration=max(fault.iteration, last),
+        incident_id=inc.incident_id,
+        launch=launch,
+        decided_s=now_s,
+    )
+    current = draft.task(task.task_id)
+    draft.put(replace(current, rollbacks=(*current.rollbacks, rollback)).with_state(TaskState.RECOVERING))
+    for node in task.nodes:
+        draft.act(RollBack(f"{launch}{node}", task.task_id, job_id, node))
+    _count_recovery(draft, task.task_id)
+    what = _SPIKE_WORDS.get(inc.status, fault.status)
+    why = (
+        f"roll back past the {what} at iteration {rollback.iteration}: restart from the newest saved "
+        f"version older than iteration {first}, skipping the data of iterations {rollback.skipped}"
+    )
+    draft.put(replace(inc.noted(why, now_s), rollback=rollback, note=why))
+    draft.notes.append(f"{inc.incident_id}: restart_processes #{attempt} ({fault.status}): {why}")
+
+
+def _repeated(task: TaskRecord, bad: tuple[int, int]) -> Rollback | None:
+    """The task's roll back whose skipped data the bad iterations ``bad`` overlap or directly
+    follow: the same data spikes again (or the data was not the cause), and rolling back
+    once more would loop."""
+    for rollback in reversed(task.rollbacks):
+        if bad[0] <= rollback.last + 1 and rollback.first <= bad[1]:
+            return rollback
+    return None
+
+
+def _from_replaced_ranks(snapshot: Snapshot, task: TaskRecord, finding: Finding) -> bool:
+    """A loss finding reported by ranks that the task's latest roll back is replacing (its
+    incident is still open and the report's launch id is not the roll back's): those ranks
+    trained on the bad data; what they report now proves nothing."""
+    if not task.rollbacks or not finding.launch_id:
+        return False
+    latest = task.rollbacks[-1]
+    inc = snapshot.incidents.get(latest.incident_id)
+    return inc is not None and inc.is_open and not finding.launch_id.startswith(latest.launch)
+
+
+def _on_loss_finding(draft: Draft, task: TaskRecord, finding: Finding, bad: tuple[int, int]) -> bool:
+    """A loss spike or NaN of a task that was rolled back before: a stale report is noted, a
+    repeat at the same data stops the task with the reason. True when handled here."""
+    snapshot = draft.snap
+    if _from_replaced_ranks(snapshot, task, finding):
+        draft.notes.append(
+            f"finding {finding.finding_id}: {finding.status} at iteration {finding.iteration} from ranks "
+            f"launched by {finding.launch_id}, which roll back {task.rollbacks[-1].incident_id} "
+            "replaces; ignored"
+        )
+        return True
+    again = _repeated(task, bad)
+    if again is None:
+        return False
+    inc = snapshot.open_incident(task.task_id)
+    if inc is None:
+        number = task.incidents_opened + 1
+        inc = _new_incident(f"{task.task_id}.{number}", task.task_id, finding, draft.now_s)
+        draft.put(replace(draft.task(task.task_id), incidents_opened=number))
+    else:
+        inc = remember(draft, inc, finding)
+    restored = (
+        f"restored version {again.version}"
+        if again.version is not None
+        else f"restored a version older than iteration {again.first}"
+    )
+    what = _SPIKE_WORDS.get(finding.status, finding.status.value)
+    why = (
+        f"repeated {what} at iteration {finding.iteration} after rollback "
+        f"({again.incident_id}: iterations {again.skipped} skipped, {restored}); "
+        "rolling back again would loop on the same data"
+    )
+    _stop_task(draft, draft.task(task.task_id), inc, why)
+    return True
 
 
 def _wanted(draft: Draft, finding: Finding) -> LadderStage:
@@ -385,15 +491,18 @@ def on_finding(snapshot: Snapshot, finding: Finding, now_s: float) -> Decision:
             f"finding {finding.finding_id}: task {task.task_id} is {task.state} "
             f"on {list(task.nodes)}; ignored"
         )
+    bad = finding.bad_iterations()
     inc = snapshot.open_incident(task.task_id)
-    if inc is None:
+    if bad is not None and _on_loss_finding(draft, task, finding, bad):
+        pass  # a stale report, or the same data again: handled there
+    elif inc is None:
         number = task.incidents_opened + 1
         inc = _new_incident(f"{task.task_id}.{number}", task.task_id, finding, now_s)
         draft.put(replace(task, incidents_opened=number).with_state(TaskState.RECOVERING))
         target = _target_rung(draft, inc, _wanted(draft, finding))
         _climb(draft, draft.task(task.task_id), inc, target, Fault.of(finding))
-        return draft.decision()
-    _update_incident(draft, task, remember(draft, inc, finding), finding)
+    else:
+        _update_incident(draft, task, remember(draft, inc, finding), finding)
     return draft.decision()
 
 
@@ -620,12 +729,19 @@ def on_operator_drain(snapshot: Snapshot, node: str, reason: str, now_s: float) 
     :func:`on_node_join`); a replan moves its task off it. The drain limiter does not
     apply (a person decided) and the drain is not counted against it. A node already
     draining or drained is only held and given the new reason; the same request again
-    changes nothing. Unknown node or empty reason: InvalidArgument, nothing changed.
+    changes nothing. Unknown node (outside the scope, too), a node other users' jobs run
+    on, or an empty reason: InvalidArgument, nothing changed.
     """
     if node not in snapshot.nodes:
         raise InvalidArgument(f"unknown node {node!r}; known: {', '.join(sorted(snapshot.nodes)) or 'none'}")
     if not reason.strip():
         raise InvalidArgument("an operator's drain needs a reason")
+    others = snapshot.foreign_jobs(node)
+    if others:
+        raise InvalidArgument(
+            f"node {node} runs other users' jobs {list(others)}, not unicorn's: unicorn does not "
+            f"drain it (scontrol update nodename={node} state=drain does, if that is meant)"
+        )
     draft = Draft(snapshot, now_s)
     rec = snapshot.nodes[node]
     text = drain_reason(draft, "operator:", reason)

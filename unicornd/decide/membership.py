@@ -3,7 +3,8 @@ finish, stop; a requeued job runs again."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from unicorn_core.errors import InvalidArgument
@@ -54,6 +55,12 @@ def on_node_join(snapshot: Snapshot, node: str, now_s: float, *, by_operator: bo
         return Decision(notes=(f"node {node} is {rec.health}; join ignored",))
     joins = rec.joins + 1
     base = f"join/{node}/{joins}"
+    if rec.held and not by_operator and snapshot.foreign_jobs(node):
+        others = list(snapshot.foreign_jobs(node))
+        draft.put(replace(rec, joins=joins))
+        why = f"node {node} came back but is held; it runs other users' jobs {others}: not drained"
+        draft.act(NotifyOperator(f"{base}/notify", None, why))
+        return draft.note(why)
     if rec.held and not by_operator:
         reason = drain_reason(
             draft, "held", f"{len(rec.failures_s)} failures; resume with unicornctl node resume {node}"
@@ -78,6 +85,39 @@ def on_node_join(snapshot: Snapshot, node: str, now_s: float, *, by_operator: bo
     return draft.decision()
 
 
+def on_node_jobs(snapshot: Snapshot, jobs: Mapping[str, tuple[int, ...]], now_s: float) -> Decision:
+    """A Slurm poll says which jobs hold each node (``jobs``; a node not in it: none).
+
+    Each node's record keeps its jobs; those that are no task's are other users'
+    (:meth:`Snapshot.foreign_jobs`), and the planner leaves such a node alone. A node that
+    becomes plannable again (their job ended) asks for a replan, as a joining node does.
+    Nodes unicorn does not know are ignored; nothing changed: an empty decision.
+    """
+    changed = []
+    for name, rec in sorted(snapshot.nodes.items()):
+        now_jobs = tuple(sorted(set(jobs.get(name, ()))))
+        if now_jobs != rec.jobs:
+            changed.append(replace(rec, jobs=now_jobs))
+    if not changed:
+        return Decision()
+    after = snapshot.apply(nodes=changed)
+    freed = sorted(set(after.plannable()) - set(snapshot.plannable()))
+    taken = sorted(
+        n.name for n in changed if after.foreign_jobs(n.name) and not snapshot.foreign_jobs(n.name)
+    )
+    notes = [f"node {n} runs other users' jobs {list(after.foreign_jobs(n))}: not ours" for n in taken]
+    actions: tuple[Replan, ...] = ()
+    if freed:
+        key = ",".join(
+            f"{n}:{after.node(n).joins}:{'-'.join(map(str, snapshot.node(n).jobs))}" for n in freed
+        )
+        actions = (
+            Replan(f"jobs/{zlib.crc32(key.encode()):08x}", f"other users' jobs left {', '.join(freed)}"),
+        )
+        notes.append(f"other users' jobs left {', '.join(freed)}: replan")
+    return Decision(actions=actions, nodes=tuple(changed), notes=tuple(notes))
+
+
 def on_node_check(snapshot: Snapshot, node: str, passed: bool, now_s: float, detail: str = "") -> Decision:
     """Outcome of the node check of a returning node: healthy + replan, or drained again."""
     rec = snapshot.nodes.get(node)
@@ -91,6 +131,14 @@ def on_node_check(snapshot: Snapshot, node: str, passed: bool, now_s: float, det
         return draft.decision()
     pol = draft.policy
     failures = recent((*rec.failures_s, now_s), now_s, pol.node_failure_window_s)
+    others = snapshot.foreign_jobs(node)
+    if others:  # stays returning (never planned) until it joins again; the operator decides
+        why = (
+            f"node {node} failed its check ({detail}) but runs other users' jobs {list(others)}: not drained"
+        )
+        draft.put(replace(rec, failures_s=failures, reason=f"check failed: {detail}"[:200]))
+        draft.act(NotifyOperator(f"{base}/notify-check", None, why))
+        return draft.note(why)
     reason = drain_reason(draft, "node_check_failed", detail)
     draft.put(
         replace(

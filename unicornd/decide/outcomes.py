@@ -90,6 +90,14 @@ def _rung_step(
         on_check_outcome(draft, task, inc, ok=outcome.ok, nodes=outcome.nodes, detail=detail)
         return draft.decision()
     if outcome.ok:
+        if current and kind in _STARTS and now_s > inc.last_action_s:
+            # The settle time runs from when the step was performed, not decided: a decision
+            # replayed after a takeover is dated at its finding's time, seconds before the
+            # new leader performs it, and the consequences of the restart (the old ranks
+            # killed, a stopped rank after the grace) must still be absorbed. Seen in the
+            # soak bench: a stopped rank's SIGKILL 5 s after the restart was taken for a new
+            # failure and the task was stopped.
+            draft.put(replace(inc, last_action_s=now_s))
         return draft.decision()
     if task is None or kind not in _STARTS or not current or task.state not in LIVE_TASK_STATES:
         draft.put(inc.noted(_what(outcome), now_s))

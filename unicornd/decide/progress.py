@@ -57,17 +57,20 @@ def on_progress(
     draft = Draft(snapshot, now_s)
     new = task
     if task.last_iteration is None or iteration > task.last_iteration:
-        new = replace(new, last_iteration=iteration, recoveries_without_progress=0)
+        new = replace(new, last_iteration=iteration, last_iteration_s=at, recoveries_without_progress=0)
     inc = snapshot.open_incident(task_id)
     if task.requeue is not None:
         pass  # ranks about to be killed by the requeue: their iterations prove nothing
     elif inc is not None:
         if inc.stage in AWAITING_PROGRESS and at > inc.last_action_s and _started_by(inc, task, launch_id):
             closed = inc.moved(_L.RESUMED, now_s).moved(_L.CLOSED, now_s)
-            draft.put(replace(closed, note=f"resumed at iteration {iteration}"))
+            note = f"resumed at iteration {iteration}"
+            if inc.rollback is not None:
+                closed, new, note = _rolled_back(closed, new, iteration, launch_id, note)
+            draft.put(replace(closed, note=note))
             draft.act(CloseIncident(f"{inc.incident_id}/close", inc.incident_id))
             new = new.with_state(TaskState.RUNNING)
-            draft.notes.append(f"{inc.incident_id}: resumed at iteration {iteration}, closed")
+            draft.notes.append(f"{inc.incident_id}: {note}, closed")
     elif (
         task.state is TaskState.LAUNCHING
         and (task.launched_s is None or at > task.launched_s)
@@ -77,6 +80,30 @@ def on_progress(
     if new != task:
         draft.put(new)
     return draft.decision()
+
+
+def _rolled_back(
+    inc: Incident, task: TaskRecord, iteration: int, launch_id: str, note: str
+) -> tuple[Incident, TaskRecord, str]:
+    """The first iteration of the rolled-back ranks: the version they restored is the one
+    before it (a rank reports every iteration, skipped ones too), recorded on the incident's
+    and the task's roll back. Unknown ranks (no launch id) or a version that is not older
+    than the skipped data (the trainer did not roll back) record none, and say so."""
+    rollback = inc.rollback
+    assert rollback is not None
+    version = iteration - 1
+    if not launch_id.startswith(rollback.launch) or not 0 <= version < rollback.first:
+        unknown = f"{note} after the roll back (iterations {rollback.skipped} skipped; version unknown)"
+        return inc, task, unknown
+    done = replace(rollback, version=version)
+    rollbacks = tuple(done if r == rollback else r for r in task.rollbacks)
+    where = (
+        f"version {version}"
+        if version
+        else f"the initial state (no saved version older than iteration {rollback.first} in any tier)"
+    )
+    note = f"{note}: rolled back to {where}, iterations {rollback.skipped} skipped"
+    return replace(inc, rollback=done), replace(task, rollbacks=rollbacks), note
 
 
 def _launched_by_plan(task: TaskRecord, launch_id: str) -> bool:

@@ -1,8 +1,10 @@
 """From a decision's requests to what is committed: the one place a replan happens.
 
-Decision functions ask for two things they cannot compute alone: a cluster-wide replan
-(:class:`~unicornd.actions.Replan`) and a new agent on a node (:class:`RestartAgent`,
-whose argv depends on the task's layout and plan generation). :func:`resolve` replaces
+Decision functions ask for three things they cannot compute alone: a cluster-wide replan
+(:class:`~unicornd.actions.Replan`), a new agent on a node (:class:`RestartAgent`,
+whose argv depends on the task's layout and plan generation) and a roll back of its
+ranks past bad data (:class:`RollBack`: the task's command rendered again with its
+skipped ranges, sent as a ``relaunch``). :func:`resolve` replaces
 both, purely, given the :class:`~unicornd.replan.PlanContext`: the replan by the
 transition :func:`unicornd.replan.replan_decision` computes on the snapshot the decision
 leaves (several requests in one decision make one replan), the restart by a
@@ -19,7 +21,16 @@ from dataclasses import replace
 
 from plan.planner import Plan
 from unicorn_core.protocol import AgentAction
-from unicornd.actions import Action, Decision, LaunchAgents, NodeArgv, Replan, RestartAgent, SendCommand
+from unicornd.actions import (
+    Action,
+    Decision,
+    LaunchAgents,
+    NodeArgv,
+    Replan,
+    RestartAgent,
+    RollBack,
+    SendCommand,
+)
 from unicornd.replan import PlanContext, replan_decision
 from unicornd.state import Snapshot
 
@@ -47,6 +58,12 @@ def resolve_with_plan(
                 notes.append(f"{action.action_id}: task {action.task_id} no longer runs on {action.node}")
             else:
                 actions.append(launch)
+        elif isinstance(action, RollBack):
+            relaunch = _rolled_back(after, action, ctx)
+            if relaunch is None:
+                notes.append(f"{action.action_id}: task {action.task_id} no longer runs on {action.node}")
+            else:
+                actions.append(relaunch)
         else:
             actions.append(action)
     out = replace(decision, actions=tuple(actions), notes=(*decision.notes, *notes))
@@ -66,6 +83,24 @@ def _new_agent(snap: Snapshot, action: RestartAgent, ctx: PlanContext) -> Launch
     argv = tuple(render(task, task.layout, task.nodes)[action.node])
     return LaunchAgents(
         action.action_id, task.task_id, action.job_id, (NodeArgv(action.node, argv),), clear_commands=True
+    )
+
+
+def _rolled_back(snap: Snapshot, action: RollBack, ctx: PlanContext) -> SendCommand | None:
+    """The task's command for ``action.node`` at its current layout and generation, rendered
+    with every range it skips (the task record the decision leaves carries the new one)."""
+    task = snap.tasks.get(action.task_id)
+    if task is None or task.layout is None or action.node not in task.nodes:
+        return None
+    render = ctx.render_for(snap.gpus_per_node, task.generation)
+    argv = tuple(render(task, task.layout, task.nodes)[action.node])
+    return SendCommand(
+        action_id=action.action_id,
+        job_id=action.job_id,
+        node=action.node,
+        action=AgentAction.RELAUNCH,
+        deadline_s=snap.policy.command_deadline_s,
+        argv=argv,
     )
 
 

@@ -1,0 +1,78 @@
+"""A new agent never runs a command written for an agent before it.
+
+An agent reads its command stream from the start. A command sent to a node whose agent
+died before reading it (a restart sent while the node was being killed) stayed queued, and
+the agent of a later launch on that node ran it: the soak bench saw a requeue back onto a
+revived node restart its fresh ranks with a restart written three cycles earlier, on
+another rendezvous port. Every launch now deletes what is queued for the node first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import redis
+
+from tests.fakes.slurm import FakeSlurm, idle_node, running_job
+from unicorn_core import redis_io
+from unicorn_core.config import load_config
+from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
+from unicorn_core.logs import reset_logging
+from unicorn_core.protocol import AgentAction, AgentCommand, encode
+from unicornd.actions import LaunchAgents, NodeArgv
+from unicornd.daemon import Daemon
+
+PREFIX = "launchcmd"
+
+
+async def _until(what: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_launch_deletes_the_commands_queued_for_the_nodes_earlier_agents(redis_url: str) -> None:
+    keys = RedisKeys(PREFIX)
+    sync = redis.Redis.from_url(redis_url)
+    stale = AgentCommand(
+        job_id=7,
+        node="n1",
+        wall_time_s=time.time(),
+        command_id="a.1/restart_processes/1/restart_ranks/n1",
+        action=AgentAction.RESTART_RANKS,
+        deadline_s=30.0,
+    )
+    sync.xadd(keys.agent_commands(7, "n1"), {PAYLOAD_FIELD: encode(stale)})
+    sync.xadd(keys.agent_commands(7, "n2"), {PAYLOAD_FIELD: encode(stale)})  # another node: kept
+    cfg = load_config(
+        None,
+        env={
+            "UNICORN_REDIS__URL": redis_url,
+            "UNICORN_REDIS__KEY_PREFIX": PREFIX,
+            "UNICORN_REDIS__AGENT_ACL": "0",
+        },
+    )
+    slurm = FakeSlurm([idle_node("n1"), idle_node("n2")], [running_job(7, ["n1", "n2"])], local_steps=True)
+    client = redis_io.connect(cfg.redis, client_name="test-unicornd")
+    daemon = Daemon(cfg, slurm, client)
+    running = asyncio.create_task(daemon.run())
+    try:
+        await _until(lambda: daemon.snapshot is not None)
+        launch = LaunchAgents("plan-3/t/requeue/launch", "t", 7, (NodeArgv("n1", ("true",)),))
+        await daemon.executor._launch(launch)
+        assert sync.xlen(keys.agent_commands(7, "n1")) == 0
+        assert sync.xlen(keys.agent_commands(7, "n2")) == 1
+        assert [c[0] for c in slurm.calls if c[0] == "launch_step"] == ["launch_step"]
+    finally:
+        for step in slurm.steps:
+            if step.process.returncode is None:
+                step.process.kill()
+            await step.process.wait()
+        daemon._stop.set()
+        await asyncio.wait_for(running, 30)
+        await client.aclose()
+        sync.close()
+        reset_logging()

@@ -1,0 +1,640 @@
+"""The goodput ledger: achieved WAF, measured, and the gap to the ideal by cause (issue 21).
+
+Pure: :func:`advance` is a function of the previous :class:`Ledger`, the committed
+:class:`~unicornd.state.Snapshot` and the clock; no I/O. :class:`unicornd.core.Core`
+advances it after every commit and saves it under ``keys.goodput()``
+(:mod:`unicornd.ledgerstore`); ``unicornctl goodput`` and the metrics read it.
+
+Work is in weighted TFLOP (weighted TFLOP/s x s, Unicron's F integrated), time in GPU-seconds.
+
+* **Achieved**: each iteration past a task's high-water mark earns ``weight x`` its
+  model's FLOPs per iteration, when a rank finished it (``TaskRecord.last_iteration_s``).
+  Recomputed iterations earn nothing.
+* **Ideal** W*: the planner's best allocation of the same (planned) tasks on all known
+  nodes with no failures, each task's analytic rate x its **calibration** (the measured
+  over the analytic iteration time; the first measured stretch of a task sets it, later
+  stretches move it: quickly up, slowly down, so a slowdown stays visible). A task enters
+  the WAF accounts once calibrated (its GPU-seconds are counted from the start).
+* Rates **in force** are those of the snapshot at the previous update (layout, nodes,
+  health): the interval up to now is booked at them, then they are re-read.
+
+The gap, ``ideal - achieved``, by :class:`Cause` (the simulator's Eq. 1 split, live):
+
+* per task, per stretch of its own clock, at its in-force rate P (calibrated rate of its
+  layout): ``detection`` (its last iteration before an incident to the incident's
+  detection), ``decision_drain`` (detection to the first rung, or the drain done:
+  :data:`ACTED`), ``transition`` (then to the first iteration of the new ranks; also a
+  plan's launch or move of a task to its first new high), ``recomputation`` (from that
+  iteration until the task passes its old mark, less the calibrated time of the new
+  iterations in that stretch), ``sub_healthy`` (a running stretch's P x time less its
+  achieved work: slower than calibrated; negative when faster);
+* per task at the cluster clock: ``sub_healthy`` (its ideal share less its share in the
+  planner's best allocation of the nodes not out, i.e. healthy or still used) and
+  ``idle`` (that share less P: healthy GPUs no task uses, or a task waiting);
+* GPU-seconds: out nodes' GPUs -> ``sub_healthy``, healthy unused GPUs -> ``idle``, a
+  task's GPUs per stretch split like its work (productive / causes, never negative).
+  A node that other users' jobs hold and no task uses (``NodeRecord.jobs``, issue 24) is
+  not unicorn's while they do: in neither the ideal nor the GPU-seconds.
+
+The time since a task's last iteration is not attributed yet (it becomes running or
+detection when the next iteration or incident says which): ``unattributed`` = gap - sum of
+the causes, at most about one iteration per task plus calibration drift.
+
+A decode that fails raises :class:`~unicorn_core.errors.ProtocolError` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Final
+
+import msgspec
+
+from plan.hardware import GpuSpec
+from plan.perf import PerfAssumptions, estimate_layout
+from plan.planner import Cluster, Granularity, plan_cluster, task_curves
+from unicorn_core.errors import InvalidArgument, ProtocolError
+from unicorn_core.layout import Layout
+from unicorn_core.model import ModelSpec
+from unicorn_core.taskspec import TaskSpec
+from unicornd.alerts import incident_milestones
+from unicornd.replan import PLANNED_STATES
+from unicornd.state import (
+    LIVE_TASK_STATES,
+    Incident,
+    LadderStage,
+    NodeHealth,
+    Snapshot,
+    TaskRecord,
+    TaskState,
+)
+
+LEDGER_VERSION: Final = 1
+HISTORY_EVERY_S: Final = 3600.0
+"""A checkpoint of the totals every hour (``unicornctl goodput --since`` subtracts one)."""
+HISTORY_KEEP_S: Final = 8 * 86400.0
+"""Checkpoints are kept 8 days (``--since 7d`` and a margin)."""
+CALIBRATE_UP: Final = 0.3
+"""Weight of a stretch faster than the calibration (the healthy rate is found quickly)."""
+CALIBRATE_DOWN: Final = 0.03
+"""Weight of a slower stretch: a slowdown is sub-healthy for ~1/0.03 stretches before the
+calibration takes it as the task's rate."""
+
+
+class Cause(enum.StrEnum):
+    """Why WAF was lost (see the module docstring)."""
+
+    DETECTION = "detection"
+    DECISION_DRAIN = "decision_drain"
+    TRANSITION = "transition"
+    RECOMPUTATION = "recomputation"
+    SUB_HEALTHY = "sub_healthy"
+    IDLE = "idle"
+
+
+class Phase(enum.StrEnum):
+    """What a task's GPUs do since its clock (``booked_s``)."""
+
+    NONE = "none"  # no GPUs (pending, ended)
+    RUNNING = "running"  # iterations advance; time after the last one is not attributed yet
+    DECIDING = "deciding"  # an incident was detected, no rung acted yet
+    TRANSITION = "transition"  # a rung acted or a plan (re)launched; waiting for iterations
+    RECOMPUTE = "recompute"  # iterating again, not past the old mark yet
+
+
+ACTED: Final = frozenset(
+    {
+        LadderStage.RETRY_IN_PLACE,
+        LadderStage.RESTART_PROCESSES,
+        LadderStage.REPLAN,
+        LadderStage.TRANSITION,
+        LadderStage.RESUMED,
+        LadderStage.CLOSED,
+    }
+)
+"""Stages that end ``decision_drain``: a rung acted in place, or the drain is done (replan)."""
+_ENDED: Final = frozenset({LadderStage.RESUMED, LadderStage.CLOSED})
+_PHASE_CAUSE: Final = {
+    Phase.DECIDING: Cause.DECISION_DRAIN,
+    Phase.TRANSITION: Cause.TRANSITION,
+}
+
+
+def _check(ok: bool, problem: str) -> None:
+    if not ok:
+        raise ValueError(problem)
+
+
+def _finite(value: float, what: str) -> None:
+    _check(math.isfinite(value), f"{what} must be finite, got {value!r}")
+
+
+class Totals(msgspec.Struct, forbid_unknown_fields=True):
+    """Accumulated amounts: work in weighted TFLOP, time in GPU-seconds."""
+
+    ideal_wtflop: float = 0.0
+    achieved_wtflop: float = 0.0
+    lost_wtflop: dict[Cause, float] = msgspec.field(default_factory=dict)
+    gpu_s: float = 0.0
+    productive_gpu_s: float = 0.0
+    lost_gpu_s: dict[Cause, float] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for what, v in (("ideal", self.ideal_wtflop), ("achieved", self.achieved_wtflop)):
+            _finite(v, what)
+        for c, v in (*self.lost_wtflop.items(), *self.lost_gpu_s.items()):
+            _finite(v, f"lost[{c}]")
+        _check(self.gpu_s >= 0 and self.productive_gpu_s >= 0, "GPU-seconds must be >= 0")
+
+    @property
+    def unattributed_wtflop(self) -> float:
+        """The gap no cause explains yet (see the module docstring)."""
+        return self.ideal_wtflop - self.achieved_wtflop - sum(self.lost_wtflop.values())
+
+    @property
+    def unattributed_gpu_s(self) -> float:
+        return self.gpu_s - self.productive_gpu_s - sum(self.lost_gpu_s.values())
+
+    def minus(self, other: Totals) -> Totals:
+        """The amounts accumulated since ``other`` (an earlier checkpoint)."""
+        return Totals(
+            self.ideal_wtflop - other.ideal_wtflop,
+            self.achieved_wtflop - other.achieved_wtflop,
+            {c: self.lost_wtflop.get(c, 0.0) - other.lost_wtflop.get(c, 0.0) for c in Cause},
+            max(0.0, self.gpu_s - other.gpu_s),
+            max(0.0, self.productive_gpu_s - other.productive_gpu_s),
+            {c: self.lost_gpu_s.get(c, 0.0) - other.lost_gpu_s.get(c, 0.0) for c in Cause},
+        )
+
+
+class TaskBook(msgspec.Struct, forbid_unknown_fields=True):
+    """One task's clock, phase and in-force rates, and its totals.
+
+    ``booked_s``: its time is attributed up to here; ``mark``: the high-water iteration
+    seen; ``incidents``: per incident id, how many of its milestones (detected, acted,
+    ended) were booked; ``efficiency``: measured / analytic speed (None: not calibrated).
+    In force since the last update: ``gpus``, ``iteration_wtflop`` (weight x model TFLOP per
+    iteration), ``analytic_iteration_s`` of its layout (None: no layout), ``ideal_wtflops``
+    and ``healthy_wtflops`` (its analytic share in the best plan on all nodes, on the nodes
+    not out). ``achieved_wtflops``: the rate of its latest running stretch (0 otherwise).
+    """
+
+    task_id: str
+    booked_s: float
+    phase: Phase = Phase.NONE
+    mark: int | None = None
+    launched_s: float | None = None
+    incidents: dict[str, int] = msgspec.field(default_factory=dict)
+    efficiency: float | None = None
+    gpus: int = 0
+    iteration_wtflop: float = 0.0
+    analytic_iteration_s: float | None = None
+    ideal_wtflops: float = 0.0
+    healthy_wtflops: float = 0.0
+    achieved_wtflops: float = 0.0
+    totals: Totals = msgspec.field(default_factory=Totals)
+
+    def __post_init__(self) -> None:
+        _finite(self.booked_s, f"task {self.task_id}: booked_s")
+        _check(self.gpus >= 0, f"task {self.task_id}: gpus must be >= 0")
+        _check(
+            self.efficiency is None or (math.isfinite(self.efficiency) and self.efficiency > 0),
+            f"task {self.task_id}: efficiency must be > 0",
+        )
+        for v in (self.iteration_wtflop, self.ideal_wtflops, self.healthy_wtflops, self.achieved_wtflops):
+            _finite(v, f"task {self.task_id}: rate")
+        _check(
+            self.analytic_iteration_s is None or self.analytic_iteration_s > 0,
+            f"task {self.task_id}: analytic_iteration_s must be > 0",
+        )
+
+    def rate(self, efficiency: float | None = None) -> float:
+        """P: calibrated weighted TFLOP/s of the layout in force (0 while uncalibrated);
+        with ``efficiency``, at that calibration instead of the book's."""
+        e = self.efficiency if efficiency is None else efficiency
+        if e is None or self.analytic_iteration_s is None or self.gpus == 0:
+            return 0.0
+        return self.iteration_wtflop * e / self.analytic_iteration_s
+
+    def calibrated_iteration_s(self, efficiency: float | None = None) -> float | None:
+        e = self.efficiency if efficiency is None else efficiency
+        if e is None or self.analytic_iteration_s is None:
+            return None
+        return self.analytic_iteration_s / e
+
+
+class Checkpoint(msgspec.Struct, forbid_unknown_fields=True):
+    """The totals at ``t_s`` (cluster and per task)."""
+
+    t_s: float
+    totals: Totals
+    tasks: dict[str, Totals] = msgspec.field(default_factory=dict)
+
+
+class Ledger(msgspec.Struct, forbid_unknown_fields=True):
+    """The whole ledger as stored. ``t_s``: the cluster clock (booked up to here);
+    ``gpus_total``/``gpus_out``/``gpus_idle``: in force since then."""
+
+    t_s: float
+    started_s: float
+    v: int = LEDGER_VERSION
+    gpus_total: int = 0
+    gpus_out: int = 0
+    gpus_idle: int = 0
+    totals: Totals = msgspec.field(default_factory=Totals)
+    tasks: dict[str, TaskBook] = msgspec.field(default_factory=dict)
+    history: list[Checkpoint] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check(self.v == LEDGER_VERSION, f"ledger version {self.v}, expected {LEDGER_VERSION}")
+        _finite(self.t_s, "t_s")
+        _finite(self.started_s, "started_s")
+        _check(self.started_s <= self.t_s, "started_s must not be after t_s")
+        _check(min(self.gpus_total, self.gpus_out, self.gpus_idle) >= 0, "GPU counts must be >= 0")
+        for key, book in self.tasks.items():
+            _check(key == book.task_id, f"tasks: key {key!r} holds task {book.task_id!r}")
+
+    def achieved_wtflops(self) -> float:
+        """Achieved WAF now: the sum of running tasks' measured rates."""
+        return sum(b.achieved_wtflops for b in self.tasks.values() if b.phase is Phase.RUNNING)
+
+    def ideal_wtflops(self) -> float:
+        """W* now (calibrated tasks' shares in the best plan on all nodes)."""
+        return sum(b.ideal_wtflops * (b.efficiency or 0.0) for b in self.tasks.values())
+
+    def since(self, start_s: float) -> tuple[float, Totals, dict[str, Totals]]:
+        """(window start, cluster totals, per-task totals) since the newest checkpoint at or
+        before ``start_s`` (the ledger's start when there is none)."""
+        base = Checkpoint(self.started_s, Totals())
+        for cp in self.history:
+            if cp.t_s <= start_s:
+                base = cp
+        tasks = {tid: b.totals.minus(base.tasks.get(tid, Totals())) for tid, b in self.tasks.items()}
+        return base.t_s, self.totals.minus(base.totals), tasks
+
+
+def new_ledger(now_s: float) -> Ledger:
+    return Ledger(t_s=now_s, started_s=now_s)
+
+
+def encode(ledger: Ledger) -> bytes:
+    return msgspec.json.encode(ledger)
+
+
+def decode(raw: str | bytes) -> Ledger:
+    """The ledger in ``raw``; ProtocolError (``malformed``/``invalid``) when it is not one."""
+    try:
+        return msgspec.json.decode(raw, type=Ledger)
+    except msgspec.DecodeError as e:
+        kind = "invalid" if isinstance(e, msgspec.ValidationError) else "malformed"
+        raise ProtocolError(kind, f"goodput ledger: {e}") from e
+
+
+# --- the planner's view, memoised ------------------------------------------------------
+
+
+@lru_cache(maxsize=64)
+def _best_shares(
+    specs: tuple[TaskSpec, ...], nodes: int, gpus_per_node: int, gpu: GpuSpec, assume: PerfAssumptions
+) -> tuple[float, ...]:
+    """Each task's analytic weighted TFLOP/s in the planner's best failure-free allocation."""
+    if not specs or nodes <= 0:
+        return (0.0,) * len(specs)
+    cluster = Cluster(nodes, gpus_per_node, gpu, Granularity.NODE)
+    curves = task_curves(list(specs), cluster, cluster.workers + 1, assume)
+    plan = plan_cluster(curves, cluster)
+    return tuple(a.waf_tflops for a in plan.assignments)
+
+
+@lru_cache(maxsize=256)
+def _analytic_iteration_s(
+    model: ModelSpec, layout: Layout, gpu: GpuSpec, gpus_per_node: int, assume: PerfAssumptions
+) -> float | None:
+    try:
+        return estimate_layout(model, layout, gpu, gpus_per_node, assume).iteration_s
+    except InvalidArgument:
+        return None
+
+
+# --- advancing -------------------------------------------------------------------------
+
+
+@dataclass
+class _Acc:
+    """Mutable totals while advancing (built back into :class:`Totals`)."""
+
+    ideal: float = 0.0
+    achieved: float = 0.0
+    gpu_s: float = 0.0
+    productive: float = 0.0
+    lost: dict[Cause, float] = field(default_factory=lambda: dict.fromkeys(Cause, 0.0))
+    lost_gpu: dict[Cause, float] = field(default_factory=lambda: dict.fromkeys(Cause, 0.0))
+
+    @classmethod
+    def of(cls, t: Totals) -> _Acc:
+        acc = cls(t.ideal_wtflop, t.achieved_wtflop, t.gpu_s, t.productive_gpu_s)
+        for c in Cause:
+            acc.lost[c] = t.lost_wtflop.get(c, 0.0)
+            acc.lost_gpu[c] = t.lost_gpu_s.get(c, 0.0)
+        return acc
+
+    def totals(self) -> Totals:
+        return Totals(
+            self.ideal, self.achieved, dict(self.lost), self.gpu_s, self.productive, dict(self.lost_gpu)
+        )
+
+
+class _Book:
+    """One task's book while advancing; every amount goes to the task and the cluster."""
+
+    def __init__(self, book: TaskBook, cluster: _Acc) -> None:
+        self.b = book
+        self.acc = _Acc.of(book.totals)
+        self.cluster = cluster
+        self.booked = book.booked_s
+        self.phase = book.phase
+        self.mark = book.mark
+        self.efficiency = book.efficiency
+        self.achieved_rate = book.achieved_wtflops
+
+    def _add(
+        self, wtflop: dict[Cause, float], achieved: float, gpu: dict[Cause, float], productive: float
+    ) -> None:
+        for acc in (self.acc, self.cluster):
+            acc.achieved += achieved
+            acc.productive += productive
+            for c, v in wtflop.items():
+                acc.lost[c] += v
+            for c, v in gpu.items():
+                acc.lost_gpu[c] += v
+
+    def stall(self, until: float, cause: Cause) -> None:
+        """Book [booked, until) to ``cause``: no new iterations."""
+        dt = until - self.booked
+        if dt <= 0:
+            return
+        self._add({cause: self.b.rate(self.efficiency) * dt}, 0.0, {cause: self.b.gpus * dt}, 0.0)
+        self.booked = until
+
+    def progress(self, until: float, new: int, cause: Cause | None) -> None:
+        """Book [booked, until) in which ``new`` iterations past the mark finished: to
+        ``cause`` (a stall that still made progress), or running (``None``; in the
+        ``RECOMPUTE`` phase, recomputation first). A running stretch then calibrates the task
+        (booked at the calibration before it; the first one is booked in GPU-seconds only)."""
+        dt = until - self.booked
+        if dt <= 0:
+            return
+        e = self.efficiency
+        rate, gpus = self.b.rate(e), self.b.gpus
+        earned = self.b.iteration_wtflop * new if e is not None else 0.0
+        if cause is not None:
+            self._add({cause: rate * dt - earned}, earned, {cause: gpus * dt}, 0.0)
+        else:
+            tau = self.b.calibrated_iteration_s(e)
+            recompute = 0.0
+            if self.phase is Phase.RECOMPUTE:
+                recompute = max(0.0, dt - new * tau) if tau is not None else (dt if new == 0 else 0.0)
+            run = dt - recompute
+            share = min(1.0, earned / (rate * run)) if rate > 0 and run > 0 else 1.0
+            self._add(
+                {Cause.RECOMPUTATION: rate * recompute, Cause.SUB_HEALTHY: rate * run - earned},
+                earned,
+                {Cause.RECOMPUTATION: gpus * recompute, Cause.SUB_HEALTHY: gpus * run * (1.0 - share)},
+                gpus * run * share,
+            )
+            if new > 0 and run > 0:
+                self.achieved_rate = self.b.iteration_wtflop * new / run
+            if self.phase is Phase.RUNNING and new > 0:
+                self._calibrate(dt / new)
+        self.booked = until
+
+    # --- what happened, in time order ---------------------------------------------------
+
+    def detected(self, t: float) -> None:
+        """An incident's detection: the time since the last iteration was the fault's."""
+        if self.phase in (Phase.RUNNING, Phase.RECOMPUTE):
+            self.stall(t, Cause.DETECTION)
+        elif self.phase is Phase.TRANSITION:
+            self.stall(t, Cause.TRANSITION)
+        self.booked = max(self.booked, t)
+        self.phase = Phase.DECIDING
+
+    def acted(self, t: float) -> None:
+        """A rung acted in place, or the drain is done."""
+        if self.phase is Phase.DECIDING:
+            self.stall(t, Cause.DECISION_DRAIN)
+            self.phase = Phase.TRANSITION
+
+    def launched(self, t: float) -> None:
+        """A plan (re)launched the task (inside an incident's transition: nothing new)."""
+        if self.phase in (Phase.RUNNING, Phase.RECOMPUTE):
+            self.stall(t, Cause.TRANSITION)
+            self.phase = Phase.TRANSITION
+        elif self.phase is Phase.NONE:
+            self.booked = max(self.booked, t)
+            self.phase = Phase.TRANSITION
+
+    def high(self, t: float, iteration: int, *, incident_open: bool) -> None:
+        """The task passed its mark: ``iteration`` finished at ``t``."""
+        new = iteration - self.mark if self.mark is not None else 0
+        if self.phase in (Phase.DECIDING, Phase.TRANSITION):
+            self.progress(t, new, _PHASE_CAUSE[self.phase])
+            if not incident_open and self.phase is Phase.TRANSITION:
+                self.phase = Phase.RUNNING
+        elif self.phase in (Phase.RUNNING, Phase.RECOMPUTE):
+            self.progress(t, new, None)
+            self.phase = Phase.RUNNING
+        else:
+            self.booked = max(self.booked, t)
+        self.mark = iteration
+
+    def ended(self, t: float) -> None:
+        """The incident resumed (or closed): the new ranks' first iteration."""
+        if self.phase in (Phase.DECIDING, Phase.TRANSITION):
+            self.stall(t, _PHASE_CAUSE[self.phase])
+            self.phase = Phase.RECOMPUTE
+
+    def finish(self, task: TaskRecord, now_s: float) -> None:
+        """Book the open phases up to now; a task that lost its GPUs leaves the books."""
+        live = task.state in LIVE_TASK_STATES and task.layout is not None and bool(task.nodes)
+        if self.phase in (Phase.DECIDING, Phase.TRANSITION):
+            self.stall(now_s, _PHASE_CAUSE[self.phase])
+        if not live:
+            if self.phase in (Phase.RUNNING, Phase.RECOMPUTE):
+                self.progress(now_s, 0, None)
+            self.phase = Phase.NONE
+            self.booked = max(self.booked, now_s)
+        elif self.phase is Phase.NONE:
+            self.phase = Phase.RUNNING if task.state is TaskState.RUNNING else Phase.TRANSITION
+            self.booked = max(self.booked, now_s)
+        if self.phase is not Phase.RUNNING:
+            self.achieved_rate = 0.0
+        if self.mark is None:
+            self.mark = task.last_iteration
+
+    def _calibrate(self, measured_s: float) -> None:
+        analytic = self.b.analytic_iteration_s
+        if analytic is None or measured_s <= 0:
+            return
+        observed = analytic / measured_s
+        if self.efficiency is None:
+            self.efficiency = observed
+            return
+        weight = CALIBRATE_UP if observed > self.efficiency else CALIBRATE_DOWN
+        self.efficiency += weight * (observed - self.efficiency)
+
+
+def _events(
+    task: TaskRecord, book: _Book, incidents: list[Incident], now_s: float
+) -> list[tuple[float, int, str, str]]:
+    """(time, order, kind, incident id) of what happened since the book last saw the task."""
+    out: list[tuple[float, int, str, str]] = []
+    for inc in incidents:
+        done = book.b.incidents.get(inc.incident_id, 0)
+        m = incident_milestones(inc)
+        acted = next((e.t_s for e in inc.timeline if e.stage in ACTED), None)
+        ended = next((e.t_s for e in inc.timeline if e.stage in _ENDED), None)
+        for level, (t, order, kind) in enumerate(
+            ((m.detected_s, 0, "detected"), (acted, 1, "acted"), (ended, 4, "ended")), start=1
+        ):
+            if t is not None and level > done:
+                out.append((min(t, now_s), order, kind, inc.incident_id))
+    if task.launched_s is not None and task.launched_s != book.b.launched_s:
+        out.append((min(task.launched_s, now_s), 2, "launched", ""))
+    if task.last_iteration is not None and (book.mark is None or task.last_iteration > book.mark):
+        at = task.last_iteration_s if task.last_iteration_s is not None else now_s
+        out.append((min(at, now_s), 3, "high", ""))
+    return sorted(out)
+
+
+def _advance_task(task: TaskRecord, book: _Book, snap: Snapshot, now_s: float) -> dict[str, int]:
+    """Book the task's stretches up to now from the snapshot's timestamps; the incident
+    milestones booked, per incident id."""
+    mine = sorted(
+        (i for i in snap.incidents.values() if i.task_id == task.task_id),
+        key=lambda i: (i.opened_s, i.incident_id),
+    )
+    seen = {i.incident_id: book.b.incidents.get(i.incident_id, 0) for i in mine}
+    levels = {"detected": 1, "acted": 2, "ended": 3}
+    for t, _, kind, inc_id in _events(task, book, mine, now_s):
+        if kind == "high":
+            assert task.last_iteration is not None
+            book.high(t, task.last_iteration, incident_open=snap.open_incident(task.task_id) is not None)
+        else:
+            getattr(book, kind)(t)
+        if inc_id:
+            seen[inc_id] = levels[kind]
+    book.finish(task, now_s)
+    return seen
+
+
+def advance(ledger: Ledger, snap: Snapshot, now_s: float, gpu: GpuSpec, assume: PerfAssumptions) -> Ledger:
+    """The ledger booked up to ``now_s`` with the rates in force, then with ``snap``'s rates
+    in force (see the module docstring). A clock that went back books nothing."""
+    now_s = max(now_s, ledger.t_s)
+    dt = now_s - ledger.t_s
+    cluster = _Acc.of(ledger.totals)
+    # The cluster clock: ideal shares and structural losses, GPUs out or idle.
+    cluster.gpu_s += ledger.gpus_total * dt
+    cluster.lost_gpu[Cause.SUB_HEALTHY] += ledger.gpus_out * dt
+    cluster.lost_gpu[Cause.IDLE] += ledger.gpus_idle * dt
+    books: dict[str, _Book] = {}
+    for tid, old in ledger.tasks.items():
+        book = books[tid] = _Book(old, cluster)
+        e = old.efficiency or 0.0
+        ideal, healthy = e * old.ideal_wtflops * dt, e * old.healthy_wtflops * dt
+        in_force = old.rate() * dt
+        for acc in (book.acc, cluster):
+            acc.ideal += ideal
+            acc.lost[Cause.SUB_HEALTHY] += ideal - healthy
+            acc.lost[Cause.IDLE] += healthy - in_force
+    # Each task's own clock, from the snapshot's timestamps.
+    out: dict[str, TaskBook] = {}
+    planned = sorted((t for t in snap.tasks.values() if t.state in PLANNED_STATES), key=lambda t: t.task_id)
+    gpn = snap.gpus_per_node
+    used = {n for t in snap.tasks.values() if t.state in LIVE_TASK_STATES for n in t.nodes}
+    # Nodes other users' jobs hold ([slurm] scope: not ours while they do) are neither in the
+    # ideal nor idle: their GPUs are someone else's work, not unicorn's loss.
+    task_jobs = {t.job_id for t in snap.tasks.values() if t.job_id is not None}
+    foreign = {
+        n.name for n in snap.nodes.values() if n.name not in used and any(j not in task_jobs for j in n.jobs)
+    }
+    ours = len(snap.nodes) - len(foreign)
+    not_out = {
+        n.name
+        for n in snap.nodes.values()
+        if n.name not in foreign and ((n.health is NodeHealth.HEALTHY and not n.held) or n.name in used)
+    }
+    specs = tuple(t.spec() for t in planned)
+    all_shares = dict(
+        zip((t.task_id for t in planned), _best_shares(specs, ours, gpn, gpu, assume), strict=True)
+    )
+    healthy_shares = dict(
+        zip((t.task_id for t in planned), _best_shares(specs, len(not_out), gpn, gpu, assume), strict=True)
+    )
+    for task in sorted(snap.tasks.values(), key=lambda t: t.task_id):
+        book = books.get(task.task_id) or _Book(TaskBook(task.task_id, booked_s=now_s), cluster)
+        seen = _advance_task(task, book, snap, now_s)
+        live = task.state in LIVE_TASK_STATES and task.layout is not None
+        analytic = (
+            _analytic_iteration_s(task.model, task.layout, gpu, gpn, assume) if live and task.layout else None
+        )
+        out[task.task_id] = TaskBook(
+            task_id=task.task_id,
+            booked_s=book.booked,
+            phase=book.phase,
+            mark=book.mark,
+            launched_s=task.launched_s,
+            incidents=seen,
+            efficiency=book.efficiency,
+            gpus=len(task.nodes) * gpn if live else 0,
+            iteration_wtflop=task.weight * task.model.model_flop_per_iteration() / 1e12,
+            analytic_iteration_s=analytic,
+            ideal_wtflops=all_shares.get(task.task_id, 0.0),
+            healthy_wtflops=healthy_shares.get(task.task_id, 0.0),
+            achieved_wtflops=book.achieved_rate,
+            totals=book.acc.totals(),
+        )
+    gpus_total = ours * gpn
+    gpus_used = sum(b.gpus for b in out.values())
+    gpus_out = gpn * (ours - len(not_out))
+    totals = cluster.totals()
+    history = [cp for cp in ledger.history if now_s - cp.t_s <= HISTORY_KEEP_S]
+    if not history or now_s - history[-1].t_s >= HISTORY_EVERY_S:
+        history.append(Checkpoint(now_s, totals, {tid: b.totals for tid, b in out.items()}))
+    return Ledger(
+        t_s=now_s,
+        started_s=ledger.started_s,
+        gpus_total=gpus_total,
+        gpus_out=gpus_out,
+        gpus_idle=max(0, gpus_total - gpus_out - gpus_used),
+        totals=totals,
+        tasks=out,
+        history=history,
+    )
+
+
+def summary(totals: Totals) -> dict[str, object]:
+    """The JSON view of some totals (``unicornctl goodput --json``)."""
+    return {
+        "ideal": totals.ideal_wtflop,
+        "achieved": totals.achieved_wtflop,
+        "lost": {c.value: totals.lost_wtflop.get(c, 0.0) for c in Cause},
+        "unattributed": totals.unattributed_wtflop,
+        "gpu_s": {
+            "total": totals.gpu_s,
+            "productive": totals.productive_gpu_s,
+            "lost": {c.value: totals.lost_gpu_s.get(c, 0.0) for c in Cause},
+            "unattributed": totals.unattributed_gpu_s,
+        },
+    }
+
+
+def cause_shares(totals: Totals) -> Mapping[Cause, float]:
+    """Each cause's share of the gap (0 when there is no gap)."""
+    gap = totals.ideal_wtflop - totals.achieved_wtflop
+    return {c: (totals.lost_wtflop.get(c, 0.0) / gap if gap else 0.0) for c in Cause}
