@@ -214,21 +214,27 @@ class Watch:
 
 
 def rank_pids(cluster: DevCluster, job: int) -> list[int]:
-    """The built-in trainer's rank processes of ``job`` (torchrun's workers: RANK set)."""
-    found = []
+    """The built-in trainer's live rank processes of ``job`` (torchrun's workers: RANK set),
+    the newest process of each rank only: ranks of a launch being replaced can still be
+    exiting, and a fault injected into one of them would hit nothing that trains."""
+    newest: dict[str, tuple[int, int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             raw = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
             cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
             continue
         env = dict(kv.split("=", 1) for kv in raw if "=" in kv)
         ours = env.get("SLURM_CONF") == cluster.slurm_conf and env.get("UNICORN_JOB_ID") == str(job)
-        if ours and "RANK" in env and b"launcher.train" in cmdline:
-            found.append(int(entry.name))
-    return sorted(found)
+        if not (ours and "RANK" in env and b"launcher.train" in cmdline) or stat[0] in ("Z", "X", "T", "t"):
+            continue
+        started = int(stat[19])  # starttime, in clock ticks since boot
+        if env["RANK"] not in newest or started > newest[env["RANK"]][0]:
+            newest[env["RANK"]] = (started, int(entry.name))
+    return sorted(pid for _, pid in newest.values())
 
 
 def training(s: Snapshot, marks: dict[str, int]) -> bool:
@@ -443,7 +449,12 @@ def main() -> None:
     ap.add_argument("--max-delay-s", type=float, default=4.0, help="fault -> disruption, at most")
     ap.add_argument("--restart-s", type=float, default=1.0, help="the supervisor's RestartSec")
     ap.add_argument("--timeout-s", type=float, default=240.0, help="per cycle, fault -> training again")
-    ap.add_argument("--keep-logs", type=Path, default=None, help="copy every log here when a cycle fails")
+    ap.add_argument(
+        "--keep-logs",
+        type=Path,
+        default=None,
+        help="copy every log here when a cycle fails or loses its event",
+    )
     args = ap.parse_args()
     if args.cycles < 1:
         ap.error("--cycles must be >= 1")
@@ -480,6 +491,8 @@ def main() -> None:
                             break
                         rows.append(row)
                         log(json.dumps(row))
+                        if row["event_lost"] and args.keep_logs is not None:
+                            keep_logs(args.keep_logs / f"cycle-{i}", cluster, sup.logs)
                         for path in Path("/tmp").glob("unicorn-agent-*.out"):
                             if path not in existing:  # a relaunch truncates it: keep what it said
                                 outputs_seen.setdefault(path, []).append(path.read_text(errors="replace"))
