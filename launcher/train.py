@@ -134,7 +134,7 @@ def _env_int(name: str, default: int) -> int:
     type=int,
     default=2,
     show_default=True,
-    help="Versions each rank keeps in the memory tier (the agent derives it from the loss window).",
+    help="Versions each rank keeps in the memory tier (the agent derives it from detect.loss_stop_window).",
 )
 @click.option(
     "--skip-iterations",
