@@ -92,6 +92,12 @@ class Detector:
     _loss: dict[int, LossHealth] = field(init=False, default_factory=dict)
     """Per job: loss health (:mod:`detect.losshealth`). Kept across restarts (a spike at
     the same data after a restart is found again without a second warm-up)."""
+    _launches: dict[tuple[int, str], str] = field(init=False, default_factory=dict)
+    """Per (job, node): the id of the launch or restart this unicornd last commanded there.
+    Loss reports stamped with another launch id come from ranks being replaced (they keep
+    training until the agent stops them): they are not judged, so they cannot mark an
+    iteration as seen before the new ranks report it. Unknown (e.g. after a takeover):
+    every report is judged."""
 
     def __post_init__(self) -> None:
         self.liveness = HeartbeatTracker(
@@ -121,6 +127,7 @@ class Detector:
         """The agent was stopped on purpose: its silence means nothing."""
         self.liveness.forget(job_id, node)
         self._lost.discard((job_id, node))
+        self._launches.pop((job_id, node), None)
         job = self._jobs.get(job_id)
         if job is not None:
             job.monitor.forget_source(node)  # its reports stop; the others' silence still counts
@@ -130,6 +137,7 @@ class Detector:
         self._jobs.pop(job_id, None)
         self._loss.pop(job_id, None)
         self._lost = {k for k in self._lost if k[0] != job_id}
+        self._launches = {k: v for k, v in self._launches.items() if k[0] != job_id}
 
     def expect_checkpoint(self, job_id: int, now_s: float) -> None:
         """A checkpoint was commanded: every rank's next step may take a checkpoint's time."""
@@ -152,11 +160,13 @@ class Detector:
                 self.restart_job(action.job_id)
                 for node in action.nodes:
                     self.expect_agent(action.job_id, node, now_s)
+                    self._launches[(action.job_id, node)] = action.action_id
             elif isinstance(action, Requeue):
                 self.forget_job(action.job_id)  # its processes are killed on purpose
             elif isinstance(action, SendCommand):
                 if action.action in (AgentAction.RESTART_RANKS, AgentAction.RELAUNCH):
                     self.restart_job(action.job_id)
+                    self._launches[(action.job_id, action.node)] = action.action_id
                 elif action.action is AgentAction.STOP:
                     self.forget_agent(action.job_id, action.node)
                 elif action.action is AgentAction.CHECKPOINT_NOW:
@@ -245,6 +255,9 @@ class Detector:
         the finding ids of one report apart. They never drain a node by themselves
         (:data:`detect.isolation.ISOLATION`): ``silent_data_corruption`` only runs the
         paired check, whose failure drains."""
+        current = self._launches.get((msg.job_id, msg.node))
+        if current is not None and msg.launch_id and msg.launch_id != current:
+            return []  # a replaced launch's ranks, still running until the agent stops them
         health = self._loss.get(msg.job_id)
         if health is None:
             health = self._loss[msg.job_id] = LossHealth(self._loss_cfg())

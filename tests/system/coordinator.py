@@ -77,6 +77,31 @@ def resumes(text: str) -> list[int]:
     return [0 if m.group(1) == "None" else int(m.group(1)) for m in _RESUMED.finditer(text)]
 
 
+def summary(snap: Snapshot | None) -> str:
+    """What a failed wait saw, compactly and last (a CI log keeps only the end of the
+    output): each task's state, nodes and iteration, each incident's stages and note."""
+    if snap is None:
+        return "no snapshot in Redis"
+    out = ["--- state when the wait gave up ---"]
+    for t in snap.tasks.values():
+        out.append(
+            f"task {t.task_id}: {t.state.value} job {t.job_id} on {list(t.nodes)} "
+            f"iteration {t.last_iteration} layout {t.layout} "
+            f"recoveries without progress {t.recoveries_without_progress}"
+        )
+    for name, n in sorted(snap.nodes.items()):
+        out.append(f"node {name}: {n.health.value}")
+    for inc in snap.incidents.values():
+        stages = " > ".join(
+            e.stage.value + (f" ({e.detail[:120]})" if e.detail else "") for e in inc.timeline
+        )
+        out.append(
+            f"incident {inc.incident_id}: {inc.status.value} {inc.severity.name} on {inc.node} "
+            f"rule {inc.rule} [{stages}] evidence {inc.evidence[:300]!r} note {inc.note[:500]!r}"
+        )
+    return "\n".join(out)
+
+
 @dataclass
 class Coordinator:
     cluster: DevCluster
@@ -148,10 +173,13 @@ class Coordinator:
             if self.supervised is None and self.proc.poll() is not None:
                 raise AssertionError(f"unicornd exited {self.proc.returncode}:\n{self.tail()}")
             time.sleep(0.25)
-        raise AssertionError(f"timed out waiting for {what}; state: {snap}\n{self.tail()}")
+        raise AssertionError(f"timed out waiting for {what}\n{self.tail()}\n{summary(snap)}")
 
     def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        """The last ``n`` lines of unicornd's log that are its own (findings, decisions,
+        actions), not its libraries' chatter: a CI log shows only its own tail."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join([line for line in lines if '"logger": "asyncssh"' not in line][-n:])
 
     def _run(self, coro_fn: Callable[[object], object]) -> None:
         async def go() -> None:

@@ -105,7 +105,16 @@ def test_a_loss_spike_rolls_back_skips_its_data_and_trains_to_the_end(
         nodes = a.nodes  # in node-rank order (a finished task holds none any more)
         log = train_log(c.keys.prefix, a.job_id or 0, nodes[-1])  # the last rank logs
         curves = runs(log)
-        at = next(n for n, r in enumerate(curves) if K in r)
+        # The spiking run reported K to the agent before logging it; the roll back can stop
+        # it in between (seen once in about five runs): then its log ends just before K and
+        # the spike's size comes from the finding the detector recorded.
+        at = next((n for n, r in enumerate(curves) if K in r), None)
+        if at is None:
+            ends = [max(r) for r in curves]
+            assert K - 1 in ends, f"runs end at {ends}; log tail:\n{log[-3000:]}"
+            at = ends.index(K - 1)
+            loss_at_k = float(re.findall(r"loss ([0-9.eE+-]+) at iteration", inc.evidence)[0])
+            curves[at][K] = loss_at_k
         spiked, curve = curves[at], {}
         for later in curves[at + 1 :]:  # the loss curve the task ends with: the newest loss per iteration
             assert K not in later, later
@@ -122,11 +131,6 @@ def test_a_loss_spike_rolls_back_skips_its_data_and_trains_to_the_end(
         assert spiked[K] > 4 * typical
 
 
-@pytest.mark.skip(
-    reason="known defect (issue 23, open): the replaced ranks' report of iteration K+1, read just "
-    "after the roll back, marks K+1 as seen in the loss detector, so the rolled-back ranks' K+1 "
-    "is never judged; the decision itself is tested in tests/unicornd/test_rollback.py"
-)
 @pytest.mark.timeout(900)
 def test_a_repeated_spike_after_the_roll_back_stops_the_task_with_the_reason(
     cluster: DevCluster, tmp_path: Path

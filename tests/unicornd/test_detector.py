@@ -8,8 +8,18 @@ import pytest
 from detect.classify import load_classifier
 from detect.statuses import ErrorStatus
 from unicorn_core.config import AgentConfig, DetectConfig
-from unicorn_core.protocol import Heartbeat, IterationPhase, IterationTiming, SlowStep, decode, encode
+from unicorn_core.protocol import (
+    AgentAction,
+    Heartbeat,
+    IterationPhase,
+    IterationTiming,
+    SlowStep,
+    decode,
+    encode,
+)
+from unicornd.actions import Decision, LaunchAgents, NodeArgv, SendCommand
 from unicornd.detector import Detector
+from unicornd.state import Snapshot
 
 
 def timing(rank: int, iteration: int, node: str = "n1") -> IterationTiming:
@@ -115,3 +125,25 @@ def test_cpu_wait_is_an_additive_heartbeat_field() -> None:
     assert decode(encode(beat("n1", 2.5))) == beat("n1", 2.5)
     with pytest.raises(ValueError, match="cpu_wait_s"):
         beat("n1", -1.0)
+
+
+def loss(iteration: int, value: float, launch: str) -> IterationTiming:
+    return msgspec.structs.replace(timing(0, iteration), loss=value, launch_id=launch)
+
+
+def test_a_replaced_launchs_loss_report_does_not_hide_the_new_ranks_report() -> None:
+    """Seen in the repeated-spike system test: after a roll back was decided, the old ranks
+    (still running until their agent stops them) reported iteration K+1; the detector took
+    K+1 as judged and the rolled-back ranks' spike at K+1 went unseen."""
+    d = Detector(DetectConfig(loss_warmup=5), AgentConfig(), load_classifier(None))
+    empty = Snapshot(tasks={}, nodes={}, gpus_per_node=8)
+    launch = LaunchAgents("plan-1/launch/4", "a", 4, (NodeArgv("n1", ("train",)),))
+    d.follow(empty, empty, Decision(actions=(launch,)), 1.0)
+    for k in range(1, 11):
+        assert d.on_message(loss(k, 2.0 - 0.01 * k, launch.action_id), 1.0 + k) == []
+    restart = SendCommand("inc.1/rollback/n1", 4, "n1", AgentAction.RESTART_RANKS, deadline_s=60.0)
+    d.follow(empty, empty, Decision(actions=(restart,)), 12.0)
+    assert d.on_message(loss(11, 1.9, launch.action_id), 12.1) == []  # the old ranks: not judged
+    found = d.on_message(loss(11, 9.0, restart.action_id), 20.0)  # the new ranks spike at 11
+    assert [f.evidence.classification.status for f in found] == [ErrorStatus.LOSS_SPIKE]
+    assert found[0].launch_id == restart.action_id
