@@ -31,7 +31,7 @@ from unicorn_core.config import Config
 from unicorn_core.errors import CommandFailed, CommandTimeout, InvalidArgument, UnicornError
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import get_logger
-from unicorn_core.paths import CKPT_RING_ENV
+from unicorn_core.paths import CKPT_RING_ENV, agent_run_dir
 from unicorn_core.slurm.backend import ResizeUnsupported, SlurmBackend, StepHandle
 from unicornd.actions import (
     Action,
@@ -55,7 +55,7 @@ from unicornd.actions import (
 )
 from unicornd.agentusers import AgentUsers
 from unicornd.core import Core
-from unicornd.launch import agent_argv, bin_dir
+from unicornd.launch import agent_argv, bin_dir, logged
 from unicornd.leader import Lease
 from unicornd.store import Owed
 
@@ -330,9 +330,8 @@ class Executor:
             self.steps[(action.job_id, cmd.node)] = await self.slurm.launch_step(
                 action.job_id,
                 [cmd.node],
-                argv,
+                logged(argv, agent_run_dir(self.keys.prefix, action.job_id, cmd.node)),
                 env={**action.env, **credentials, CKPT_RING_ENV: ",".join(ring)},
-                options=[f"--output=/tmp/unicorn-agent-{action.job_id}-{cmd.node}.out"],
                 capture=False,
             )
         return f"agents on {','.join(action.nodes)}"

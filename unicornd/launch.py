@@ -9,6 +9,7 @@ framework's own flags: for Megatron-LM, :func:`launcher.megatron.pretrain_comman
 
 from __future__ import annotations
 
+import shlex
 import sys
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -122,3 +123,13 @@ def agent_argv(
     if config_path:
         argv += ["--config", config_path]
     return [*argv, "--", *command]
+
+
+def logged(argv: Sequence[str], run_dir: Path) -> list[str]:
+    """``argv`` run by ``/bin/sh`` on the node with its output appended to
+    ``run_dir/agent.out``, the folder made first (on the node: slurmstepd opens an srun
+    ``--output`` file before the agent runs, and never makes its folder). The agent's run
+    folder holds its other logs and goes with them, so nothing is left in /tmp."""
+    out = run_dir / "agent.out"
+    script = f"mkdir -p {shlex.quote(str(run_dir))} && exec {shlex.join(argv)} >>{shlex.quote(str(out))} 2>&1"
+    return ["/bin/sh", "-c", script]

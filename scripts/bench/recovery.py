@@ -111,9 +111,6 @@ from unicorn_core.protocol import IterationPhase, IterationTiming, decode  # noq
 from unicornd.state import Incident, LadderStage, Snapshot, TaskRecord, TaskState  # noqa: E402
 
 ENV: dict[str, str] = {}  # default detection settings, as the e2e tests
-JOBS: set[int] = set()
-"""This run's task jobs: unicornd's executor points each agent step's output at
-``/tmp/unicorn-agent-<job>-<node>.out``, which the run removes at its end."""
 SPARE: Final = "node_loss_spare"
 NO_SPARE: Final = "node_loss_no_spare"
 EXCEPTION: Final = "rank_exception"
@@ -227,7 +224,6 @@ _EVENT_KINDS: Final = frozenset(
 
 def start_task(c: Coordinator, name: str, tmp: Path, megatron: bool, *extra: str) -> TaskRecord:
     job, held = c.hold_job(name, "n1,n2")
-    JOBS.add(job)
     task = TaskRecord(
         task_id=name,
         name=name,
@@ -630,13 +626,6 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-# --- leftovers ---------------------------------------------------------------------------
-
-
-def agent_outputs() -> set[Path]:
-    return {Path(f"/tmp/unicorn-agent-{job}-n{i}.out") for job in JOBS for i in range(1, 5)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=10)
@@ -674,7 +663,6 @@ def main() -> None:
         ap.error(f"unknown faults {sorted(unknown)} or --trials < 1")
     scenarios = list(dict.fromkeys(expanded))
     t_start = time.monotonic()
-    existing = set(Path("/tmp").glob("unicorn-agent-*.out"))  # not this run's: kept
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in scenarios}
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as d:
         root = Path(d)
@@ -695,8 +683,6 @@ def main() -> None:
                     print(f"{scenario} #{i}: {json.dumps(brief)}", file=sys.stderr, flush=True)
         finally:
             cluster.script("down", check=False)
-            for path in agent_outputs() - existing:
-                path.unlink(missing_ok=True)
     out: dict[str, Any] = {
         "bench": "recovery",
         "trainer": args.trainer,

@@ -76,6 +76,7 @@ import redis  # noqa: E402
 from tests.conftest import DevCluster, start_cluster  # noqa: E402
 from tests.system.coordinator import Coordinator, Supervisor, coordinator  # noqa: E402
 from tests.system.test_unicornd import task  # noqa: E402
+from unicorn_core.paths import AGENT_RUN_ROOT  # noqa: E402
 from unicornd.state import Snapshot, TaskState  # noqa: E402
 
 FAULTS: Final = ("node_kill", "rank_crash", "hang")
@@ -416,7 +417,13 @@ def agent_command_doubles(outputs: list[Path]) -> list[str]:
     return found
 
 
-def keep_logs(dest: Path, cluster: DevCluster, daemon_logs: list[Path]) -> None:
+def agent_outputs(prefix: str) -> list[Path]:
+    """Every agent's output this run (``agent.out`` in its run folder, appended across
+    relaunches; the coordinator's exit removes the folders)."""
+    return sorted((AGENT_RUN_ROOT / prefix).glob("*/*/agent.out"))
+
+
+def keep_logs(dest: Path, cluster: DevCluster, daemon_logs: list[Path], prefix: str) -> None:
     """unicornd's logs, the dev cluster's and the agents' outputs, copied to ``dest``."""
     dest.mkdir(parents=True, exist_ok=True)
     for path in daemon_logs:
@@ -424,9 +431,9 @@ def keep_logs(dest: Path, cluster: DevCluster, daemon_logs: list[Path]) -> None:
             shutil.copy(path, dest / path.name)
     with contextlib.suppress(OSError):
         shutil.copytree(cluster.state_dir / "log", dest / "cluster-log", dirs_exist_ok=True)
-    for path in Path("/tmp").glob("unicorn-agent-*.out"):
+    for path in agent_outputs(prefix):
         with contextlib.suppress(OSError):
-            shutil.copy(path, dest / path.name)
+            shutil.copy(path, dest / f"agent-{path.parent.parent.name}-{path.parent.name}.out")
     log(f"logs kept in {dest}")
 
 
@@ -462,8 +469,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
     t_start = time.monotonic()
-    existing = set(Path("/tmp").glob("unicorn-agent-*.out"))
-    outputs_seen: dict[Path, list[str]] = {}
+    outputs_seen: dict[Path, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as d:
         root = Path(d)
         root.chmod(0o755)
@@ -487,16 +493,16 @@ def main() -> None:
                             failures.append(f"cycle {i}: {e}")
                             log(f"cycle {i} FAILED: {e}")
                             if args.keep_logs is not None:
-                                keep_logs(args.keep_logs, cluster, sup.logs)
+                                keep_logs(args.keep_logs, cluster, sup.logs, c.keys.prefix)
                             break
                         rows.append(row)
                         log(json.dumps(row))
                         if row["event_lost"] and args.keep_logs is not None:
-                            keep_logs(args.keep_logs / f"cycle-{i}", cluster, sup.logs)
-                        for path in Path("/tmp").glob("unicorn-agent-*.out"):
-                            if path not in existing:  # a relaunch truncates it: keep what it said
-                                outputs_seen.setdefault(path, []).append(path.read_text(errors="replace"))
+                            keep_logs(args.keep_logs / f"cycle-{i}", cluster, sup.logs, c.keys.prefix)
                 finally:
+                    for path in agent_outputs(c.keys.prefix):
+                        with contextlib.suppress(OSError):
+                            outputs_seen[path] = path.read_text(errors="replace")
                     watch.stop()
                     exits = [time.time() - (time.monotonic() - t) for t, _, _ in sup.exits]
                     logs = list(sup.logs)
@@ -508,14 +514,11 @@ def main() -> None:
             scratch = root / "agent-outputs"
             scratch.mkdir(exist_ok=True)
             agent_files = []
-            for n, (path, texts) in enumerate(outputs_seen.items()):
-                for k, text in enumerate(texts):
-                    f = scratch / f"{n}-{k}-{path.name}"
-                    f.write_text(text)
-                    agent_files.append(f)
+            for n, text in enumerate(outputs_seen.values()):
+                f = scratch / f"{n}-agent.out"
+                f.write_text(text)
+                agent_files.append(f)
             agent_doubles = agent_command_doubles(agent_files)
-            for path in set(Path("/tmp").glob("unicorn-agent-*.out")) - existing:
-                path.unlink(missing_ok=True)
     takeovers = [r["takeover_s"] for r in rows if "takeover_s" in r]
     out: dict[str, Any] = {
         "bench": "soak",
