@@ -20,8 +20,8 @@ recompute, distributed optimizer), with m = global_batch / (dp b) micro-batches:
 * optimizer step: Adam streams ~32 B per local parameter through HBM.
 
 Achieved FLOP/s counts *model* FLOPs (72 B s l h^2 (1 + s/6h + V/12lh)), so
-recomputation's extra forward pass lowers it. Per-task calibration multiplies it by an
-efficiency factor refined from measured iteration times (:func:`refine_efficiency`).
+recomputation's extra forward pass lowers it. :mod:`plan.calibration` refines these
+predictions with measured iteration times (the analytic model is their prior).
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ from unicorn_core.layout import Layout
 from unicorn_core.model import ModelSpec
 
 BF16_BYTES = 2.0
+RANKED_PER_WORLD = 8
+"""Fitting layouts a :class:`LayoutTable` keeps per world size, fastest first: the candidates
+a calibrated plan chooses among (:func:`plan.calibration.calibrated_table`)."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,7 @@ class LayoutTable:
     best: dict[int, LayoutEstimate]  # world size -> fastest fitting layout
     least_memory_gib: dict[int, float]  # world size -> smallest per-GPU need of any layout
     world_sizes: tuple[int, ...]  # sorted keys of least_memory_gib
+    ranked: dict[int, tuple[LayoutEstimate, ...]] = field(default_factory=dict)  # fastest fitting first
 
     def tflops_by_gpus(self, max_gpus: int) -> npt.NDArray[np.float64]:
         """T(t, x) for x = 0..max_gpus GPUs used exactly: aggregate TFLOP/s, 0 where infeasible."""
@@ -230,15 +234,22 @@ def layout_table(
         raise InvalidArgument(f"gpus_per_node must be positive, got {gpus_per_node}")
     best: dict[int, LayoutEstimate] = {}
     least: dict[int, float] = {}
+    fitting: dict[int, list[LayoutEstimate]] = {}
     for layout in candidate_layouts(model, gpus_per_node, assume):
         est = estimate_layout(model, layout, gpu, gpus_per_node, assume)
         if not est.fits:
             est = estimate_layout(model, _with_recompute(layout), gpu, gpus_per_node, assume)
         world = layout.world_size
         least[world] = min(least.get(world, float("inf")), est.memory.total_gib)
-        if est.fits and (world not in best or est.tflops > best[world].tflops):
-            best[world] = est
-    return LayoutTable(model, gpu, gpus_per_node, best, least, tuple(sorted(least)))
+        if est.fits:
+            fitting.setdefault(world, []).append(est)
+            if world not in best or est.tflops > best[world].tflops:
+                best[world] = est
+    ranked = {
+        world: tuple(sorted(ests, key=lambda e: -e.tflops)[:RANKED_PER_WORLD])
+        for world, ests in fitting.items()
+    }
+    return LayoutTable(model, gpu, gpus_per_node, best, least, tuple(sorted(least)), ranked)
 
 
 def _with_recompute(layout: Layout) -> Layout:
@@ -265,18 +276,3 @@ def best_layout(
     if gpus <= 0:
         raise InvalidArgument(f"gpus must be positive, got {gpus}")
     return layout_table(model, gpu, gpus_per_node, assume).lookup(gpus)
-
-
-def refine_efficiency(prior: float, predicted_s: float, measured_s: float, smoothing: float = 0.2) -> float:
-    """Online calibration: move a task's efficiency factor towards predicted / measured.
-
-    ``predicted_s`` is the uncalibrated model's iteration time for the layout that ran.
-    The factor multiplies the model's FLOP/s (divides its iteration time); ``smoothing``
-    is the weight of the new observation (exponential moving average).
-    """
-    if predicted_s <= 0 or measured_s <= 0:
-        raise InvalidArgument(f"iteration times must be positive, got {predicted_s!r} and {measured_s!r}")
-    if not 0 < smoothing <= 1:
-        raise InvalidArgument(f"smoothing must be in (0, 1], got {smoothing!r}")
-    observed = predicted_s / measured_s
-    return (1 - smoothing) * prior + smoothing * observed

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from plan.calibration import Efficiency, calibrated_table
 from plan.hardware import GpuSpec
 from plan.objective import FailureModel, TransitionModel, gains, waf_curve
 from plan.perf import LayoutEstimate, LayoutTable, PerfAssumptions, layout_table
@@ -68,20 +69,22 @@ def task_curves(
     cluster: Cluster,
     max_workers: int,
     assume: PerfAssumptions | None = None,
-    efficiency: Mapping[str, float] | None = None,
+    calibration: Mapping[str, Efficiency] | None = None,
 ) -> tuple[TaskCurve, ...]:
     """Performance curves of every task up to ``max_workers`` (layout tables are memoised).
 
-    ``efficiency`` holds calibrated per-task factors (see ``perf.refine_efficiency``).
+    ``calibration``: measured speed per task name (:func:`plan.calibration.efficiency`);
+    each world size's layout is then the fastest at calibrated speed. Tasks it does not
+    name use the analytic model.
     """
     check_unique_names(tuple(tasks), "tasks")
     curves = []
     wg = cluster.worker_gpus
     for task in tasks:
         table = layout_table(task.model, cluster.gpu, cluster.gpus_per_node, assume or PerfAssumptions())
-        by_gpu = table.tflops_by_gpus(max_workers * wg)
-        factor = 1.0 if efficiency is None else efficiency.get(task.name, 1.0)
-        tflops = by_gpu[::wg] * factor
+        if calibration is not None and task.name in calibration:
+            table = calibrated_table(table, calibration[task.name])
+        tflops = table.tflops_by_gpus(max_workers * wg)[::wg]
         curves.append(TaskCurve(task, wg, tflops, waf_curve(task, tflops, wg), table))
     return tuple(curves)
 

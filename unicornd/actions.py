@@ -32,7 +32,7 @@ import msgspec
 
 from unicorn_core.errors import InvalidArgument, ProtocolError
 from unicorn_core.protocol import AgentAction, AgentCommand
-from unicornd.state import Incident, NodeRecord, Snapshot, TaskRecord
+from unicornd.state import Calibration, Incident, NodeRecord, Snapshot, TaskRecord
 
 
 @dataclass(frozen=True)
@@ -297,8 +297,9 @@ class Decision:
     ``tasks``/``nodes``/``incidents`` are upserts (records not listed are unchanged);
     ``notes`` say why, for the log. ``cancels``: id prefixes of owed actions this decision
     voids (not yet started; e.g. the rest of a plan's steps for a job that is requeued
-    instead). unicornd persists the records, the cancellations and the actions together,
-    then runs the actions, then acknowledges the input.
+    instead). ``calibration`` replaces the snapshot's (None: unchanged). unicornd persists
+    the records, the cancellations and the actions together, then runs the actions, then
+    acknowledges the input.
     """
 
     actions: tuple[Action, ...] = ()
@@ -308,6 +309,7 @@ class Decision:
     notes: tuple[str, ...] = ()
     plan_generation: int | None = None
     cancels: tuple[str, ...] = ()
+    calibration: Calibration | None = None
 
     def __post_init__(self) -> None:
         ids = [a.action_id for a in self.actions]
@@ -317,7 +319,14 @@ class Decision:
     @property
     def empty(self) -> bool:
         """No action and no record changed (a duplicate or irrelevant input)."""
-        return not (self.actions or self.tasks or self.nodes or self.incidents or self.cancels)
+        return not (
+            self.actions
+            or self.tasks
+            or self.nodes
+            or self.incidents
+            or self.cancels
+            or self.calibration is not None
+        )
 
     def then(self, later: Decision) -> Decision:
         """This decision followed by ``later`` (decided on the snapshot this one leaves):
@@ -338,6 +347,7 @@ class Decision:
             if later.plan_generation is not None
             else self.plan_generation,
             cancels=(*self.cancels, *later.cancels),
+            calibration=later.calibration if later.calibration is not None else self.calibration,
         )
 
     def action_ids(self) -> tuple[str, ...]:
@@ -346,7 +356,11 @@ class Decision:
     def applied_to(self, snapshot: Snapshot) -> Snapshot:
         """``snapshot`` with this decision's records upserted (what a reload after persisting gives)."""
         return snapshot.apply(
-            tasks=self.tasks, nodes=self.nodes, incidents=self.incidents, plan_generation=self.plan_generation
+            tasks=self.tasks,
+            nodes=self.nodes,
+            incidents=self.incidents,
+            plan_generation=self.plan_generation,
+            calibration=self.calibration,
         )
 
 

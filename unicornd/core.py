@@ -46,7 +46,9 @@ Follower = Callable[[Snapshot, Snapshot, Decision], None]
 
 
 def _progress_only(before: Snapshot, decision: Decision) -> bool:
-    """The decision only moves tasks' iteration marks (a lazy commit is enough)."""
+    """The decision only moves tasks' iteration marks and the measurements that come with
+    them (a lazy commit is enough: the calibration's iteration times are counted only past
+    the mark, so the entries delivered again after a crash measure exactly what was lost)."""
     if decision.actions or decision.nodes or decision.incidents or decision.cancels:
         return False
     if decision.plan_generation is not None:

@@ -30,13 +30,14 @@ from unicorn_core.config import Config
 from unicorn_core.errors import UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
-from unicorn_core.protocol import CommandResult, IterationTiming, Message, ProcessExit
+from unicorn_core.protocol import CommandResult, IterationPhase, IterationTiming, Message, ProcessExit
 from unicorn_core.slurm.backend import SlurmBackend
 from unicorn_core.slurm.scope import Scope, jobs_by_node
 from unicorn_core.slurm.types import JobInfo, JobState, NodeInfo, NodeState
 from unicornd import decide, oob
 from unicornd.actions import Outcome, OutcomeStatus
 from unicornd.agentusers import AgentUsers
+from unicornd.calibrate import IterationSample
 from unicornd.core import Core
 from unicornd.decide import ClassificationLike
 from unicornd.detector import Detector, JobEvidence
@@ -159,10 +160,20 @@ class AgentInputs:
             task = self.core.snap.task_of_job(msg.job_id)
             if task is not None:
                 tid, it, at, lid = task.task_id, msg.iteration, msg.wall_time_s, msg.launch_id
+                plan = self.core.ctx.plan
+                # Training steps only: a save or an evaluation is not the layout's speed.
+                sample = (
+                    IterationSample(msg.duration_s, msg.span, self.core.ctx.gpu.name)
+                    if msg.phase is IterationPhase.TRAIN and msg.duration_s > 0
+                    else None
+                )
                 # reported_s: when the rank finished the iteration (its wall clock), so an
                 # iteration finished before a recovery action does not count as its success.
                 await self.core.decide(
-                    now, lambda s: decide.on_progress(s, tid, it, now, reported_s=at, launch_id=lid)
+                    now,
+                    lambda s: decide.on_progress(
+                        s, tid, it, now, reported_s=at, launch_id=lid, sample=sample, plan=plan
+                    ),
                 )
         elif isinstance(msg, ProcessExit) and msg.rank is None and msg.exit_code == 0:
             job, node = msg.job_id, msg.node

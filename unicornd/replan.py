@@ -28,11 +28,12 @@ from plan.hardware import GpuSpec, gpu_spec
 from plan.objective import FailureModel
 from plan.perf import PerfAssumptions
 from plan.planner import Assignment, Cluster, Granularity, Plan, PlanRequest, plan_cluster, task_curves
-from unicorn_core.config import Config
+from unicorn_core.config import Config, PlanConfig
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.layout import Layout
 from unicorn_core.protocol import AgentAction
 from unicornd.actions import Action, Decision, Grow, LaunchAgents, NodeArgv, Requeue, SendCommand, Shrink
+from unicornd.calibrate import planner_inputs
 from unicornd.launch import Render, renderer
 from unicornd.state import Incident, LadderStage, NodeHealth, RequeueWait, Snapshot, TaskRecord, TaskState
 
@@ -43,16 +44,18 @@ requeued job for cred_expire, then the scheduler starts it: seconds on a healthy
 
 @dataclass(frozen=True)
 class PlanContext:
-    """What a replan needs besides the snapshot: the GPU type, the failure model, how a
-    layout becomes command lines (``render_for(gpus_per_node, generation)``) and the
-    performance model's assumptions (which layouts it may choose). Built once from the
-    configuration (:meth:`from_config`), by unicornd and by every preview, so both plan
-    with the same inputs."""
+    """What a replan needs besides the snapshot: the GPU type, the failure model before any
+    history (its MTBF is the calibration's prior), how a layout becomes command lines
+    (``render_for(gpus_per_node, generation)``), the performance model's assumptions (which
+    layouts it may choose) and the ``[plan]`` section (the calibration's prior weights and
+    windows). Built once from the configuration (:meth:`from_config`), by unicornd and by
+    every preview, so both plan with the same inputs."""
 
     gpu: GpuSpec
     failure: FailureModel
     render_for: Callable[[int, int], Render]
     assume: PerfAssumptions = field(default_factory=PerfAssumptions)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     @classmethod
     def from_config(cls, cfg: Config) -> PlanContext:
@@ -61,6 +64,7 @@ class PlanContext:
             failure=FailureModel(cfg.plan.node_mtbf_h),
             render_for=lambda gpus, generation: renderer(cfg.agent, gpus, generation),
             assume=PerfAssumptions(distributed_optimizer=cfg.plan.distributed_optimizer),
+            plan=cfg.plan,
         )
 
 
@@ -68,24 +72,40 @@ PLANNED_STATES = frozenset({TaskState.PENDING, TaskState.LAUNCHING, TaskState.RU
 """Tasks the planner must cover: every task that has not ended or been stopped."""
 
 
-def plan_for(
-    snapshot: Snapshot, gpu: GpuSpec, failure: FailureModel, assume: PerfAssumptions | None = None
-) -> Plan | None:
+def planned_tasks(snapshot: Snapshot) -> list[TaskRecord]:
+    """The tasks a plan covers (:data:`PLANNED_STATES`), by id."""
+    return sorted((t for t in snapshot.tasks.values() if t.state in PLANNED_STATES), key=lambda t: t.task_id)
+
+
+def plan_for(snapshot: Snapshot, ctx: PlanContext, now_s: float, *, calibrated: bool = True) -> Plan | None:
     """The planner's allocation for ``snapshot``: the call every replan of unicornd makes.
 
     The nodes :meth:`Snapshot.plannable` names form the cluster (healthy, not held, no
     other user's job unless a task holds the node already); tasks with an open incident
     are the faulted ones. None when no task is planned. ``unicornctl plan --what-if-fail`` calls
-    it on a hypothetical snapshot, so both always agree.
+    it on a hypothetical snapshot, so both always agree. The planner's inputs are
+    calibrated by the snapshot's measurements (:func:`unicornd.calibrate.planner_inputs`:
+    iteration times, transition times, node MTBF at ``now_s``); ``calibrated=False`` plans
+    with the analytic model and the configured constants instead (``plan --explain``
+    shows both).
     """
-    tasks = sorted((t for t in snapshot.tasks.values() if t.state in PLANNED_STATES), key=lambda t: t.task_id)
+    tasks = planned_tasks(snapshot)
     if not tasks:
         return None
-    cluster = Cluster(len(snapshot.plannable()), snapshot.gpus_per_node, gpu, Granularity.NODE)
-    curves = task_curves([t.spec() for t in tasks], cluster, cluster.workers + 1, assume)
+    cluster = Cluster(len(snapshot.plannable()), snapshot.gpus_per_node, ctx.gpu, Granularity.NODE)
     current = tuple(len(t.nodes) for t in tasks)
     faulted = frozenset(t.name for t in tasks if snapshot.open_incident(t.task_id) is not None)
-    return plan_cluster(curves, cluster, PlanRequest(current=current, faulted=faulted, failure=failure))
+    specs = [t.spec() for t in tasks]
+    if not calibrated:
+        curves = task_curves(specs, cluster, cluster.workers + 1, ctx.assume)
+        request = PlanRequest(current=current, faulted=faulted, failure=ctx.failure)
+        return plan_cluster(curves, cluster, request)
+    inputs = planner_inputs(
+        snapshot, tasks, gpu=ctx.gpu, assume=ctx.assume, prior=ctx.failure, plan=ctx.plan, now_s=now_s
+    )
+    curves = task_curves(specs, cluster, cluster.workers + 1, ctx.assume, calibration=inputs.efficiency)
+    request = PlanRequest(current, faulted, inputs.failure, inputs.transition)
+    return plan_cluster(curves, cluster, request)
 
 
 def replan_decision(snapshot: Snapshot, ctx: PlanContext, now_s: float) -> tuple[Plan | None, Decision]:
@@ -96,7 +116,7 @@ def replan_decision(snapshot: Snapshot, ctx: PlanContext, now_s: float) -> tuple
     needs) gives its plan and a decision that only says why: the input that asked for
     the replan still stands, and the next replan tries again.
     """
-    plan = plan_for(snapshot, ctx.gpu, ctx.failure, ctx.assume)
+    plan = plan_for(snapshot, ctx, now_s)
     if plan is None:
         return None, Decision(notes=("replan: no task to plan",))
     render = ctx.render_for(snapshot.gpus_per_node, snapshot.plan_generation + 1)

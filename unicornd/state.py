@@ -33,6 +33,7 @@ import msgspec
 
 from detect.statuses import ErrorStatus, Severity
 from launcher.megatron import check_user_args
+from plan.calibration import LayoutTiming, Running
 from unicorn_core.config import RecoveryConfig
 from unicorn_core.errors import InvalidArgument, ProtocolError
 from unicorn_core.keys import check_name
@@ -542,6 +543,64 @@ class Incident(_Record):
         return replace(self, timeline=(*self.timeline, StageEntry(self.stage, now_s, detail[:500])))
 
 
+@dataclass(frozen=True)
+class MeasuredLayout:
+    """Measured iteration times of a model (``model``: :func:`plan.calibration.model_key`)
+    at ``layout`` on GPU type ``gpu``; ``updated_s``: the newest report's time (the oldest
+    entry goes first when :data:`MAX_MEASURED_LAYOUTS` are kept)."""
+
+    gpu: str
+    model: str
+    layout: Layout
+    iteration_s: Running
+    updated_s: float
+
+    def __post_init__(self) -> None:
+        _finite(self.updated_s, "measured layout: updated_s")
+
+
+MAX_MEASURED_LAYOUTS: Final = 256
+"""Measured (GPU type, model, layout) entries kept: bounded memory whatever runs."""
+
+
+@dataclass(frozen=True)
+class Calibration(_Record):
+    """What the planner learned from the cluster (:mod:`unicornd.calibrate`, math in
+    :mod:`plan.calibration`): running estimates, never raw samples.
+
+    ``layouts``: iteration times per (GPU type, model, layout). ``transitions``: per task id,
+    how long its plan transitions took (a plan's launch to the first iteration of the new
+    ranks). ``warm_after``: per task id, the reports up to this iteration are the latest
+    launch's warm-up, not measured. ``node_failures``: nodes unicorn found faulty (every
+    entry ever added to a :attr:`NodeRecord.failures_s`) since ``since_s``, the first
+    decision that counted (None: none yet); node-hours are the nodes known times the time
+    since then.
+    """
+
+    layouts: tuple[MeasuredLayout, ...] = ()
+    transitions: dict[str, Running] = field(default_factory=dict)
+    warm_after: dict[str, int] = field(default_factory=dict)
+    node_failures: int = 0
+    since_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _non_negative(self.node_failures, "calibration: node_failures")
+        if self.since_s is not None:
+            _finite(self.since_s, "calibration: since_s")
+
+    def timings(self, gpu: str, model: str) -> tuple[LayoutTiming, ...]:
+        """The measured layouts of ``model`` on ``gpu``."""
+        return tuple(
+            LayoutTiming(m.layout, m.iteration_s) for m in self.layouts if m.gpu == gpu and m.model == model
+        )
+
+    def measured(self, gpu: str, model: str, layout: Layout) -> Running | None:
+        for m in self.layouts:
+            if m.gpu == gpu and m.model == model and m.layout == layout:
+                return m.iteration_s
+        return None
+
+
 # --- policy and snapshot -------------------------------------------------------------
 
 
@@ -556,8 +615,9 @@ class Snapshot:
 
     ``incidents`` holds open incidents and recently closed ones (kept so a redelivered
     finding is recognised). ``plan_generation`` numbers applied plans (action ids of a
-    transition derive from it). Treat the mappings as read-only; :meth:`apply` returns
-    a new snapshot.
+    transition derive from it). ``calibration``: the planner's measured inputs (a restarted
+    or standby unicornd plans with them too). Treat the mappings as read-only;
+    :meth:`apply` returns a new snapshot.
     """
 
     tasks: Mapping[str, TaskRecord]
@@ -566,6 +626,7 @@ class Snapshot:
     incidents: Mapping[str, Incident] = field(default_factory=dict)
     plan_generation: int = 0
     policy: Policy = field(default_factory=Policy)
+    calibration: Calibration = field(default_factory=Calibration)
 
     def __post_init__(self) -> None:
         if self.gpus_per_node <= 0:
@@ -638,6 +699,7 @@ class Snapshot:
         nodes: Iterable[NodeRecord] = (),
         incidents: Iterable[Incident] = (),
         plan_generation: int | None = None,
+        calibration: Calibration | None = None,
     ) -> Snapshot:
         """A copy with these records upserted (what unicornd persists after a decision)."""
         return replace(
@@ -646,4 +708,5 @@ class Snapshot:
             nodes={**self.nodes, **{n.name: n for n in nodes}},
             incidents={**self.incidents, **{i.incident_id: i for i in incidents}},
             plan_generation=self.plan_generation if plan_generation is None else plan_generation,
+            calibration=self.calibration if calibration is None else calibration,
         )

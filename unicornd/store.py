@@ -16,8 +16,9 @@ stay in the incidents stream).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Final, cast
 
 import redis.asyncio as aioredis
@@ -28,14 +29,16 @@ from unicorn_core.errors import ProtocolError, RedisCallError, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
 from unicornd.actions import Action, action_from_dict, action_to_dict
-from unicornd.state import Incident, NodeRecord, Policy, Snapshot, TaskRecord
+from unicornd.state import Calibration, Incident, NodeRecord, Policy, Snapshot, TaskRecord
 
 log = get_logger(__name__)
 
 KEEP_CLOSED_S: Final = 24 * 3600.0
 SNAPSHOT_VERSION: Final = 2
 """2: node records no longer name their task (a task's ``nodes`` is the one record of it),
-tasks carry ``finished_nodes`` and ``requeue``. Version 1 documents are read and upgraded."""
+tasks carry ``finished_nodes`` and ``requeue``. Version 1 documents are read and upgraded.
+``calibration`` (the planner's measured inputs) is optional: a document without it (written
+before it existed) reads as no measurement yet."""
 
 
 def snapshot_to_json(snap: Snapshot) -> str:
@@ -47,6 +50,7 @@ def snapshot_to_json(snap: Snapshot) -> str:
             "tasks": [t.to_dict() for t in snap.tasks.values()],
             "nodes": [n.to_dict() for n in snap.nodes.values()],
             "incidents": [i.to_dict() for i in snap.incidents.values()],
+            "calibration": snap.calibration.to_dict(),
         },
         separators=(",", ":"),
     )
@@ -74,6 +78,7 @@ def snapshot_from_json(text: str | bytes, policy: Policy) -> Snapshot:
     tasks = [TaskRecord.from_dict(t) for t in doc.get("tasks", [])]
     nodes = [NodeRecord.from_dict(n) for n in doc.get("nodes", [])]
     incidents = [Incident.from_dict(i) for i in doc.get("incidents", [])]
+    calibration = Calibration.from_dict(doc["calibration"]) if "calibration" in doc else Calibration()
     return Snapshot(
         tasks={t.task_id: t for t in tasks},
         nodes={n.name: n for n in nodes},
@@ -81,6 +86,7 @@ def snapshot_from_json(text: str | bytes, policy: Policy) -> Snapshot:
         incidents={i.incident_id: i for i in incidents},
         plan_generation=int(doc.get("plan_generation", 0)),
         policy=policy,
+        calibration=calibration,
     )
 
 
@@ -102,7 +108,7 @@ def prune(snap: Snapshot, now_s: float) -> Snapshot:
     }
     if len(keep) == len(snap.incidents):
         return snap
-    return Snapshot(snap.tasks, snap.nodes, snap.gpus_per_node, keep, snap.plan_generation, snap.policy)
+    return replace(snap, incidents=keep)
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,17 @@ lost an unreplicated INCR of the fence, a second leader can be handed the same t
 only the lease's holder tells the two apart."""
 
 
+@dataclass(frozen=True)
+class CommitCost:
+    """What one accepted commit cost: the snapshot document's size, the time to serialise
+    it, and the whole commit (serialisation, the script and its Redis round trip, the
+    replication wait) in seconds."""
+
+    snapshot_bytes: int
+    serialise_s: float
+    total_s: float
+
+
 class Fenced(UnicornError):
     """A commit was refused: the fence has moved past this unicornd's token."""
 
@@ -177,6 +194,9 @@ class Store:
         """The lease value ``token:id`` this unicornd holds (set with ``token``)."""
         self.replication = replication or RedisConfig()
         self.commits = 0
+        self.on_commit: Callable[[CommitCost], None] | None = None
+        """Called after each accepted commit with its :class:`CommitCost` (for measurements:
+        ``scripts/bench/scale.py``); must not raise or block."""
         self.unreplicated = 0
         """Commits the primary acknowledged but ``wait_replicas`` replicas did not within
         ``wait_timeout_ms`` (a failover in that window would lose them: see ARCHITECTURE)."""
@@ -214,10 +234,13 @@ class Store:
                 and (finished is None or o.raw != finished.raw)
             ]
         k = self.keys
+        started = time.perf_counter()
+        document = snapshot_to_json(snap)
+        serialised = time.perf_counter()
         args: list[str | int] = [
             self.token,
             self.holder,
-            snapshot_to_json(snap),
+            document,
             len(voided),
             *(o.raw for o in voided),
         ]
@@ -243,6 +266,9 @@ class Store:
                 raise Fenced(f"commit refused: {e}; another unicornd leads") from e
             raise
         self.commits += 1
+        if self.on_commit is not None:
+            # json.dumps escapes every non-ASCII character: its length is the byte count.
+            self.on_commit(CommitCost(len(document), serialised - started, time.perf_counter() - started))
         if not replicated:
             self.unreplicated += 1
             log.warning(

@@ -14,7 +14,6 @@ from plan.perf import (
     best_layout,
     estimate_layout,
     layout_table,
-    refine_efficiency,
 )
 from unicorn_core.errors import ConfigError, InvalidArgument
 from unicorn_core.layout import Layout
@@ -128,12 +127,3 @@ def test_matches_published_megatron_throughput(
     extra = batch * model.sequence * model.layers * model.layer_forward_flop_per_token()
     hardware_tflops_per_gpu = best.tflops_per_gpu * (1 + extra / model.model_flop_per_iteration())
     assert hardware_tflops_per_gpu == pytest.approx(published, rel=0.2)
-
-
-def test_refine_efficiency_converges() -> None:
-    factor = 1.0
-    for _ in range(60):
-        factor = refine_efficiency(factor, predicted_s=2.0, measured_s=2.5)
-    assert factor == pytest.approx(0.8, rel=1e-3)
-    with pytest.raises(InvalidArgument):
-        refine_efficiency(1.0, 0.0, 1.0)

@@ -26,6 +26,7 @@ from tests.unicornd.coord_world import finding, render, task, world
 from unicorn_core.keys import RedisKeys
 from unicornd import decide
 from unicornd.actions import Decision, Outcome, OutcomeStatus
+from unicornd.calibrate import IterationSample
 from unicornd.core import Core
 from unicornd.replan import PlanContext
 from unicornd.state import Policy, Snapshot, TaskState
@@ -84,7 +85,13 @@ def script() -> list[tuple[float, Input]]:
         steps.append((now, Entry(f"{int(now * 1000)}-{n}", fn(now))))
 
     def progress(task_id: str, iteration: int) -> None:
-        entry(lambda now: lambda s: decide.on_progress(s, task_id, iteration, now, reported_s=now))
+        # timed, so the calibration's iteration times are committed lazily with the marks
+        sample = IterationSample(0.5 + 0.01 * iteration, 1, CTX.gpu.name)
+        entry(
+            lambda now: (
+                lambda s: decide.on_progress(s, task_id, iteration, now, reported_s=now, sample=sample)
+            )
+        )
 
     for it in range(11, 24):
         progress("a", it)
@@ -213,6 +220,10 @@ def test_the_script_exercises_lazy_progress_outcomes_and_replans(redis_url: str)
             assert {n["name"]: n["health"] for n in doc["nodes"]}["n3"] == "draining"
             assert {"b.1/isolate/1/drain/n3", "plan-2/b/requeue", "plan-2/b/requeue/launch"} <= set(done)
             assert owed == ["b.1/close"]
+            # measured: both tasks' iteration times, b's transition after its requeue, n3's failure
+            calibration = doc["calibration"]
+            assert len(calibration["layouts"]) >= 2 and set(calibration["transitions"]) == {"b"}
+            assert calibration["node_failures"] == 1
         finally:
             await client.aclose()
 

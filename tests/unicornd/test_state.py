@@ -325,6 +325,7 @@ _PURE = [
     "state",
     "actions",
     "replan",
+    "calibrate",
     *(f"decide/{p.stem}" for p in (Path(__file__).parents[2] / "unicornd" / "decide").glob("*.py")),
 ]
 

@@ -1,6 +1,6 @@
 """Sections only the coordinator acts on: planning, recovery, probes, alerts, metrics.
 
-``[plan]`` (the cluster-wide planner's GPU type and node MTBF), ``[recovery]`` (the
+``[plan]`` (the cluster-wide planner's GPU type, node MTBF and calibration), ``[recovery]`` (the
 error-handling ladder, its breakers and the drain limiter: unicornd's ``Policy``),
 ``[ssh]`` (out-of-band probes of nodes whose agent fell silent), ``[alerts]`` (alert
 delivery by command or webhook) and ``[metrics]`` (the Prometheus endpoint). unicornd
@@ -33,10 +33,66 @@ class PlanConfig(Section):
     node_mtbf_h: float = field(
         default=672.0,
         metadata=_meta(
-            "Mean time between failures of one node, in hours: how long a new plan is "
-            "expected to run, which prices a transition (Unicron Eq. 3). Default 672 h "
-            "(4 weeks).",
+            "Mean time between failures of one node, in hours, before any history: how long "
+            "a new plan is expected to run, which prices a transition (Unicron Eq. 3). The "
+            "planner uses it as the prior of the MTBF it estimates from the node failures "
+            "unicorn found (see mtbf_prior_failures). Default 672 h (4 weeks).",
             gt=0,
+        ),
+    )
+    mtbf_prior_failures: float = field(
+        default=2.0,
+        metadata=_meta(
+            "How many failures node_mtbf_h counts as against the measured history: the "
+            "planner's MTBF is (mtbf_prior_failures x node_mtbf_h + node-hours seen) / "
+            "(mtbf_prior_failures + failures seen). Default 2: a 16-node cluster's own "
+            "history outweighs a 4-week prior after about 3.5 days.",
+            gt=0,
+        ),
+    )
+    iteration_prior_samples: float = field(
+        default=20.0,
+        metadata=_meta(
+            "How many measured iterations the analytic performance model counts as, per "
+            "(model, layout, GPU type): the planner's speed for a layout is the analytic one "
+            "shrunk towards the measured one by samples / (samples + this). Default 20: "
+            "iteration times are steady, so a few dozen outweigh a model that is often "
+            "10-30% off; 0 trusts the first measurement fully.",
+            ge=0,
+        ),
+    )
+    iteration_window: int = field(
+        default=500,
+        metadata=_meta(
+            "Iterations a measured iteration time remembers: beyond this many, each new one "
+            "weighs 1/iteration_window (an exponentially weighted mean), so the estimate "
+            "follows a cluster that changes and memory stays bounded. Default 500.",
+            ge=1,
+        ),
+    )
+    iteration_warmup: int = field(
+        default=2,
+        metadata=_meta(
+            "Iterations after each launch or restart whose times are not measured (start-up "
+            "costs: allocator, compilation, data loader). Default 2.",
+            ge=0,
+        ),
+    )
+    transition_prior_samples: float = field(
+        default=1.0,
+        metadata=_meta(
+            "How many measured transitions the prior D_transition (60 s restart plus "
+            "reloading 18 B per parameter at 10 GB/s) counts as, per task. Default 1: "
+            "transitions are rare, and each one measured says a lot about the next.",
+            ge=0,
+        ),
+    )
+    transition_window: int = field(
+        default=10,
+        metadata=_meta(
+            "Transitions a task's measured transition time remembers (later ones weigh "
+            "1/transition_window each). Default 10.",
+            ge=1,
         ),
     )
     distributed_optimizer: bool = field(

@@ -23,6 +23,7 @@ from unicorn_core.errors import InvalidArgument, UnicornError
 from unicorn_core.slurm.hostlist import compress
 from unicornd.actions import Decision, Replan, action_to_dict
 from unicornd.cli.common import UnknownTargetError, config_of, snapshot_of
+from unicornd.cli.explain import explain_command
 from unicornd.decide import LIVE_TASK_STATES, Finding, on_finding
 from unicornd.replan import PlanContext, replan_decision
 from unicornd.state import NodeHealth, Snapshot
@@ -185,8 +186,9 @@ def _what_if(ctx: click.Context, node: str, *, as_json: bool) -> None:
 
 
 def plan_command() -> click.Group:
-    """:mod:`plan.cli`'s offline ``plan`` plus ``--what-if-fail NODE`` on unicornd's live snapshot
-    (the planner library cannot read unicornd's state, so the option is added here)."""
+    """:mod:`plan.cli`'s offline ``plan`` plus ``--what-if-fail NODE`` and ``--explain`` on
+    unicornd's live snapshot (the planner library cannot read unicornd's state, so the options
+    are added here)."""
     offline = plan_group.callback
     assert offline is not None
     what_if = click.Option(
@@ -196,10 +198,19 @@ def plan_command() -> click.Group:
         help="Instead: the plan unicornd would apply if NODE failed now (live state; applies nothing). "
         "Exit 2 for an unknown node, 3 without unicornd state.",
     )
+    explain = click.Option(
+        ["--explain", "explain"],
+        is_flag=True,
+        default=False,
+        help="Instead: for each task unicornd plans, the model's predicted iteration time, "
+        "throughput and transition time (and the node MTBF) next to the measured ones and the "
+        "values the planner uses (live state; applies nothing). Exit 1 for unreadable state, "
+        "3 without unicornd state.",
+    )
 
     @click.pass_context
-    def callback(ctx: click.Context, /, what_if_fail: str | None, **options: Any) -> None:
-        if what_if_fail is None:
+    def callback(ctx: click.Context, /, what_if_fail: str | None, explain: bool, **options: Any) -> None:
+        if what_if_fail is None and not explain:
             ctx.invoke(offline, **options)
             return
         given = [
@@ -207,18 +218,23 @@ def plan_command() -> click.Group:
             for name in options
             if name != "as_json" and ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
         ]
+        if what_if_fail is not None and explain:
+            given.append("explain")
         if given or ctx.invoked_subcommand is not None:
             extra = ", ".join(given) or ctx.invoked_subcommand
-            raise click.UsageError(
-                f"--what-if-fail plans the live cluster; it takes only --json (got {extra})"
-            )
-        _what_if(ctx, what_if_fail, as_json=bool(options["as_json"]))
+            option = "--what-if-fail" if what_if_fail is not None else "--explain"
+            raise click.UsageError(f"{option} plans the live cluster; it takes only --json (got {extra})")
+        if explain:
+            explain_command(ctx, as_json=bool(options["as_json"]))
+        else:
+            assert what_if_fail is not None
+            _what_if(ctx, what_if_fail, as_json=bool(options["as_json"]))
 
     return click.Group(
         name="plan",
         commands=plan_group.commands,
         callback=callback,
-        params=[*plan_group.params, what_if],
+        params=[*plan_group.params, what_if, explain],
         invoke_without_command=True,
         help=plan_group.help,
         short_help=plan_group.short_help,

@@ -16,6 +16,7 @@ from unicornd.actions import (
     SendCommand,
 )
 from unicornd.state import (
+    Calibration,
     Incident,
     LadderStage,
     NodeRecord,
@@ -177,6 +178,7 @@ class Draft:
         self.actions: list[Action] = []
         self.notes: list[str] = []
         self.cancels: list[str] = []
+        self.calibration: Calibration | None = None
 
     def task(self, task_id: str) -> TaskRecord:
         return self.tasks.get(task_id) or self.snap.tasks[task_id]
@@ -230,6 +232,7 @@ class Draft:
             incidents=tuple(self.incidents.values()),
             notes=tuple(self.notes),
             cancels=tuple(self.cancels),
+            calibration=self.calibration,
         )
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from unicorn_core.config import PlanConfig
 from unicorn_core.errors import InvalidArgument
+from unicornd import calibrate
 from unicornd.actions import (
     CloseIncident,
     Decision,
 )
+from unicornd.calibrate import IterationSample
 from unicornd.decide.common import (
     AWAITING_PROGRESS,
     Draft,
@@ -24,6 +27,7 @@ from unicornd.state import (
 )
 
 _L = LadderStage
+_PLAN_DEFAULTS = PlanConfig()
 
 # --- progress, time, operator -------------------------------------------------------
 
@@ -36,6 +40,8 @@ def on_progress(
     *,
     reported_s: float | None = None,
     launch_id: str = "",
+    sample: IterationSample | None = None,
+    plan: PlanConfig = _PLAN_DEFAULTS,
 ) -> Decision:
     """An iteration was reported (``reported_s``: when the rank finished it; default ``now_s``).
 
@@ -47,6 +53,11 @@ def on_progress(
     about to be replaced arrives after the action but must not count as its success.
     While the task's job is being requeued, iterations only move the mark (they come from
     ranks the requeue is about to kill). Empty decision when nothing changes (most calls).
+
+    Calibration (:mod:`unicornd.calibrate`, windows from ``plan``): the first iteration of
+    ranks just started begins their warm-up and, after a plan's launch, ends a measured
+    transition; ``sample`` (a training step's timing) of a running task's new iteration is
+    a measured iteration time of its layout.
     """
     if iteration < 0:
         raise InvalidArgument(f"iteration must be >= 0, got {iteration}")
@@ -59,6 +70,7 @@ def on_progress(
     if task.last_iteration is None or iteration > task.last_iteration:
         new = replace(new, last_iteration=iteration, last_iteration_s=at, recoveries_without_progress=0)
     inc = snapshot.open_incident(task_id)
+    cal = snapshot.calibration
     if task.requeue is not None:
         pass  # ranks about to be killed by the requeue: their iterations prove nothing
     elif inc is not None:
@@ -71,14 +83,21 @@ def on_progress(
             draft.act(CloseIncident(f"{inc.incident_id}/close", inc.incident_id))
             new = new.with_state(TaskState.RUNNING)
             draft.notes.append(f"{inc.incident_id}: {note}, closed")
+            by_plan = inc.stage is _L.TRANSITION
+            cal = calibrate.on_started(cal, task, iteration, at_s=at, plan=plan, by_plan=by_plan)
     elif (
         task.state is TaskState.LAUNCHING
         and (task.launched_s is None or at > task.launched_s)
         and _launched_by_plan(task, launch_id)
     ):
         new = new.with_state(TaskState.RUNNING)
+        cal = calibrate.on_started(cal, task, iteration, at_s=at, plan=plan, by_plan=True)
+    elif sample is not None and task.state is TaskState.RUNNING:
+        cal = calibrate.on_iteration(cal, task, iteration, sample, plan=plan, at_s=at)
     if new != task:
         draft.put(new)
+    if cal != snapshot.calibration:
+        draft.calibration = cal
     return draft.decision()
 
 

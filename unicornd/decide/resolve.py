@@ -9,7 +9,8 @@ both, purely, given the :class:`~unicornd.replan.PlanContext`: the replan by the
 transition :func:`unicornd.replan.replan_decision` computes on the snapshot the decision
 leaves (several requests in one decision make one replan), the restart by a
 :class:`LaunchAgents` that first clears the gone agent's commands. It also clears
-``finished_nodes`` of every task whose ranks the decision (re)starts.
+``finished_nodes`` of every task whose ranks the decision (re)starts, and counts the node
+failures the decision records into the planner's calibration (:func:`unicornd.calibrate.counted`).
 
 unicornd commits only resolved decisions, and ``unicornctl plan`` previews through the
 same function, so a preview shows exactly what unicornd would do.
@@ -21,6 +22,7 @@ from dataclasses import replace
 
 from plan.planner import Plan
 from unicorn_core.protocol import AgentAction
+from unicornd import calibrate
 from unicornd.actions import (
     Action,
     Decision,
@@ -72,7 +74,7 @@ def resolve_with_plan(
         plan, transition = replan_decision(after, ctx, now_s)
         why = f"replan: {'; '.join(dict.fromkeys(reasons))}"
         out = out.then(replace(transition, notes=(why, *transition.notes)))
-    return _restarted(snapshot, out), plan
+    return calibrate.counted(snapshot, _restarted(snapshot, out), now_s), plan
 
 
 def _new_agent(snap: Snapshot, action: RestartAgent, ctx: PlanContext) -> LaunchAgents | None:
