@@ -85,9 +85,9 @@ def plan_for(snapshot: Snapshot, ctx: PlanContext, now_s: float, *, calibrated: 
     are the faulted ones. None when no task is planned. ``unicornctl plan --what-if-fail`` calls
     it on a hypothetical snapshot, so both always agree. The planner's inputs are
     calibrated by the snapshot's measurements (:func:`unicornd.calibrate.planner_inputs`:
-    iteration times, transition times, node MTBF at ``now_s``); ``calibrated=False`` plans
-    with the analytic model and the configured constants instead (``plan --explain``
-    shows both).
+    iteration times, transition times, node MTBF at ``now_s``); ``calibrated=False``, or
+    ``[plan] calibrate = false``, plans with the analytic model and the configured
+    constants instead (``plan --explain`` shows both).
     """
     tasks = planned_tasks(snapshot)
     if not tasks:
@@ -96,7 +96,7 @@ def plan_for(snapshot: Snapshot, ctx: PlanContext, now_s: float, *, calibrated: 
     current = tuple(len(t.nodes) for t in tasks)
     faulted = frozenset(t.name for t in tasks if snapshot.open_incident(t.task_id) is not None)
     specs = [t.spec() for t in tasks]
-    if not calibrated:
+    if not (calibrated and ctx.plan.calibrate):
         curves = task_curves(specs, cluster, cluster.workers + 1, ctx.assume)
         request = PlanRequest(current=current, faulted=faulted, failure=ctx.failure)
         return plan_cluster(curves, cluster, request)

@@ -104,6 +104,11 @@ def test_iterations_twice_as_slow_as_predicted_move_the_planners_throughput_and_
     assert gpus(slow, T0 + 300, calibrated=False) == {"a": 2, "b": 2}
     _, moved = replan_decision(slow, CTX, T0 + 300)
     assert [a.task_id for a in of_kind(moved.actions, Shrink)] == ["a"]
+    # [plan] calibrate = false (the dev cluster): unicornd keeps the analytic plan
+    analytic = replace(CTX, plan=PlanConfig(calibrate=False))
+    plan = plan_for(slow, analytic, T0 + 300)
+    assert plan is not None and plan.workers_by_task() == {"a": 2, "b": 2}
+    assert not of_kind(replan_decision(slow, analytic, T0 + 300)[1].actions, Shrink)
     # a measurement that agrees with the model changes nothing
     agreed = report(snap, "a", range(11, 211), predicted_s(snap, "a"))
     assert gpus(agreed, T0 + 300) == {"a": 2, "b": 2}

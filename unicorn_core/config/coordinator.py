@@ -40,6 +40,16 @@ class PlanConfig(Section):
             gt=0,
         ),
     )
+    calibrate: bool = field(
+        default=True,
+        metadata=_meta(
+            "Plan with the measured inputs (iteration times, transition times, node MTBF; "
+            "see the keys below) instead of the analytic model and the constants alone. "
+            "unicornd measures either way, and unicornctl plan --explain shows both. Off on "
+            "the dev cluster, whose GPUs are CPU processes sharing a few cores: what they "
+            "measure says nothing about a GPU's layouts. Default true.",
+        ),
+    )
     mtbf_prior_failures: float = field(
         default=2.0,
         metadata=_meta(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -28,10 +29,12 @@ from unicornd.state import Snapshot
 def explanation(
     snap: Snapshot, ctx: PlanContext, now_s: float
 ) -> tuple[Explanation, Plan | None, Plan | None]:
-    """The inputs of every planned task, the calibrated plan and the analytic one."""
+    """The inputs of every planned task, the calibrated plan and the analytic one (the
+    calibrated one also where ``[plan] calibrate = false`` has unicornd plan analytically)."""
     tasks = planned_tasks(snap)
     expl = explain(snap, tasks, gpu=ctx.gpu, assume=ctx.assume, prior=ctx.failure, plan=ctx.plan, now_s=now_s)
-    return expl, plan_for(snap, ctx, now_s), plan_for(snap, ctx, now_s, calibrated=False)
+    measured = replace(ctx, plan=replace(ctx.plan, calibrate=True))
+    return expl, plan_for(snap, measured, now_s), plan_for(snap, ctx, now_s, calibrated=False)
 
 
 def _compared(c: Compared, digits: int = 4) -> dict[str, Any]:
@@ -118,6 +121,12 @@ def explain_command(ctx: click.Context, *, as_json: bool) -> None:
     except UnicornError as e:
         raise click.ClickException(f"cannot plan: {e}") from None
     if as_json:
-        click.echo(json.dumps(explanation_json(expl, calibrated, analytic), indent=2))
+        doc = explanation_json(expl, calibrated, analytic)
+        click.echo(json.dumps({**doc, "unicornd_plans_with": _plans_with(cfg.plan.calibrate)}, indent=2))
     else:
         click.echo(render_explanation(expl, calibrated, analytic))
+        click.echo(f"unicornd plans with the {_plans_with(cfg.plan.calibrate)} inputs ([plan] calibrate)")
+
+
+def _plans_with(calibrate: bool) -> str:
+    return "calibrated" if calibrate else "analytic"
