@@ -24,7 +24,7 @@ from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import reset_logging
 from unicornd.cli import cli
 from unicornd.cli.goodput import parse_since
-from unicornd.goodput import Cause, Ledger, advance, decode, encode, new_ledger
+from unicornd.goodput import Cause, Ledger, Phase, advance, decode, encode, new_ledger
 from unicornd.ledgerstore import save_ledger
 from unicornd.metrics import SnapshotMetrics
 from unicornd.state import Incident, LadderStage, NodeHealth, NodeRecord, Snapshot, StageEntry, TaskState
@@ -246,6 +246,12 @@ def test_goodput_cli_bad_since_exits_2_and_bad_ledger_exits_1_changing_nothing(r
     doc = json.loads(result.output)
     assert set(doc) >= {"ideal", "achieved", "lost", "tasks"} and set(doc["lost"]) == {c.value for c in Cause}
     assert doc["achieved"] == pytest.approx(ledger.totals.achieved_wtflop)
+    a = ledger.tasks["a"]
+    shown = doc["tasks"]["a"]
+    assert a.iteration_wtflop > 0 and shown["iteration_wtflop"] == pytest.approx(a.iteration_wtflop)
+    assert doc["tasks"]["a"]["gpus"] == a.gpus
+    rate = a.achieved_wtflops if a.phase is Phase.RUNNING else 0.0
+    assert doc["tasks"]["a"]["achieved_waf_tflops"] == pytest.approx(rate)
     result = runner.invoke(cli, ["goodput"], env=env)
     assert result.exit_code == 0 and "task a" in result.output
 

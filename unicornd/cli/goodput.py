@@ -20,7 +20,7 @@ from unicorn_core import acl
 from unicorn_core.errors import UnicornError
 from unicorn_core.keys import RedisKeys
 from unicornd.cli.common import NoStateError, StateUnreadableError, clock, config_of
-from unicornd.goodput import Cause, Ledger, Totals, summary
+from unicornd.goodput import Cause, Ledger, Phase, Totals, summary
 from unicornd.ledgerstore import read_ledger
 
 _UNITS: Final = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
@@ -52,7 +52,8 @@ class _Since(click.ParamType[float]):
 
 def goodput_json(ledger: Ledger, since_s: float | None, now_s: float) -> dict[str, Any]:
     """The ``--json`` document: the window, ``ideal``, ``achieved``, ``lost`` by cause,
-    ``unattributed``, GPU-seconds, the WAF now, and the same per task."""
+    ``unattributed``, GPU-seconds, the WAF now, and the same per task (with its GPUs, its
+    weighted TFLOP per iteration and its achieved rate now: 0 unless it is running)."""
     start, totals, tasks = ledger.since(-float("inf") if since_s is None else now_s - since_s)
     return {
         "from_s": start,
@@ -66,6 +67,11 @@ def goodput_json(ledger: Ledger, since_s: float | None, now_s: float) -> dict[st
                 **summary(t),
                 "phase": ledger.tasks[tid].phase.value,
                 "calibration": ledger.tasks[tid].efficiency,
+                "gpus": ledger.tasks[tid].gpus,
+                "iteration_wtflop": ledger.tasks[tid].iteration_wtflop,
+                "achieved_waf_tflops": (
+                    ledger.tasks[tid].achieved_wtflops if ledger.tasks[tid].phase is Phase.RUNNING else 0.0
+                ),
             }
             for tid, t in sorted(tasks.items())
         },
