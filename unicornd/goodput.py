@@ -181,6 +181,8 @@ class TaskBook(msgspec.Struct, forbid_unknown_fields=True):
     iteration), ``analytic_iteration_s`` of its layout (None: no layout), ``ideal_wtflops``
     and ``healthy_wtflops`` (its analytic share in the best plan on all nodes, on the nodes
     not out). ``achieved_wtflops``: the rate of its latest running stretch (0 otherwise).
+    ``running_s``/``running_iterations``: the time and the new iterations of every running
+    stretch that earned work (their ratio is the iteration time the ledger measured).
     """
 
     task_id: str
@@ -196,6 +198,8 @@ class TaskBook(msgspec.Struct, forbid_unknown_fields=True):
     ideal_wtflops: float = 0.0
     healthy_wtflops: float = 0.0
     achieved_wtflops: float = 0.0
+    running_s: float = 0.0
+    running_iterations: int = 0
     totals: Totals = msgspec.field(default_factory=Totals)
 
     def __post_init__(self) -> None:
@@ -360,6 +364,8 @@ class _Book:
         self.mark = book.mark
         self.efficiency = book.efficiency
         self.achieved_rate = book.achieved_wtflops
+        self.running_s = book.running_s
+        self.running_iterations = book.running_iterations
 
     def _add(
         self, wtflop: dict[Cause, float], achieved: float, gpu: dict[Cause, float], productive: float
@@ -408,6 +414,9 @@ class _Book:
             )
             if new > 0 and run > 0:
                 self.achieved_rate = self.b.iteration_wtflop * new / run
+                if e is not None:  # the stretches whose iterations earned work
+                    self.running_s += run
+                    self.running_iterations += new
             if self.phase is Phase.RUNNING and new > 0:
                 self._calibrate(dt / new)
         self.booked = until
@@ -597,6 +606,8 @@ def advance(ledger: Ledger, snap: Snapshot, now_s: float, gpu: GpuSpec, assume: 
             ideal_wtflops=all_shares.get(task.task_id, 0.0),
             healthy_wtflops=healthy_shares.get(task.task_id, 0.0),
             achieved_wtflops=book.achieved_rate,
+            running_s=book.running_s,
+            running_iterations=book.running_iterations,
             totals=book.acc.totals(),
         )
     gpus_total = ours * gpn

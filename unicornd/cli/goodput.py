@@ -53,7 +53,8 @@ class _Since(click.ParamType[float]):
 def goodput_json(ledger: Ledger, since_s: float | None, now_s: float) -> dict[str, Any]:
     """The ``--json`` document: the window, ``ideal``, ``achieved``, ``lost`` by cause,
     ``unattributed``, GPU-seconds, the WAF now, and the same per task (with its GPUs, its
-    weighted TFLOP per iteration and its achieved rate now: 0 unless it is running)."""
+    weighted TFLOP per iteration, its achieved rate now (0 unless it is running), and the
+    time and iterations of its running stretches)."""
     start, totals, tasks = ledger.since(-float("inf") if since_s is None else now_s - since_s)
     return {
         "from_s": start,
@@ -69,6 +70,8 @@ def goodput_json(ledger: Ledger, since_s: float | None, now_s: float) -> dict[st
                 "calibration": ledger.tasks[tid].efficiency,
                 "gpus": ledger.tasks[tid].gpus,
                 "iteration_wtflop": ledger.tasks[tid].iteration_wtflop,
+                "running_s": ledger.tasks[tid].running_s,
+                "running_iterations": ledger.tasks[tid].running_iterations,
                 "achieved_waf_tflops": (
                     ledger.tasks[tid].achieved_wtflops if ledger.tasks[tid].phase is Phase.RUNNING else 0.0
                 ),
