@@ -304,7 +304,8 @@ class _Trainer:
         )
         self.jit: TrainerJit | None = None
         self.is_logger = rank == dist.get_world_size() - 1  # Megatron logs from the last rank (last stage)
-        self._window_s, self._window_n = 0.0, 0
+        self._window_t0: float | None = None  # monotonic start of the log window
+        self._window_n = 0
         clock.built_s = time.time()
 
     def load(self) -> int:
@@ -533,8 +534,15 @@ class _Trainer:
         return stop_now
 
     def _log(self, iteration: int, dt: float, lr: float, loss: float, *, force: bool) -> None:
+        """Megatron's log line every ``log_interval`` iterations. Its elapsed time per
+        iteration is Megatron's: the wall time since the last line (its interval timer runs
+        through everything: snapshots, saves, the hook) over the iterations since, the
+        first window from its first iteration's start (``dt`` before now)."""
         cfg = self.cfg
-        self._window_s, self._window_n = self._window_s + dt, self._window_n + 1
+        now = time.monotonic()
+        if self._window_t0 is None:
+            self._window_t0 = now - dt
+        self._window_n += 1
         due = iteration % cfg.log_interval == 0 or force or iteration == cfg.iterations
         if not (self.is_logger and due):
             return
@@ -542,13 +550,13 @@ class _Trainer:
             iteration=iteration,
             train_iters=cfg.iterations,
             consumed_samples=iteration * cfg.layout.global_batch,
-            elapsed_ms=1000.0 * self._window_s / self._window_n,
+            elapsed_ms=1000.0 * (now - self._window_t0) / self._window_n,
             learning_rate=lr,
             global_batch=cfg.layout.global_batch,
             lm_loss=loss,
         )
         print(line, flush=True)
-        self._window_s, self._window_n = 0.0, 0
+        self._window_t0, self._window_n = now, 0
 
     def save(self, iteration: int, directory: str) -> None:
         self.hook.slow_step(IterationPhase.CHECKPOINT)  # a save is slow, not a hang
