@@ -1,0 +1,910 @@
+#!/usr/bin/env python3
+"""unicornd at cluster scale: N emulated node agents against a real Redis and a real unicornd.
+
+For each N in ``--sizes`` (8 GPUs a node; ``N // 16`` jobs, at most ``--jobs``) it starts a
+private redis-server, commits a cluster whose jobs the real planner laid out, starts
+unicornd, lets N agents heartbeat (1 Hz) and train for ``--duration-s`` while single-node
+faults arrive at ``--fault-rate`` a minute and ``--burst`` whole racks of ``--rack-size``
+nodes die at once, and measures. Prints ONE JSON object: one row per N, the curves, and
+each metric's growth exponent against N (the slope of a least-squares line through
+log(metric) over log(N): 1 is linear, 2 quadratic; null with fewer than two values).
+
+What is real
+------------
+- **redis-server** (private, append-only file with ``appendfsync everysec``, as the dev
+  cluster runs it) and every key, stream and message of the protocol
+  (:mod:`unicorn_core.keys`, :mod:`unicorn_core.protocol`).
+- **unicornd**: :class:`unicornd.daemon.Daemon` with all its root tasks (ingest through the
+  consumer group, detector, ticker, Slurm watch, decide/resolve/commit, the executor, the
+  leader lease, liveness), run in its own process by ``scale_daemon.py`` exactly as
+  :func:`unicornd.daemon.run_daemon` runs it, configured through ``UNICORN_*`` variables.
+  The planner in it is the real one (every SEV1 drain replans the whole cluster).
+- The cluster state unicornd starts from: tasks on the nodes the real planner gave them
+  (:func:`unicornd.replan.replan_decision`), committed by :class:`unicornd.store.Store`.
+
+What is emulated, and why
+-------------------------
+- **Slurm** (``scale_slurm.py``): 4,096 slurmd do not fit on one machine. A scripted
+  backend answers every SlurmBackend call after latencies measured on the dev cluster
+  (:class:`scale_slurm.SlurmTimings` cites each) and hands unicornd's real parser the JSON
+  ``sinfo``/``squeue --json`` of Slurm 22.05.8 would print; it starts a real process per
+  ``srun`` step. Node deaths follow the fault schedule; slurmctld marks them NOT_RESPONDING
+  5.5 s later (dev cluster: 4.9-6.3 s with SlurmdTimeout=3).
+- **Node agents** (``scale_agents.py``): 4,096 Python agents do not fit either. One
+  process writes every agent's messages (each tick's in one pipeline) and answers
+  commands after fixed delays; no torchrun, no ranks, no checkpoints.
+- **Registration**: tasks are committed already running (a registration is MUNGE-signed,
+  and munged is not part of this bench).
+- Configuration differs from the defaults only where the emulation needs it: no SSH probe
+  (``[ssh] enabled = false``: there are no nodes to log in to; silence is confirmed by
+  Slurm's NOT_RESPONDING, the documented fallback), no per-job Redis users
+  (``agent_acl = false``), and the breakers meant for a real cluster's fault rate opened
+  (drain limiter, budget, no-progress, node failure limit), as the soak bench does,
+  because faults arrive here every few seconds. ``[leader] lease_s`` is 30 s instead of
+  3 s: at 4,096 nodes a loop stall at start lost the default lease and ended unicornd
+  before anything could be measured; ``lease_kept_at_default`` says whether the default
+  would have held.
+
+Measured per N, over the window: event-loop lag (a task in unicornd that sleeps 50 ms
+and records how late it wakes), events handled per second (agent entries unicornd's group
+read and acknowledged, i.e. committed, from ``XINFO GROUPS``) against those offered, and the
+backlog left; CPU (share of one core) of unicornd, of this generator and of Redis, the time
+unicornd's main thread waited for a CPU (the machine is shared: contention, not work), and
+RSS; Redis ``used_memory`` and commands per second (``INFO``); every commit's snapshot
+bytes, serialisation and total time (:attr:`unicornd.store.Store.on_commit`).
+
+Latencies are measured from the moment unicornd could know of a fault (``evidence``: the
+fault's message written to Redis; for a dead node, its last heartbeat plus
+``detect.heartbeat_timeout_s``) to the commit of the decision that opened its incident
+(``fault_to_decision``) and to the first side effect of that incident's actions (an agent
+command written, or a Slurm call: ``fault_to_first_action``); ``*_from_injection`` adds the
+detection delay. Plan latency: unicornd does not time its replans, so ``plan_full_solve_ms``
+times the function every replan calls (:func:`unicornd.replan.replan_decision`) in this
+process after the run, on unicornd's last committed snapshot with one node drained. The
+one-step lookup table (``plan/lookup.py``) is not on unicornd's failure path today, so its
+hit latency and hit rate are ``null``.
+
+Run (2 cores: the generator, Redis and unicornd share them; run it niced; the rows give
+the load average, and ``unicornd_runqueue_wait_share`` how much of it unicornd felt):
+``nice -n 10 .venv/bin/python scripts/bench/scale.py --quick`` (N = 64, 256; ~1 min),
+``nice -n 10 .venv/bin/python scripts/bench/scale.py --duration-s 60 --fault-rate 12``
+(N = 64 to 4,096; ~7 min). Everything runs in one temporary folder, removed at the end;
+only the processes it started are stopped, by pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Final, cast
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.append(str(HERE))  # after the packages: scripts/bench/ckpt.py must not shadow ckpt
+
+import redis.asyncio as aioredis  # noqa: E402
+from scale_agents import AgentTimings, Fault, Fleet, InjectedFault, Job, deaths, fault_schedule  # noqa: E402
+from scale_daemon import slurm_stream, t0_key  # noqa: E402
+from scale_slurm import SlurmTimings  # noqa: E402
+
+from unicorn_core import redis_io  # noqa: E402
+from unicorn_core.config import Config, load_config  # noqa: E402
+from unicorn_core.errors import RedisCallError  # noqa: E402
+from unicorn_core.keys import RedisKeys  # noqa: E402
+from unicorn_core.taskspec import load_task_file  # noqa: E402
+from unicornd.replan import PlanContext, replan_decision  # noqa: E402
+from unicornd.state import NodeHealth, NodeRecord, Snapshot, TaskRecord, TaskState  # noqa: E402
+from unicornd.store import Store, read_snapshot  # noqa: E402
+
+SIZES: Final = (64, 256, 1024, 4096)
+QUICK_SIZES: Final = (64, 256)
+GPUS_PER_NODE: Final = 8
+NODES_PER_JOB: Final = 16
+FIRST_JOB: Final = 5001
+PREFIX: Final = "scale"
+MODELS: Final = ("gpt3-1.3b", "gpt3-7b", "gpt3-13b")
+"""The jobs' models, in turn (``etc/tasks``)."""
+DAEMON_START_S: Final = 240.0
+LEASE_S: Final = 30.0
+"""``[leader] lease_s`` here (default 3 s): one unicornd, no takeover measured, and with the
+default a loop stall over ~2 s (seen at start with 4,096 nodes) loses the lease and ends
+unicornd; ``lease_kept_at_default`` says whether the default would have held."""
+DEFAULT_LEASE_STALL_MS: Final = 2000.0
+"""The longest loop stall the default lease survives (it renews every 1 s and lasts 3 s)."""
+STOP_S: Final = 45.0
+STOP_LOOPS_S: Final = 5.0
+GROWTH_METRICS: Final = (
+    "loop_lag_p99_ms",
+    "events_per_s",
+    "unicornd_cpu_core_share",
+    "unicornd_rss_mib",
+    "redis_used_memory_mib",
+    "redis_ops_per_s",
+    "commit_bytes_p50",
+    "commit_ms_p50",
+    "commit_ms_p95",
+    "commits_per_s",
+    "fault_to_decision_p95_s",
+    "fault_to_first_action_p95_s",
+    "plan_full_solve_ms",
+)
+
+
+# --- pure helpers ------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) by linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def growth_exponent(xs: Sequence[float], ys: Sequence[float | None]) -> float | None:
+    """Least-squares slope of log(y) over log(x): y ~ x^k gives k. Points with a missing or
+    non-positive y are left out; None with fewer than two points left."""
+    pts = [
+        (math.log(x), math.log(y)) for x, y in zip(xs, ys, strict=True) if y is not None and y > 0 and x > 0
+    ]
+    if len(pts) < 2:
+        return None
+    mx = statistics.fmean(p[0] for p in pts)
+    my = statistics.fmean(p[1] for p in pts)
+    sxx = sum((p[0] - mx) ** 2 for p in pts)
+    if sxx == 0:
+        return None
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
+
+
+def jobs_for(nodes: int, max_jobs: int) -> int:
+    """How many jobs a cluster of ``nodes`` runs: one per 16 nodes, at most ``max_jobs``."""
+    return max(1, min(max_jobs, nodes // NODES_PER_JOB))
+
+
+def _r(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+@dataclass(frozen=True)
+class Match:
+    """What became of one injected fault: the incident that took it in, when the decision
+    on it was committed and when the first of that decision's actions took effect (wall
+    times; None: not seen)."""
+
+    fault: InjectedFault
+    incident: str | None
+    decided_wall: float | None
+    acted_wall: float | None
+
+
+def _caused_by(finding: str, f: InjectedFault) -> bool:
+    """The finding id names the fault: its message's stream entry (``<entry>:<source>``),
+    or, for a dead node, the node's silence (``heartbeat:<job>:<node>:...``, Slurm's
+    ``slurm:<node>:...``; see :mod:`unicornd.inputs`)."""
+    if f.entry_id:
+        return finding.startswith(f"{f.entry_id}:")
+    return any(finding.startswith((f"heartbeat:{f.job_id}:{n}:", f"slurm:{n}:")) for n in f.nodes)
+
+
+def first_effect(
+    actions: Sequence[Sequence[Any]],
+    after: float,
+    commands: Sequence[Mapping[str, Any]],
+    slurm_calls: Sequence[Mapping[str, Any]],
+) -> float | None:
+    """When the first of ``actions`` (``[id, kind, node, job]``, decided at ``after``) took
+    effect: its agent command written, or its Slurm call made (None: none did)."""
+    ids = {str(a[0]) for a in actions}
+    times = [float(c["t"]) for c in commands if c["id"] in ids]
+    wanted = set()
+    for aid, kind, node, job in actions:
+        if kind == "drain_node":
+            wanted |= {("drain", node), ("down", node)}
+        elif kind == "check_node":
+            wanted.add(("node_check", node))
+        elif kind in ("shrink", "grow", "requeue"):
+            wanted.add((kind, job))
+        elif kind == "launch_agents":
+            wanted.add(("launch", aid))
+    for c in slurm_calls:
+        if float(c["t"]) < after:
+            continue
+        keys = {(c["op"], c["job"]), (c["op"], c["launch"]), *((c["op"], n) for n in c["nodes"])}
+        if keys & wanted:
+            times.append(float(c["t"]))
+    return min(times) if times else None
+
+
+def match_faults(
+    faults: Sequence[InjectedFault],
+    commits: Sequence[Mapping[str, Any]],
+    commands: Sequence[Mapping[str, Any]],
+    slurm_calls: Sequence[Mapping[str, Any]],
+) -> tuple[list[Match], list[Mapping[str, Any]]]:
+    """Each fault with the first commit whose incidents took in a finding it caused, and
+    that commit's first effect; and the incidents opened by findings no fault caused
+    (``commits``: what ``scale_daemon.Recorder.follow`` recorded)."""
+    ordered = sorted(commits, key=lambda c: float(c["t"]))
+    out = []
+    explained: set[str] = set()
+    for f in faults:
+        hit = None
+        for c in ordered:
+            if float(c["t"]) < f.at_wall - 0.05:
+                continue
+            inc = next((i for i in c["incidents"] if any(_caused_by(x, f) for x in i["findings"])), None)
+            if inc is not None:
+                hit = (c, inc)
+                break
+        if hit is None:
+            out.append(Match(f, None, None, None))
+            continue
+        c, inc = hit
+        decided = float(c["t"])
+        explained.add(str(inc["id"]))
+        out.append(
+            Match(f, str(inc["id"]), decided, first_effect(c["actions"], decided, commands, slurm_calls))
+        )
+    opened = [i | {"t": c["t"]} for c in ordered for i in c["incidents"] if i["new"]]
+    return out, [i for i in opened if i["id"] not in explained]
+
+
+# --- processes ---------------------------------------------------------------------------
+
+
+def log(msg: str) -> None:
+    print(f"[scale {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def runqueue_wait_s(pid: int) -> float:
+    """Seconds process ``pid``'s main thread waited runnable for a CPU (``/proc/PID/schedstat``)."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def start_redis(folder: Path) -> tuple[subprocess.Popen[bytes], int]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        sys.exit("redis-server is not installed (scripts/bootstrap installs it)")
+    folder.mkdir(parents=True)
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--dir",
+            str(folder),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return server, port
+        except OSError:
+            if time.monotonic() > deadline:
+                stop(server)
+                raise
+            time.sleep(0.05)
+
+
+def stop(p: subprocess.Popen[bytes], sig: int = signal.SIGTERM, wait_s: float = 10.0) -> int:
+    """Signal the process we started (by its pid), wait, SIGKILL if it does not end."""
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(sig)
+        try:
+            p.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+    return p.returncode
+
+
+def child_env(port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNICORN_")}
+    env.update(
+        {
+            "UNICORN_REDIS__URL": f"redis://127.0.0.1:{port}/0",
+            "UNICORN_REDIS__KEY_PREFIX": PREFIX,
+            "UNICORN_REDIS__AGENT_ACL": "false",
+            "UNICORN_SSH__ENABLED": "false",
+            "UNICORN_RECOVERY__MIN_DRAINS_PER_WINDOW": "100000",
+            "UNICORN_RECOVERY__RECOVERY_BUDGET": "100000",
+            "UNICORN_RECOVERY__NO_PROGRESS_LIMIT": "100000",
+            "UNICORN_RECOVERY__NODE_FAILURE_LIMIT": "100000",
+            "UNICORN_LOG__LEVEL": "info",
+            "UNICORN_LEADER__LEASE_S": str(LEASE_S),
+        }
+    )
+    return env
+
+
+# --- the cluster unicornd starts from ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cluster:
+    snapshot: Snapshot
+    nodes: tuple[str, ...]
+    jobs: dict[int, tuple[str, ...]]
+    job_task: dict[int, str]
+    iter_s: dict[int, float]
+    samples: dict[int, int]
+
+
+def build_cluster(n_nodes: int, n_jobs: int, cfg: Config, ctx: PlanContext, now: float) -> Cluster:
+    """``n_jobs`` tasks registered on equal shares of the nodes (1/32 of them left spare),
+    laid out by the real planner and committed as running on the nodes it chose."""
+    names = tuple(f"n{i:04d}" for i in range(1, n_nodes + 1))
+    specs = [load_task_file(REPO / "etc" / "tasks" / f"{m}.toml") for m in MODELS]
+    spare = max(1, n_nodes // 32)
+    per = max(1, (n_nodes - spare) // n_jobs)
+    tasks = {}
+    for j in range(n_jobs):
+        spec = specs[j % len(specs)]
+        tid = f"t{j:03d}"
+        tasks[tid] = TaskRecord(
+            tid,
+            tid,
+            spec.model,
+            ("python", "pretrain_gpt.py"),
+            min_gpus=spec.min_gpus,
+            job_id=FIRST_JOB + j,
+            nodes=names[j * per : (j + 1) * per],
+        )
+    pending = Snapshot(tasks, {n: NodeRecord(n) for n in names}, GPUS_PER_NODE, policy=cfg.recovery)
+    plan, decision = replan_decision(pending, ctx, now)
+    planned = decision.applied_to(pending)
+    estimates = {a.task: a.estimate for a in plan.assignments} if plan is not None else {}
+    running: dict[str, TaskRecord] = {}
+    for t in planned.tasks.values():
+        if not t.nodes or t.layout is None:
+            continue  # the planner gave it nothing: left out of the bench
+        running[t.task_id] = replace(
+            t,
+            state=TaskState.RUNNING,
+            resizes_this_run=0,
+            launched_s=now - 600,
+            last_iteration=100,
+            last_iteration_s=now,
+        )
+    held = {n: (t.job_id,) for t in running.values() if t.job_id is not None for n in t.nodes}
+    nodes = {n: replace(r, jobs=cast(tuple[int, ...], held.get(n, ()))) for n, r in planned.nodes.items()}
+    snap = replace(planned, tasks=running, nodes=nodes)
+    jobs = {cast(int, t.job_id): t.nodes for t in running.values()}
+    iter_s = {}
+    samples = {}
+    for t in running.values():
+        est = estimates.get(t.name)
+        iter_s[cast(int, t.job_id)] = min(30.0, max(0.5, est.iteration_s if est is not None else 2.0))
+        samples[cast(int, t.job_id)] = t.model.global_batch
+    return Cluster(
+        snap, names, jobs, {cast(int, t.job_id): t.task_id for t in running.values()}, iter_s, samples
+    )
+
+
+def failure_snapshot(snap: Snapshot) -> Snapshot:
+    """``snap`` with one node of its largest running task drained (the failure path's replan input)."""
+    tasks = [
+        t for t in snap.tasks.values() if t.state in (TaskState.RUNNING, TaskState.RECOVERING) and t.nodes
+    ]
+    if not tasks:
+        return snap
+    victim = max(tasks, key=lambda t: (len(t.nodes), t.task_id)).nodes[-1]
+    rec = snap.nodes[victim]
+    return snap.apply(nodes=[replace(rec, health=NodeHealth.DRAINED, reason="bench: drained")])
+
+
+def time_full_solve(snap: Snapshot, ctx: PlanContext, repeats: int = 5) -> list[float]:
+    """Milliseconds of :func:`unicornd.replan.replan_decision` (after one warm-up call)."""
+    failed = failure_snapshot(snap)
+    replan_decision(failed, ctx, time.time())
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        replan_decision(failed, ctx, time.time())
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+# --- one size ------------------------------------------------------------------------------
+
+
+def daemon_sample(pid: int) -> tuple[float, float, float, float] | None:
+    """(wall time, CPU s, run-queue wait s, RSS MiB) of process ``pid``; None once it is gone."""
+    try:
+        return time.time(), cpu_s(pid), runqueue_wait_s(pid), rss_mib(pid)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@dataclass
+class Sample:
+    wall: float
+    self_cpu_s: float
+    redis: dict[str, Any]
+    entries_read: int
+    backlog: int
+    heartbeats: int
+    iterations: int
+    events: int
+    live_agents: int
+
+
+async def _groups(client: aioredis.Redis, streams: Sequence[str]) -> tuple[int, int]:
+    """Over ``streams``: the entries unicornd has handled (delivered to its group and
+    acknowledged, i.e. committed), and those it has not (undelivered or pending)."""
+    read = backlog = 0
+    for s in streams:
+        try:
+            groups = await redis_io.call(("XINFO", "GROUPS", s), client.xinfo_groups(s))
+        except RedisCallError:  # a stream no one wrote yet
+            continue
+        for g in groups:
+            pending = int(g.get("pending") or 0)
+            read += int(g.get("entries-read") or 0) - pending
+            backlog += int(g.get("lag") or 0) + pending
+    return read, backlog
+
+
+async def _sample(client: aioredis.Redis, fleet: Fleet, streams: Sequence[str]) -> Sample:
+    info = cast(dict[str, Any], await redis_io.call(("INFO",), client.info()))
+    read, backlog = await _groups(client, streams)
+    c = fleet.counters
+    return Sample(
+        time.time(),
+        cpu_s(os.getpid()),
+        info,
+        read,
+        backlog,
+        c.heartbeats,
+        c.iterations,
+        c.events,
+        fleet.live_agents(),
+    )
+
+
+def logged_errors(path: Path) -> dict[str, int]:
+    """How often unicornd logged each error event (its log is JSON lines)."""
+    counts: Counter[str] = Counter()
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            counts["(not json)"] += 1
+            continue
+        if isinstance(doc, dict) and doc.get("level") in ("error", "critical"):
+            what = str(doc.get("event", "?")).split("\n", 1)[0][:80]
+            if what == "root_task_ended":  # why unicornd ended: worth its words
+                what = f"{what}: {doc.get('task')}: {str(doc.get('error'))[:160]}"
+            counts[what] += 1
+    return dict(counts)
+
+
+def spawn_daemon(folder: Path, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """``scale_daemon.py`` in its own session, its output in ``folder/unicornd.log``."""
+    with (folder / "unicornd.log").open("wb") as log_file:
+        return subprocess.Popen(
+            [sys.executable, str(HERE / "scale_daemon.py"), str(folder / "spec.json")],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            start_new_session=True,
+        )
+
+
+async def _commit(cfg: Config, snap: Snapshot) -> None:
+    client = redis_io.connect(cfg.redis, client_name="scale-bench")
+    try:
+        await Store(client, RedisKeys(cfg.redis.key_prefix), cfg.recovery).commit(snap)
+    finally:
+        await client.aclose()
+
+
+async def _last_snapshot(cfg: Config) -> Snapshot | None:
+    client = redis_io.connect(cfg.redis, client_name="scale-bench")
+    try:
+        return await read_snapshot(client, RedisKeys(cfg.redis.key_prefix), cfg.recovery)
+    finally:
+        await client.aclose()
+
+
+def run_size(n_nodes: int, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """One N: a fresh Redis and unicornd, the window measured, everything stopped."""
+    redis_proc, port = start_redis(folder / "redis")
+    daemon: subprocess.Popen[bytes] | None = None
+    try:
+        env = child_env(port)
+        cfg = load_config(None, env=env)
+        ctx = PlanContext.from_config(cfg)
+        cluster = build_cluster(n_nodes, jobs_for(n_nodes, args.jobs), cfg, ctx, time.time())
+        asyncio.run(_commit(cfg, cluster.snapshot))
+        schedule = fault_schedule(
+            args.seed + n_nodes,
+            cluster.nodes,
+            args.duration_s,
+            rate_per_min=args.fault_rate,
+            bursts=args.burst,
+            rack_size=args.rack_size,
+        )
+        spec = {
+            "nodes": list(cluster.nodes),
+            "jobs": {str(j): list(ns) for j, ns in cluster.jobs.items()},
+            "gpus_per_node": GPUS_PER_NODE,
+            "slurm_timings": dataclasses.asdict(SlurmTimings()),
+            "deaths": deaths(schedule),
+            "out": str(folder / "daemon.json"),
+        }
+        (folder / "spec.json").write_text(json.dumps(spec))
+        daemon = spawn_daemon(folder, env)
+        log(f"N={n_nodes}: {len(cluster.jobs)} jobs planned, unicornd started")
+        row, fleet, status = asyncio.run(_drive(n_nodes, args, cfg, cluster, daemon, schedule))
+        log(f"N={n_nodes}: unicornd stopped ({status}); analysing")
+        out = folder / "daemon.json"
+        dump = json.loads(out.read_text()) if out.exists() else {}
+        row.update(_analyse(row, fleet, dump, status, args.tail_s))
+        final = asyncio.run(_last_snapshot(cfg))
+        log(f"N={n_nodes}: timing the full solve")
+        solve = time_full_solve(final, ctx) if final is not None else []
+        row["plan_full_solve_ms"] = _r(statistics.median(solve)) if solve else None
+        row["plan_full_solve_ms_max"] = _r(max(solve)) if solve else None
+        row["plan_lookup_hit_ms"] = None
+        row["lookup_hit_rate"] = None
+        row["unicornd_errors"] = logged_errors(folder / "unicornd.log")
+        return row
+    finally:
+        if daemon is not None:
+            stop(daemon, signal.SIGKILL)
+        stop(redis_proc)
+
+
+async def _drive(
+    n_nodes: int,
+    args: argparse.Namespace,
+    cfg: Config,
+    cluster: Cluster,
+    daemon: subprocess.Popen[bytes],
+    schedule: Sequence[Fault],
+) -> tuple[dict[str, Any], Fleet, int]:
+    """The agents run while unicornd starts, through the window and the tail; unicornd is
+    stopped (SIGINT, as an operator would) before they stop, so their silence is no finding."""
+    keys = RedisKeys(cfg.redis.key_prefix)
+    client = redis_io.connect(cfg.redis, client_name="scale-bench")
+    jobs = [
+        Job(j, cluster.job_task[j], ns, GPUS_PER_NODE, 100, cluster.iter_s[j], cluster.samples[j])
+        for j, ns in cluster.jobs.items()
+    ]
+    fleet = Fleet(
+        client,
+        keys,
+        jobs,
+        heartbeat_interval_s=cfg.agent.heartbeat_interval_s,
+        heartbeat_ttl_s=cfg.agent.heartbeat_ttl_s,
+        heartbeat_timeout_s=cfg.detect.heartbeat_timeout_s,
+        events_stream=slurm_stream(PREFIX),
+        seed=args.seed,
+    )
+    loops = [
+        asyncio.create_task(fleet.tick_loop(), name="ticks"),
+        asyncio.create_task(fleet.commands_loop(), name="commands"),
+        asyncio.create_task(fleet.slurm_loop(), name="slurm-events"),
+    ]
+    try:
+        row = await _measure(n_nodes, args, cluster, fleet, client, keys, daemon, schedule)
+    finally:
+        status = await asyncio.to_thread(stop, daemon, signal.SIGINT, STOP_S)
+        for t in loops:
+            t.cancel()
+        _, stuck = await asyncio.wait(loops, timeout=STOP_LOOPS_S)
+        if stuck:  # a cancelled read that does not return: close its connection under it
+            log(f"N={n_nodes}: agent loops not ended after cancel: {[t.get_name() for t in stuck]}")
+            for t in stuck:
+                t.print_stack(file=sys.stderr)
+            await client.connection_pool.disconnect(inuse_connections=True)
+            await asyncio.wait(stuck, timeout=STOP_LOOPS_S)
+        await asyncio.wait_for(client.aclose(), STOP_LOOPS_S)
+    return row, fleet, status
+
+
+async def _measure(
+    n_nodes: int,
+    args: argparse.Namespace,
+    cluster: Cluster,
+    fleet: Fleet,
+    client: aioredis.Redis,
+    keys: RedisKeys,
+    daemon: subprocess.Popen[bytes],
+    schedule: Sequence[Fault],
+) -> dict[str, Any]:
+    deadline = time.monotonic() + DAEMON_START_S
+    started = time.monotonic()
+    while not await redis_io.call(("EXISTS",), client.exists(keys.daemon_liveness())):
+        if daemon.poll() is not None:
+            raise SystemExit(f"unicornd exited {daemon.returncode} at start (N={n_nodes})")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"unicornd did not start within {DAEMON_START_S:g} s (N={n_nodes})")
+        await asyncio.sleep(0.2)
+    startup_s = time.monotonic() - started
+    log(f"N={n_nodes}: unicornd up after {startup_s:.1f} s; warm-up {args.warmup_s:g} s")
+    await asyncio.sleep(args.warmup_s)
+    t0 = time.time() + 0.2
+    await redis_io.call(("SET",), client.set(t0_key(PREFIX), repr(t0)))
+    faults = asyncio.create_task(fleet.faults_loop(schedule, t0))
+    streams = [s for j in cluster.jobs for s in (keys.events(j), keys.command_results(j))]
+    await asyncio.sleep(max(0.0, t0 - time.time()))
+    first = await _sample(client, fleet, streams)
+    proc = [s for s in [daemon_sample(daemon.pid)] if s is not None]
+    redis_mem: list[float] = []
+    live: list[int] = []
+    died_s = None
+    while time.time() < t0 + args.duration_s:
+        if daemon.poll() is not None:
+            died_s = time.time() - t0
+            log(f"N={n_nodes}: unicornd exited {daemon.returncode} {died_s:.0f} s into the window")
+            break
+        live.append(fleet.live_agents())
+        memory = await redis_io.call(("INFO", "memory"), client.info("memory"))
+        redis_mem.append(float(memory["used_memory"]) / 2**20)
+        await asyncio.sleep(1.0)
+        proc += [s for s in [daemon_sample(daemon.pid)] if s is not None]
+    last = await _sample(client, fleet, streams)
+    log(f"N={n_nodes}: window over; tail {args.tail_s:g} s")
+    await asyncio.sleep(args.tail_s)  # decisions on the last faults
+    faults.cancel()
+    await asyncio.gather(faults, return_exceptions=True)
+    span = max(1e-9, last.wall - first.wall)
+    ri, rf = first.redis, last.redis
+    p_span = max(1e-9, proc[-1][0] - proc[0][0]) if proc else 1.0
+    rss = [p[3] for p in proc]
+    offered = (last.events - first.events) / span
+    read = (last.entries_read - first.entries_read) / span
+    agents = statistics.fmean(live) if live else float(last.live_agents)
+    return {
+        "nodes": n_nodes,
+        "gpus": n_nodes * GPUS_PER_NODE,
+        "jobs": len(cluster.jobs),
+        "window": (first.wall, last.wall),
+        "window_s": _r(span, 1),
+        "unicornd_startup_s": _r(startup_s, 2),
+        "events_per_s": _r(read, 1),
+        "events_offered_per_s": _r(offered, 1),
+        "events_backlog_end": last.backlog,
+        "events_sustained": last.backlog <= max(offered, 1.0) * 2,
+        "heartbeats_per_s": _r((last.heartbeats - first.heartbeats) / span, 1),
+        "heartbeats_per_s_target": _r(agents / fleet.hb_interval_s, 1),
+        "agents_live_mean": _r(agents, 1),
+        "iterations_per_s": _r((last.iterations - first.iterations) / span, 2),
+        "generator_cpu_core_share": _r((last.self_cpu_s - first.self_cpu_s) / span),
+        "generator_late_tick_share": _r(fleet.counters.late_ticks / max(1, fleet.counters.ticks)),
+        "unicornd_cpu_core_share": _r((proc[-1][1] - proc[0][1]) / p_span) if proc else None,
+        "unicornd_runqueue_wait_share": _r((proc[-1][2] - proc[0][2]) / p_span) if proc else None,
+        "unicornd_died_in_window_s": _r(died_s, 1),
+        "unicornd_rss_mib": _r(rss[-1] if rss else None, 1),
+        "unicornd_rss_max_mib": _r(max(rss) if rss else None, 1),
+        "unicornd_rss_growth_mib_per_h": _r((rss[-1] - rss[0]) / p_span * 3600 if len(rss) > 1 else None, 1),
+        "redis_used_memory_mib": _r(redis_mem[-1] if redis_mem else None, 1),
+        "redis_ops_per_s": _r(
+            (int(rf["total_commands_processed"]) - int(ri["total_commands_processed"])) / span, 1
+        ),
+        "redis_cpu_core_share": _r(
+            (
+                float(rf["used_cpu_sys"])
+                + float(rf["used_cpu_user"])
+                - float(ri["used_cpu_sys"])
+                - float(ri["used_cpu_user"])
+            )
+            / span
+        ),
+        "load_avg_1m": _r(os.getloadavg()[0], 2),
+    }
+
+
+def _analyse(
+    row: Mapping[str, Any],
+    fleet: Fleet,
+    dump: Mapping[str, Any],
+    status: int,
+    tail_s: float,
+) -> dict[str, Any]:
+    """The window's figures from unicornd's own records (``dump``) and the agents' (``fleet``)."""
+    w0, w1 = row["window"]
+    lag = [v * 1000 for t, v in dump.get("lag", []) if w0 <= t <= w1]
+    before = [v * 1000 for t, v in dump.get("lag", []) if t < w0]
+    stall_max = max([*lag, *before], default=0.0)
+    commits = [c for c in dump.get("commits", []) if w0 <= c[0] <= w1]
+    matches, unexplained = match_faults(
+        fleet.faults, dump.get("incidents", []), fleet.commands, dump.get("slurm_calls", [])
+    )
+    on_jobs = [m for m in matches if m.fault.job_id is not None]
+    decided = [m for m in on_jobs if m.decided_wall is not None]
+
+    def since(ms: Sequence[Match], attr: str, origin: str) -> list[float]:
+        out = []
+        for m in ms:
+            end = getattr(m, attr)
+            start = m.fault.evidence_wall if origin == "evidence" else m.fault.at_wall
+            if end is not None and start is not None:
+                out.append(max(0.0, end - start))
+        return out
+
+    by_kind: dict[str, Any] = {}
+    for kind in sorted({m.fault.kind for m in on_jobs}):
+        ms = [m for m in on_jobs if m.fault.kind == kind]
+        by_kind[kind] = {
+            "faults": len(ms),
+            "decided": sum(m.decided_wall is not None for m in ms),
+            "decision_p95_s": _r(percentile(since(ms, "decided_wall", "evidence"), 0.95)),
+            "first_action_p95_s": _r(percentile(since(ms, "acted_wall", "evidence"), 0.95)),
+            "decision_from_injection_p95_s": _r(percentile(since(ms, "decided_wall", "injection"), 0.95)),
+        }
+    in_window = [i for i in unexplained if w0 <= float(i["t"]) <= w1 + tail_s]
+    return {
+        "loop_lag_p50_ms": _r(percentile(lag, 0.5), 2),
+        "loop_lag_p99_ms": _r(percentile(lag, 0.99), 2),
+        "loop_lag_max_ms": _r(max(lag) if lag else None, 1),
+        "startup_loop_lag_max_ms": _r(max(before) if before else None, 1),
+        "lease_kept_at_default": stall_max < DEFAULT_LEASE_STALL_MS,
+        "commits_per_s": _r(len(commits) / max(1e-9, w1 - w0), 2),
+        "commit_bytes_p50": percentile([c[1] for c in commits], 0.5),
+        "commit_bytes_max": max((c[1] for c in commits), default=None),
+        "commit_ms_p50": _r(percentile([c[3] * 1000 for c in commits], 0.5), 2),
+        "commit_ms_p95": _r(percentile([c[3] * 1000 for c in commits], 0.95), 2),
+        "commit_serialise_ms_p50": _r(percentile([c[2] * 1000 for c in commits], 0.5), 2),
+        "commit_cpu_core_share": _r(sum(c[3] for c in commits) / max(1e-9, w1 - w0)),
+        "faults_injected": len({m.fault.fault_id for m in matches}),
+        "faults_on_jobs": len(on_jobs),
+        "faults_decided": len(decided),
+        "faults_without_decision": len(on_jobs) - len(decided),
+        "spurious_incidents": len(in_window),
+        "spurious_rules": sorted({str(i["rule"]) for i in in_window}),
+        "fault_to_decision_p50_s": _r(percentile(since(decided, "decided_wall", "evidence"), 0.5)),
+        "fault_to_decision_p95_s": _r(percentile(since(decided, "decided_wall", "evidence"), 0.95)),
+        "fault_to_decision_from_injection_p95_s": _r(
+            percentile(since(decided, "decided_wall", "injection"), 0.95)
+        ),
+        "fault_to_first_action_p95_s": _r(percentile(since(decided, "acted_wall", "evidence"), 0.95)),
+        "fault_to_first_action_from_injection_p95_s": _r(
+            percentile(since(decided, "acted_wall", "injection"), 0.95)
+        ),
+        "faults_by_kind": by_kind,
+        "commands_received": dict(fleet.counters.commands),
+        "generator_errors": dict(fleet.errors),
+        "unicornd_exit_status": status,
+        "unicornd_failure": dump.get("error") or None,
+    }
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def summary(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    xs = [float(r["nodes"]) for r in rows]
+    curves = {m: [r.get(m) for r in rows] for m in GROWTH_METRICS}
+    exponents = {m: _r(growth_exponent(xs, cast(list[float | None], curves[m])), 3) for m in GROWTH_METRICS}
+    for r in rows:
+        r.pop("window", None)
+    return {
+        "bench": "scale",
+        "machine": {"cpus": os.cpu_count(), "load_avg_1m_end": _r(os.getloadavg()[0], 2)},
+        "config": {
+            "sizes": [r["nodes"] for r in rows],
+            "gpus_per_node": GPUS_PER_NODE,
+            "max_jobs": args.jobs,
+            "duration_s": args.duration_s,
+            "warmup_s": args.warmup_s,
+            "fault_rate_per_min": args.fault_rate,
+            "rack_bursts": args.burst,
+            "rack_size": args.rack_size,
+            "seed": args.seed,
+            "slurm_timings_s": dataclasses.asdict(SlurmTimings()),
+            "agent_timings_s": dataclasses.asdict(AgentTimings()),
+        },
+        "emulated": {
+            "slurm": "scripted backend (scale_slurm.py): dev-cluster latencies, real parser on 22.05 JSON",
+            "agents": "one process, one pipeline per 50 ms tick for all agents; real messages, keys, streams",
+            "registration": "tasks committed running (planned by the real planner); no MUNGE",
+            "config": "ssh probe off, agent_acl off, recovery breakers opened, leader lease 30 s",
+        },
+        "plan": {
+            "lookup_on_failure_path": False,
+            "lookup_note": "plan/lookup.py is built and benchmarked but unicornd never calls it: every "
+            "SEV1 replan is a full solve (plan_full_solve_ms, timed offline on unicornd's last snapshot)",
+        },
+        "curves": curves,
+        "growth_exponents": exponents,
+        "sizes": list(rows),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--sizes",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=list(SIZES),
+        help="node counts, comma-separated (default 64,256,1024,4096)",
+    )
+    ap.add_argument("--duration-s", type=float, default=60.0, help="measurement window per size")
+    ap.add_argument("--warmup-s", type=float, default=10.0, help="after unicornd is up, before measuring")
+    ap.add_argument(
+        "--tail-s", type=float, default=10.0, help="after the window: decisions on the last faults"
+    )
+    ap.add_argument("--jobs", type=int, default=200, help="at most this many jobs (one per 16 nodes)")
+    ap.add_argument(
+        "--fault-rate", type=float, default=6.0, help="single-node faults a minute (whole cluster)"
+    )
+    ap.add_argument("--burst", type=int, default=1, help="whole racks lost at once, per size's window")
+    ap.add_argument("--rack-size", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="N = 64 and 256 only, 20 s each (a smoke run)")
+    args = ap.parse_args()
+    # SIGTERM (a timeout, an operator) ends the run through the finally blocks that stop
+    # this run's unicornd and redis-server and remove its folder.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.quick:
+        args.sizes = list(QUICK_SIZES)
+        args.duration_s = min(args.duration_s, 20.0)
+        args.warmup_s = min(args.warmup_s, 5.0)
+        args.tail_s = min(args.tail_s, 5.0)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="unicorn-bench-scale-") as d:
+        for n in args.sizes:
+            rows.append(run_size(n, args, Path(d) / f"n{n}"))
+    print(json.dumps(summary(rows, args)))
+
+
+if __name__ == "__main__":
+    main()

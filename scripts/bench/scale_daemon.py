@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""The scale bench's unicornd: the real :class:`unicornd.daemon.Daemon` with the scripted Slurm.
+
+Run by ``scripts/bench/scale.py`` as its own process (so its CPU and memory are its own),
+never by hand: ``scale_daemon.py SPEC.json``. It is ``unicornd`` (:func:`unicornd.daemon.run_daemon`)
+with two differences: the Slurm backend is :class:`scale_slurm.ScriptedSlurm`, built from
+the spec (nodes, jobs, timings) and publishing what Slurm did on the bench's stream, and
+the process measures itself:
+
+- event-loop lag: a task that sleeps :data:`LAG_PERIOD_S` and records how late it woke;
+- every commit's cost (:attr:`unicornd.store.Store.on_commit`);
+- every commit that opened or changed an incident, with its wall time, the findings it
+  took in and its actions (a :class:`unicornd.core.Core` follower).
+
+Configuration comes from the environment (``UNICORN_*``), as for unicornd. The node deaths
+of the fault schedule are scripted relative to the measurement window's start, which the
+bench writes to Redis (``<prefix>:bench:t0``) once unicornd is up. On SIGINT the daemon
+stops (as unicornd does) and this process writes what it measured to ``spec["out"]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Final
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+sys.path.append(str(HERE))  # after the packages: scripts/bench/ckpt.py must not shadow ckpt
+
+import redis.asyncio as aioredis  # noqa: E402
+from scale_slurm import ScriptedSlurm, SlurmEvent, SlurmTimings  # noqa: E402
+
+from unicorn_core import redis_io  # noqa: E402
+from unicorn_core.config import load_config  # noqa: E402
+from unicorn_core.logs import configure_logging  # noqa: E402
+from unicornd.actions import Decision  # noqa: E402
+from unicornd.daemon import Daemon  # noqa: E402
+from unicornd.state import Snapshot  # noqa: E402
+from unicornd.store import CommitCost  # noqa: E402
+
+LAG_PERIOD_S: Final = 0.05
+
+
+def slurm_stream(prefix: str) -> str:
+    """The bench's stream of Slurm events (not unicorn's: only this bench writes it)."""
+    return f"{prefix}:bench:slurm"
+
+
+def t0_key(prefix: str) -> str:
+    """The wall time the measurement window starts at (written by the bench)."""
+    return f"{prefix}:bench:t0"
+
+
+class Recorder:
+    """What this unicornd measures about itself (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.lag: list[tuple[float, float]] = []
+        self.commits: list[tuple[float, int, float, float]] = []
+        self.incidents: list[dict[str, Any]] = []
+
+    def commit(self, cost: CommitCost) -> None:
+        self.commits.append((time.time(), cost.snapshot_bytes, cost.serialise_s, cost.total_s))
+
+    def follow(self, before: Snapshot, after: Snapshot, decision: Decision) -> None:
+        """A commit that opened or changed incidents: each one's new finding ids (they name
+        the stream entry or the silent node that caused them) and the decision's actions."""
+        changed = []
+        for inc in decision.incidents:
+            old = before.incidents.get(inc.incident_id)
+            seen = set(old.finding_ids) if old is not None else set()
+            changed.append(
+                {
+                    "id": inc.incident_id,
+                    "task": inc.task_id,
+                    "node": inc.node,
+                    "rule": inc.rule,
+                    "new": old is None,
+                    "findings": [f for f in inc.finding_ids if f not in seen],
+                }
+            )
+        if changed:
+            actions = [
+                [a.action_id, a.kind, getattr(a, "node", None), getattr(a, "job_id", None)]
+                for a in decision.actions
+            ]
+            self.incidents.append({"t": time.time(), "incidents": changed, "actions": actions})
+
+    async def sample_lag(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(LAG_PERIOD_S)
+            self.lag.append((time.time(), loop.time() - t - LAG_PERIOD_S))
+
+
+async def main(spec: dict[str, Any]) -> int:
+    """Run unicornd until it stops, then write what it measured about itself; its status."""
+    cfg = load_config()
+    configure_logging(cfg.log.level, "json")
+    prefix = cfg.redis.key_prefix
+    bench = redis_io.connect(cfg.redis, client_name="scale-bench-slurm")
+    stream = slurm_stream(prefix)
+
+    async def publish(ev: SlurmEvent) -> None:
+        await redis_io.call(("XADD", stream), bench.xadd(stream, {"e": json.dumps(ev.to_dict())}))
+
+    slurm = ScriptedSlurm(
+        spec["nodes"],
+        {int(j): tuple(ns) for j, ns in spec["jobs"].items()},
+        gpus_per_node=int(spec["gpus_per_node"]),
+        timings=SlurmTimings(**spec["slurm_timings"]),
+        on_event=publish,
+    )
+    client: aioredis.Redis = redis_io.connect(cfg.redis, client_name="unicornd")
+    daemon = Daemon(cfg, slurm, client)
+    rec = Recorder()
+    daemon.store.on_commit = rec.commit
+    daemon.core.followers.append(rec.follow)
+
+    async def deaths_at_t0() -> None:
+        while True:
+            raw = await redis_io.call(("GET", t0_key(prefix)), bench.get(t0_key(prefix)))
+            if raw is not None:
+                t0 = float(raw)
+                slurm.schedule_deaths({n: t0 + float(s) for n, s in spec["deaths"].items()})
+                return
+            await asyncio.sleep(0.1)
+
+    helpers = [asyncio.create_task(rec.sample_lag()), asyncio.create_task(deaths_at_t0())]
+    error = ""
+    try:
+        status = await daemon.run()
+    except Exception as e:  # as unicornd's main: it failed; what it measured is still written
+        error = repr(e)[:500]
+        print(f"unicornd failed: {error}", file=sys.stderr)
+        status = 1
+    # Written before anything else can hang: a unicornd whose root tasks did not end
+    # within its shutdown time ("shutdown_stuck") may never finish asyncio's own cleanup.
+    out = {
+        "status": status,
+        "error": error,
+        "lag": rec.lag,
+        "commits": rec.commits,
+        "incidents": rec.incidents,
+        "slurm_calls": [e.to_dict() for e in slurm.calls],
+    }
+    await asyncio.to_thread(Path(spec["out"]).write_text, json.dumps(out))
+    for t in helpers:
+        t.cancel()
+    await asyncio.gather(*helpers, return_exceptions=True)
+    await client.aclose()
+    await bench.aclose()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(json.loads(Path(sys.argv[1]).read_text()))))
