@@ -890,7 +890,16 @@ def main() -> None:
     ap.add_argument("--rack-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="N = 64 and 256 only, 20 s each (a smoke run)")
+    ap.add_argument("--plot", type=Path, default=None, help="also draw the curves (log-log) into this PNG")
+    ap.add_argument(
+        "--from-json", type=Path, default=None, help="draw --plot from this earlier output instead of running"
+    )
     args = ap.parse_args()
+    if args.from_json is not None:
+        if args.plot is None:
+            ap.error("--from-json needs --plot")
+        plot_png(json.loads(args.from_json.read_text()), args.plot)
+        return
     # SIGTERM (a timeout, an operator) ends the run through the finally blocks that stop
     # this run's unicornd and redis-server and remove its folder.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -903,7 +912,58 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="unicorn-bench-scale-") as d:
         for n in args.sizes:
             rows.append(run_size(n, args, Path(d) / f"n{n}"))
-    print(json.dumps(summary(rows, args)))
+    doc = summary(rows, args)
+    print(json.dumps(doc))
+    if args.plot is not None:
+        plot_png(doc, args.plot)
+
+
+PLOTTED = (
+    ("loop_lag_p99_ms", "event-loop lag p99 (ms)", 100.0),
+    ("events_per_s", "events handled /s", None),
+    ("unicornd_cpu_core_share", "unicornd CPU (cores)", 1.0),
+    ("unicornd_rss_mib", "unicornd RSS (MiB)", None),
+    ("redis_used_memory_mib", "Redis memory (MiB)", None),
+    ("redis_ops_per_s", "Redis ops /s", None),
+    ("commit_bytes_p50", "commit bytes p50", None),
+    ("commit_ms_p95", "commit ms p95", None),
+    ("fault_to_decision_p95_s", "fault -> decision p95 (s)", 1.0),
+    ("fault_to_first_action_p95_s", "fault -> first action p95 (s)", None),
+    ("plan_full_solve_ms", "full plan solve (ms)", None),
+)
+"""(curve, axis label, issue 20's goal drawn as a dashed line or None)."""
+
+
+def plot_png(doc: dict[str, Any], path: Path) -> None:
+    """Each curve against N on log-log axes, its growth exponent in the title (matplotlib,
+    imported here only, as the simulator's report does)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [row["nodes"] for row in doc["sizes"]]
+    fig, axes = plt.subplots(3, 4, figsize=(14, 9))
+    flat = list(axes.flat)
+    for ax, (key, label, goal) in zip(flat, PLOTTED, strict=False):
+        values = doc["curves"].get(key, [])
+        points = [(n, v) for n, v in zip(sizes, values, strict=False) if v is not None and v > 0]
+        if points:
+            ax.plot([n for n, _ in points], [v for _, v in points], marker="o")
+        if goal is not None:
+            ax.axhline(goal, linestyle="--", color="grey", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        exponent = doc.get("growth_exponents", {}).get(key)
+        ax.set_title(f"{label}\nexponent {exponent}" if exponent is not None else label, fontsize=9)
+        ax.set_xlabel("nodes (8 GPUs each)", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in flat[len(PLOTTED) :]:
+        ax.axis("off")
+    fig.suptitle(f"unicornd at scale ({doc['machine']['cpus']} cores; dashed: issue 20's goals)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
