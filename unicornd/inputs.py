@@ -26,11 +26,19 @@ from typing import Final
 
 from detect.isolation import Confirmation
 from detect.statuses import ErrorStatus, Severity
+from unicorn_core import protocol, redis_io
 from unicorn_core.config import Config
 from unicorn_core.errors import UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
-from unicorn_core.protocol import CommandResult, IterationPhase, IterationTiming, Message, ProcessExit
+from unicorn_core.protocol import (
+    CommandResult,
+    Heartbeat,
+    IterationPhase,
+    IterationTiming,
+    Message,
+    ProcessExit,
+)
 from unicorn_core.slurm.backend import SlurmBackend
 from unicorn_core.slurm.scope import Scope, jobs_by_node
 from unicorn_core.slurm.types import JobInfo, JobState, NodeInfo, NodeState
@@ -190,10 +198,40 @@ class AgentInputs:
             node = task.nodes[0]  # a task-level hang whose stopped rank's node is unknown
         if not node:
             return
+        if f.source == "heartbeat":
+            age = await self._beat_age(jf.job_id, node)
+            if age is not None and age < self.cfg.detect.heartbeat_timeout_s:
+                # Found by the scale bench: with the events stream read late (a backlog),
+                # live agents looked silent and their tasks were restarted.
+                log.info(
+                    "silence_not_confirmed",
+                    job_id=jf.job_id,
+                    node=node,
+                    beat_age_s=round(age, 3),
+                    why="the agent's heartbeat key is fresh: its beats wait in the events stream",
+                )
+                return
         if f.source == "heartbeat" and self.cfg.ssh.enabled and node in self.core.snap.nodes:
             self._probe(jf, node, finding_id)  # never a node outside the scope
             return
         await self._decide_finding(jf, node, finding_id, jf.classification, now_s)
+
+    async def _beat_age(self, job_id: int, node: str) -> float | None:
+        """Seconds since the agent's newest heartbeat as its heartbeat key holds it (the agent
+        sets the key with each beat, beside the stream entry; it expires after
+        ``agent.heartbeat_ttl_s``). None when the key is gone or unreadable: then the
+        silence stands. Wall clocks: an agent clock behind by more than the timeout only
+        makes this check never spare it (today's behaviour)."""
+        key = self.keys.heartbeat(job_id, node)
+        try:
+            raw = await redis_io.call(("GET", key), self.core.store.client.get(key))
+            msg = None if raw is None else protocol.decode(raw.encode() if isinstance(raw, str) else raw)
+        except UnicornError as e:
+            log.warning("heartbeat_key_unreadable", job_id=job_id, node=node, error=str(e))
+            return None
+        if not isinstance(msg, Heartbeat) or msg.job_id != job_id or msg.node != node:
+            return None
+        return time.time() - msg.wall_time_s
 
     def _probe(self, jf: JobEvidence, node: str, finding_id: str) -> None:
         """Confirm a silent agent out of band (SSH) before deciding; one probe per agent at a time."""

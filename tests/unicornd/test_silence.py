@@ -1,0 +1,82 @@
+"""A silent agent whose heartbeat key is fresh is not lost: its beats wait in the events
+stream that unicornd reads late (found by scripts/bench/scale.py: from 1,024 nodes the
+backlog made live agents look silent, and their tasks were restarted)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import redis.asyncio as aioredis
+
+from detect.classify import load_classifier
+from detect.liveness import Expired
+from detect.rootcause import Evidence
+from plan.hardware import gpu_spec
+from plan.objective import FailureModel
+from tests.unicornd.coord_world import render, task, world
+from unicorn_core import protocol
+from unicorn_core.config import AgentConfig, Config, DetectConfig
+from unicorn_core.keys import RedisKeys
+from unicorn_core.protocol import Heartbeat
+from unicornd.core import Core
+from unicornd.detector import Detector, JobEvidence
+from unicornd.inputs import AgentInputs
+from unicornd.replan import PlanContext
+from unicornd.state import Policy
+from unicornd.store import Store
+
+CTX = PlanContext(gpu_spec("a100-80g"), FailureModel(24.0), lambda _gpn, _gen: render)
+CFG = replace(Config(), ssh=replace(Config().ssh, enabled=False))
+"""No SSH probe: the silence is decided at once (with the probe, after it)."""
+
+
+def silence(job_id: int, node: str) -> JobEvidence:
+    c = Expired(job_id, node, last_beat_s=0.0, silent_s=9.0, timeout_s=1.5).classification()
+    return JobEvidence(job_id, Evidence(node, None, time.monotonic(), c, "heartbeat"))
+
+
+async def test_a_fresh_heartbeat_key_spares_the_agent_and_a_stale_one_does_not(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    cfg = CFG
+    keys = RedisKeys(cfg.redis.key_prefix)
+    core = Core(Store(client, keys, Policy()), CTX)
+    agents = AgentInputs(cfg, core, Detector(DetectConfig(), AgentConfig(), load_classifier(None)))
+    try:
+        await core.start(world(2, [task("a", 1, ["n1", "n2"])]))
+
+        async def beat(age_s: float) -> None:
+            hb = Heartbeat(
+                job_id=1,
+                node="n2",
+                wall_time_s=time.time() - age_s,
+                agent_pid=7,
+                pids=[8],
+                iteration=3,
+                seq=1,
+            )
+            await client.set(keys.heartbeat(1, "n2"), protocol.encode(hb))
+
+        await beat(0.2)
+        await agents.on_finding(silence(1, "n2"), finding_id="hb-1")
+        assert core.snap.open_incident("a") is None  # spared: nothing decided
+        await beat(30.0)  # the key outlived its beats (or the agent's clock is far behind)
+        await agents.on_finding(silence(1, "n2"), finding_id="hb-2")
+        inc = core.snap.open_incident("a")
+        assert inc is not None and inc.node == "n2" and inc.rule == "heartbeat_timeout", inc
+    finally:
+        await client.aclose()
+
+
+async def test_no_heartbeat_key_lets_the_silence_stand(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    cfg = CFG
+    core = Core(Store(client, RedisKeys(cfg.redis.key_prefix), Policy()), CTX)
+    agents = AgentInputs(cfg, core, Detector(DetectConfig(), AgentConfig(), load_classifier(None)))
+    try:
+        await core.start(world(2, [task("a", 1, ["n1", "n2"])]))
+        await agents.on_finding(silence(1, "n2"), finding_id="hb-1")
+        inc = core.snap.open_incident("a")
+        assert inc is not None and inc.node == "n2", inc
+    finally:
+        await client.aclose()
