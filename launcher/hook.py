@@ -76,10 +76,15 @@ class Hook:
         phase: IterationPhase | str = IterationPhase.TRAIN,
         loss: float | None = None,
         final: bool = False,
+        microbatches: int | None = None,
+        recomputed_microbatches: int | None = None,
     ) -> None:
         """Report that this rank finished ``iteration`` in ``duration_s`` seconds. Never blocks.
 
-        ``final``: the run's last iteration (its ranks end next: their silence is no hang)."""
+        ``final``: the run's last iteration (its ranks end next: their silence is no hang).
+        ``microbatches``: micro-batches per iteration over all replicas;
+        ``recomputed_microbatches``: of those, how many this iteration computed again after
+        a replica was lost mid-iteration (see :class:`IterationTiming`)."""
         if self._sock is None:
             return
         if phase == IterationPhase.TRAIN:
@@ -95,6 +100,8 @@ class Hook:
             phase=IterationPhase(phase),
             loss=loss,
             final=final,
+            microbatches=microbatches,
+            recomputed_microbatches=recomputed_microbatches,
         )
         self._send(protocol.encode(msg), blocking=False)
 

@@ -9,12 +9,19 @@ agent's ``UNICORN_CKPT_*`` variables; each rank then saves DCP into shared memor
 replicates), and on start restores the newest version nearest first (shm, this node's
 peer backups, other nodes' agents, local disk, remote, then ``--load``).
 
+``--reuse-microbatches`` (TP1 PP1 on gloo): when a data-parallel peer dies in the middle
+of an iteration, the survivors keep the gradients of the micro-batches they finished,
+form a new process group, compute only the lost replica's micro-batches, save that
+completed iteration and exit 4; the relaunch resumes after it (:mod:`launcher.trainer.reuse`).
+
 Arguments are validated before torch is imported; an impossible layout (TP not
 dividing the heads or the node's ranks, PP not dividing the layers, DP x micro-batch
 not dividing the global batch, TP x PP x DP differing from torchrun's world) exits 2
 with one clear line. Exit codes: 0 done or stopped by SIGTERM after a just-in-time
 save; 1 uncaught error (also written to torchrun's error file and sent to the agent);
-2 invalid arguments; 3 injected ``exit`` fault. ``--fail-*`` options are for tests.
+2 invalid arguments; 3 injected ``exit`` fault; 4 a data-parallel peer died mid-iteration
+and this rank completed and saved that iteration (``--reuse-microbatches``: restart from
+it). ``--fail-*`` options are for tests.
 """
 
 from __future__ import annotations
@@ -137,6 +144,21 @@ def _env_int(name: str, default: int) -> int:
     help="Versions each rank keeps in the memory tier (the agent derives it from detect.loss_stop_window).",
 )
 @click.option(
+    "--reuse-microbatches/--no-reuse-microbatches",
+    default=False,
+    show_default=True,
+    help="When a data-parallel peer dies mid-iteration, complete that iteration from the survivors' "
+    "finished micro-batches plus the lost replica's, save it and exit 4 (TP1 PP1 on gloo; "
+    "needs --save-dir or a memory tier).",
+)
+@click.option(
+    "--reuse-settle-s",
+    type=float,
+    default=0.5,
+    show_default=True,
+    help="How long survivors wait for each other before agreeing who is left.",
+)
+@click.option(
     "--skip-iterations",
     default="",
     help="Consume and discard the data of these iterations (A-B,C,...; 1-based): a roll back past a "
@@ -158,6 +180,14 @@ def _env_int(name: str, default: int) -> int:
     "--fail-at-iteration", type=int, default=None, help="TEST ONLY: inject a fault at this iteration."
 )
 @click.option("--fail-rank", type=int, default=0, show_default=True, help="TEST ONLY: rank that fails.")
+@click.option(
+    "--fail-after-microbatches",
+    type=int,
+    default=0,
+    show_default=True,
+    help="TEST ONLY: fail once the rank finished this many of its micro-batches of the iteration "
+    "(0: as it starts it).",
+)
 @click.option(
     "--fail-once-marker",
     type=str,
@@ -231,6 +261,7 @@ def _config(opts: dict[str, object]) -> TrainConfig:
             rank=i("fail_rank"),
             mode=FaultMode(str(opts["fail_mode"])),
             once_marker=str(marker) if marker else None,
+            after_microbatches=i("fail_after_microbatches"),
         )
     return TrainConfig(
         model=model,
@@ -254,6 +285,8 @@ def _config(opts: dict[str, object]) -> TrainConfig:
         snapshots=_snapshots(opts),
         skip_iterations=parse_ranges(str(opts["skip_iterations"] or "")),
         corruption=_corruption(opts),
+        reuse_microbatches=bool(opts["reuse_microbatches"]),
+        reuse_settle_s=f("reuse_settle_s"),
     )
 
 

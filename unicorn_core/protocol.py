@@ -192,6 +192,11 @@ class IterationTiming(Envelope, frozen=True, kw_only=True, tag="iter"):
     ``loss_scale``, ``consumed_samples`` and the run's ``skipped_iterations`` and
     ``nan_iterations`` over the interval. ``final``: the run's last iteration (Megatron-LM's
     ``iteration N/ N``): the ranks save and end next, so silence after it is no hang.
+    ``microbatches``: micro-batches per iteration over all data-parallel replicas (what a
+    restart of the whole iteration computes again); ``recomputed_microbatches``: how many of
+    them this iteration computed again because a replica was lost in the middle of it
+    (the built-in trainer's ``--reuse-microbatches``: the lost replica's, not the whole
+    iteration's).
     """
 
     rank: int
@@ -208,6 +213,8 @@ class IterationTiming(Envelope, frozen=True, kw_only=True, tag="iter"):
     skipped_iterations: int | None = None
     nan_iterations: int | None = None
     final: bool = False
+    microbatches: int | None = None
+    recomputed_microbatches: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -216,8 +223,16 @@ class IterationTiming(Envelope, frozen=True, kw_only=True, tag="iter"):
         _check_finite(self.duration_s, "duration_s", minimum=0.0)
         _check_optional_index(self.samples, "samples")
         _check(self.span >= 1, f"span must be >= 1, got {self.span}")
-        for name in ("consumed_samples", "skipped_iterations", "nan_iterations"):
+        for name in ("consumed_samples", "skipped_iterations", "nan_iterations", "microbatches"):
             _check_optional_index(getattr(self, name), name)
+        _check_optional_index(self.recomputed_microbatches, "recomputed_microbatches")
+        _check(
+            self.recomputed_microbatches is None
+            or self.microbatches is None
+            or self.recomputed_microbatches <= self.microbatches,
+            f"recomputed_microbatches {self.recomputed_microbatches} exceeds "
+            f"microbatches {self.microbatches}",
+        )
 
     @property
     def interval_s(self) -> float:

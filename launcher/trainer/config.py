@@ -46,7 +46,9 @@ class FaultMode(StrEnum):
 
 @dataclass(frozen=True)
 class FaultInjection:
-    """Make ``rank`` fail with ``mode`` when it starts iteration ``iteration`` (1-based).
+    """Make ``rank`` fail with ``mode`` when it starts iteration ``iteration`` (1-based), or,
+    with ``after_microbatches`` > 0, once it has finished that many of its micro-batches of
+    the iteration (mid-iteration: its finished work dies with it; pipeline parallelism 1).
 
     With ``once_marker`` the fault fires only if that file does not exist, and creates it
     first: a run relaunched from an earlier checkpoint passes the iteration again without
@@ -57,6 +59,11 @@ class FaultInjection:
     rank: int
     mode: FaultMode = FaultMode.RAISE
     once_marker: str | None = None
+    after_microbatches: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.after_microbatches, bool) or self.after_microbatches < 0:
+            raise InvalidArgument(f"--fail-after-microbatches must be >= 0, got {self.after_microbatches!r}")
 
 
 class CorruptMode(StrEnum):
@@ -186,6 +193,14 @@ class TrainConfig:
     data is consumed and discarded, never trained on (a roll back past a loss spike; the
     iteration numbers, the data positions and the LR schedule of the others are unchanged).
     ``corruption``: test-only bad batches (:class:`BatchCorruption`).
+
+    ``reuse_microbatches``: when a data-parallel peer dies in the middle of an iteration,
+    the surviving ranks keep the gradients of the micro-batches they finished, regroup,
+    compute only the lost replica's micro-batches, complete and save that iteration, and
+    exit :data:`launcher.trainer.reuse.REUSED_EXIT_CODE` for a restart from it
+    (:mod:`launcher.trainer.reuse`). Active at TP1 PP1 on gloo (:attr:`reusing`); at other
+    layouts, which unicorn may choose at any relaunch, the run trains as without it.
+    ``reuse_settle_s``: how long survivors wait for each other before agreeing who is left.
     """
 
     model: ModelSpec
@@ -209,6 +224,8 @@ class TrainConfig:
     snapshots: SnapshotOptions | None = None
     skip_iterations: tuple[tuple[int, int], ...] = ()
     corruption: BatchCorruption | None = None
+    reuse_microbatches: bool = False
+    reuse_settle_s: float = 0.5
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -239,6 +256,11 @@ class TrainConfig:
             raise InvalidArgument(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.dist_timeout_s <= 0:
             raise InvalidArgument(f"dist_timeout_s must be positive, got {self.dist_timeout_s}")
+        if not 0 < self.reuse_settle_s <= self.dist_timeout_s:
+            raise InvalidArgument(
+                f"--reuse-settle-s must be in (0, --dist-timeout-s={self.dist_timeout_s:g}], "
+                f"got {self.reuse_settle_s}"
+            )
 
     def _check_options(self) -> None:
         if self.save_interval is not None and self.save_dir is None:
@@ -269,6 +291,24 @@ class TrainConfig:
             raise InvalidArgument(
                 f"--fail-rank {self.fault.rank} is outside the world of {self.layout.world_size} ranks"
             )
+        if self.fault is not None and self.fault.after_microbatches and self.layout.pp > 1:
+            raise InvalidArgument("--fail-after-microbatches needs pipeline parallelism 1")
+        if self.reuse_microbatches and self.save_dir is None and self.snapshots is None:
+            raise InvalidArgument(
+                "--reuse-microbatches needs --save-dir or a memory tier (--snapshot-dir): "
+                "the iteration the survivors complete must be saved for the restart"
+            )
+
+    @property
+    def reusing(self) -> bool:
+        """Whether ``--reuse-microbatches`` is active at this layout: data parallelism only
+        (TP1 PP1, not FSDP). The backend (gloo) is checked when the process group exists."""
+        return (
+            self.reuse_microbatches
+            and self.layout.tp == 1
+            and self.layout.pp == 1
+            and self.data_parallel is not DataParallel.FSDP
+        )
 
     @property
     def dp_impl(self) -> DataParallel:

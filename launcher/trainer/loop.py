@@ -19,8 +19,16 @@ last completed iteration, without collectives, when SIGTERM or SIGUSR1 arrives w
 main thread is stuck in a collective with a dead peer, and a rank whose own step raised
 snapshots it on its way out: a restart then loses at most the iteration in flight.
 
+With ``--reuse-microbatches`` (TP1 PP1, gloo) a replica's micro-batches are summed
+locally and the iteration's one collective is an all-reduce of those gradients with the
+flags; when it fails because a peer died, the survivors complete the iteration from the
+micro-batches they finished plus the lost replica's, save it and exit 4
+(:mod:`launcher.trainer.reuse`).
+
 Exit codes (``main`` in :mod:`launcher.train`): 0 finished or stopped by SIGTERM after
-saving; 1 uncaught error; 2 invalid arguments or layout; 3 injected ``exit`` fault.
+saving; 1 uncaught error; 2 invalid arguments or layout; 3 injected ``exit`` fault; 4 a
+data-parallel peer died mid-iteration and this rank completed and saved that iteration
+(restart from it).
 """
 
 from __future__ import annotations
@@ -49,8 +57,21 @@ from launcher.trainer import checkpoint
 from launcher.trainer.config import CorruptMode, FaultMode, TrainConfig, format_ranges, skipped_before
 from launcher.trainer.data import batch, replica_samples
 from launcher.trainer.logline import iteration_line
-from launcher.trainer.model import build_stage, placement
+from launcher.trainer.model import build_stage, lm_loss, placement
 from launcher.trainer.parallel import StepRunner, apply_data_parallel, apply_tensor_parallel, build_mesh
+from launcher.trainer.reuse import (
+    REUSED_EXIT_CODE,
+    MicroBatchGrads,
+    PeerLost,
+    Reduced,
+    Regrouped,
+    job_store,
+    microbatch_samples,
+    missing_microbatches,
+    regroup,
+    replica_microbatches,
+    share,
+)
 from launcher.trainer.snapshots import MemoryCheckpoints, TrainerJit
 from unicorn_core.errors import InvalidArgument, UnicornError
 from unicorn_core.protocol import IterationPhase
@@ -153,9 +174,16 @@ class _StopFlag:
             self.requested = True
 
 
-def _inject_fault(cfg: TrainConfig, iteration: int, rank: int) -> None:
+def _inject_fault(cfg: TrainConfig, iteration: int, rank: int, *, after_microbatches: int = 0) -> None:
+    """Fire the configured fault if it is due: at the start of ``iteration``
+    (``after_microbatches`` 0), or once this rank finished that many of its micro-batches."""
     fault = cfg.fault
-    if fault is None or fault.iteration != iteration or fault.rank != rank:
+    if (
+        fault is None
+        or fault.iteration != iteration
+        or fault.rank != rank
+        or fault.after_microbatches != after_microbatches
+    ):
         return
     if fault.once_marker is not None:
         marker = Path(fault.once_marker)
@@ -163,7 +191,9 @@ def _inject_fault(cfg: TrainConfig, iteration: int, rank: int) -> None:
             return
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(f"fault at iteration {iteration} on rank {rank}\n")
-    print(f"[unicorn-train] rank {rank}: injecting fault {fault.mode} at iteration {iteration}", flush=True)
+    where = f" after {after_microbatches} micro-batches" if after_microbatches else ""
+    print(f"[unicorn-train] rank {rank}: injecting fault {fault.mode} at iteration {iteration}{where}")
+    sys.stdout.flush()
     if fault.mode is FaultMode.RAISE:
         raise InjectedFault(f"injected fault at iteration {iteration} on rank {rank}")
     if fault.mode is FaultMode.EXIT:
@@ -204,14 +234,20 @@ def _train(cfg: TrainConfig, clock: StartupClock, rank: int, device: torch.devic
     done = trainer.load()
     clock.loaded_s = time.time()
     if rank == 0:
+        reuse = ""
+        if cfg.reuse_microbatches:
+            active = trainer.grads is not None
+            reuse = " reuse_microbatches=" + ("on" if active else "off (needs TP1 PP1 on gloo)")
         print(
             f"[unicorn-train] layout {cfg.layout.describe()} dp={cfg.dp_impl} pp_schedule={cfg.pp_schedule} "
-            f"device={device.type} world={dist.get_world_size()} resumed_from={done}",
+            f"device={device.type} world={dist.get_world_size()} resumed_from={done}{reuse}",
             flush=True,
         )
     trainer.start_jit(done)
     try:
         iteration, last_saved = _loop(cfg, trainer, rank, done)
+    except PeerLost as lost:  # --reuse-microbatches: a peer died in the all-reduce
+        return trainer.complete_after_peer_loss(lost)
     except Exception:
         if trainer.jit is not None:  # this rank's own step failed: keep the last completed one
             trainer.jit.take_now("exception")
@@ -291,11 +327,16 @@ class _Trainer:
         pp_rank = mesh.get_local_rank("pp")
         stage = build_stage(cfg.model, placement(cfg.model, pp_rank, layout.pp), cfg.seed).to(device)
         apply_tensor_parallel(stage, mesh)
-        module = apply_data_parallel(stage, mesh, cfg.dp_impl, pipelined=layout.pp > 1)
+        # --reuse-microbatches: no DDP wrapper; the replica's micro-batch gradients are summed
+        # locally and all-reduced once per iteration (MicroBatchGrads).
+        reusing = cfg.reusing and dist.get_backend() == "gloo"
+        module = stage if reusing else apply_data_parallel(stage, mesh, cfg.dp_impl, pipelined=layout.pp > 1)
         self.optimizer = torch.optim.AdamW(
             stage.parameters(), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay
         )
         self.runner = StepRunner(module, mesh, layout, device, cfg.pp_schedule)
+        self.grads = MicroBatchGrads(list(stage.parameters())) if reusing else None
+        self.store = job_store() if reusing else None
         self.state: dict[str, Any] = {"train": TrainState(stage, self.optimizer), "meta": _meta(cfg)}
         self.memory = (
             MemoryCheckpoints(cfg.snapshots, rank, dist.get_world_size(), cfg.skip_iterations)
@@ -398,19 +439,48 @@ class _Trainer:
         self.hook.iteration(
             iteration, stall_s, phase=IterationPhase.CHECKPOINT, final=iteration == self.cfg.iterations
         )
-        if self.rank == 0:
+        if dist.get_rank() == 0:
             print(
                 f"[unicorn-train] snapshot of iteration {iteration} in memory ({stall_s:.3f} s)", flush=True
             )
 
     def train_iteration(self, iteration: int, *, first: bool) -> bool:
-        """One optimizer step over the global batch; returns whether any rank asked to stop."""
+        """One optimizer step over the global batch; returns whether any rank asked to stop.
+
+        Raises :class:`PeerLost` (``--reuse-microbatches``) when the iteration's all-reduce
+        fails: :meth:`complete_after_peer_loss` then completes it with the survivors."""
         cfg, layout = self.cfg, self.cfg.layout
         t0 = time.monotonic()
         lr = learning_rate(iteration, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
+        if self.grads is not None:
+            loss, stop_now = self._accumulated_step(iteration, t0)
+        else:
+            loss, stop_now = self._replica_step(iteration)
+        dt = time.monotonic() - t0
+        if first:
+            self.clock.first_iteration_s = time.time()
+            if self.rank == 0:
+                print(f"[unicorn-train] startup {json.dumps(asdict(self.clock))}", flush=True)
+        self.hook.iteration(
+            iteration,
+            dt,
+            samples=layout.global_batch,
+            phase=IterationPhase.TRAIN,
+            loss=loss,
+            final=iteration == cfg.iterations,
+            microbatches=layout.global_batch // layout.micro_batch,
+        )
+        self._log(iteration, dt, lr, loss, force=stop_now)
+        return stop_now
+
+    def _replica_step(self, iteration: int) -> tuple[float, bool]:
+        """This replica's micro-batches (DDP/FSDP2 reduce the gradients), the optimizer step,
+        then the agreement all-reduce of the replica losses and the flags; returns the
+        global loss and whether any rank asked to stop."""
+        cfg, layout = self.cfg, self.cfg.layout
         first_index, count = replica_samples(
             iteration, global_batch=layout.global_batch, dp=layout.dp, dp_rank=self.runner.coords.dp
         )
@@ -419,7 +489,12 @@ class _Trainer:
         )
         targets = self._corrupt_targets(iteration, targets)
         local_loss = self._corrupt_step(
-            iteration, self.runner.step(inputs.to(self.device), targets.to(self.device))
+            iteration,
+            self.runner.step(
+                inputs.to(self.device),
+                targets.to(self.device),
+                on_microbatch=lambda done: _inject_fault(cfg, iteration, self.rank, after_microbatches=done),
+            ),
         )
         # The state a JIT snapshot may take changes here only (the lr set above is
         # recomputed every iteration, so a snapshot holding the next one's is harmless).
@@ -439,13 +514,104 @@ class _Trainer:
         )
         self.stop.save_requested = False
         dist.all_reduce(agreed)
-        loss, stop_now = float(agreed[0].item()), bool(agreed[1].item() > 0)
         self.save_now = bool(agreed[2].item() > 0)
-        dt = time.monotonic() - t0
-        if first:
-            self.clock.first_iteration_s = time.time()
-            if self.rank == 0:
-                print(f"[unicorn-train] startup {json.dumps(asdict(self.clock))}", flush=True)
+        return float(agreed[0].item()), bool(agreed[1].item() > 0)
+
+    # --- --reuse-microbatches ---------------------------------------------------------
+
+    def _accumulated_step(self, iteration: int, started_s: float) -> tuple[float, bool]:
+        """``--reuse-microbatches``: this replica's micro-batches summed locally, one all-reduce
+        of gradients, losses and flags, the optimizer step. Raises :class:`PeerLost` when the
+        all-reduce fails (this rank's finished micro-batches stay in ``self.grads``)."""
+        assert self.grads is not None
+        cfg, layout = self.cfg, self.cfg.layout
+        self.grads.reset()
+        self._announce_corruption(iteration)
+        mine = replica_microbatches(self.runner.coords.dp, layout.num_microbatches)
+        for done, index in enumerate(mine, start=1):
+            self._microbatch(iteration, index)
+            _inject_fault(cfg, iteration, self.rank, after_microbatches=done)
+        flags = (1.0 if self.stop.requested else 0.0, 1.0 if self.stop.save_requested else 0.0)
+        self.stop.save_requested = False
+        failure = None
+        try:
+            reduced = self.grads.all_reduce(flags)
+        except RuntimeError as exc:  # gloo: "Connection closed by peer" within milliseconds
+            failure = str(exc)
+        if failure is not None:  # raised here, with no reference to the collective's frame
+            raise PeerLost(iteration, failure, started_s)
+        loss = self._apply_reduced(iteration, reduced)
+        self.save_now = reduced.flags[1] > 0
+        return loss, reduced.flags[0] > 0
+
+    def _microbatch(self, iteration: int, index: int) -> None:
+        """Forward and backward of global micro-batch ``index``, added to ``self.grads``."""
+        assert self.grads is not None
+        cfg, layout = self.cfg, self.cfg.layout
+        first, count = microbatch_samples(
+            iteration, index, global_batch=layout.global_batch, micro_batch=layout.micro_batch
+        )
+        inputs, targets = batch(
+            first, count, seed=cfg.seed, sequence=cfg.model.sequence, vocabulary=cfg.model.vocabulary
+        )
+        targets = self._corrupt_targets(iteration, targets, announce=False)
+        loss = lm_loss(self.runner.module(inputs.to(self.device)), targets.to(self.device))
+        torch.autograd.backward(loss)
+        self.grads.add(index, float(loss.item()))
+
+    def _apply_reduced(self, iteration: int, reduced: Reduced) -> float:
+        """Gradients := the mean over every micro-batch of the global batch; the optimizer
+        step; returns the iteration's loss."""
+        assert self.grads is not None
+        total = self.cfg.layout.global_batch // self.cfg.layout.micro_batch
+        if reduced.microbatches != total:
+            raise RuntimeError(
+                f"iteration {iteration}: the all-reduce covered {reduced.microbatches} "
+                f"of {total} micro-batches"
+            )
+        self.grads.write_mean(reduced, total)
+        loss = self._corrupt_step(iteration, reduced.loss_sum / total)
+        assert loss is not None
+        with self._updating():
+            self.optimizer.step()
+        if self.jit is not None:
+            self.jit.completed(iteration)
+        return loss
+
+    def complete_after_peer_loss(self, lost: PeerLost) -> int:
+        """Complete the iteration in flight with the survivors, save it, return exit code 4.
+
+        The just-in-time thread is stopped first: it must never snapshot this iteration
+        through the old world's writer (shards of two saves of one iteration are refused).
+        The survivors regroup (:func:`~launcher.trainer.reuse.regroup`), compute the lost
+        replicas' micro-batches between them, all-reduce, step, and save the iteration
+        on the new group (memory tier and ``--save-dir``)."""
+        assert self.grads is not None and self.store is not None
+        cfg, layout = self.cfg, self.cfg.layout
+        iteration = lost.iteration
+        if self.jit is not None:
+            self.jit.stop()
+            self.jit = None
+        if self.memory is not None:
+            self.memory.close()
+        why = f"[unicorn-train] rank {self.rank}: {lost}; regrouping with the survivors"
+        print(why, file=sys.stderr, flush=True)
+        group = regroup(
+            self.store,
+            self.grads,
+            tag=str(iteration),
+            rank=self.rank,
+            world_size=layout.world_size,
+            settle_s=cfg.reuse_settle_s,
+            timeout_s=cfg.dist_timeout_s,
+        )
+        self.is_logger = group.rank == group.world_size - 1
+        missing = missing_microbatches(group.members, layout.dp, layout.num_microbatches)
+        for index in share(missing, group.members, self.rank):
+            self._microbatch(iteration, index)
+        loss = self._apply_reduced(iteration, self.grads.all_reduce())
+        dt = time.monotonic() - lost.started_s
+        total = layout.global_batch // layout.micro_batch
         self.hook.iteration(
             iteration,
             dt,
@@ -453,25 +619,69 @@ class _Trainer:
             phase=IterationPhase.TRAIN,
             loss=loss,
             final=iteration == cfg.iterations,
+            microbatches=total,
+            recomputed_microbatches=len(missing),
         )
-        self._log(iteration, dt, lr, loss, force=stop_now)
-        return stop_now
+        self._log(iteration, dt, learning_rate(iteration, cfg), loss, force=True)
+        if group.rank == 0:
+            lost_ranks = sorted(set(range(layout.world_size)) - set(group.members))
+            print(
+                f"[unicorn-train] iteration {iteration} completed without DP replicas {lost_ranks} "
+                f"(lost mid-iteration): survivors {list(group.members)} agreed in {group.waited_s:.3f} s, "
+                f"reused {total - len(missing)} finished micro-batches, "
+                f"recomputed_microbatches={len(missing)} microbatches_per_iteration={total}, "
+                f"{time.monotonic() - lost.failed_s:.3f} s after the failure",
+                flush=True,
+            )
+        where = self._save_completed(iteration, group)
+        if group.rank == 0:
+            print(
+                f"[unicorn-train] exiting {REUSED_EXIT_CODE} after saving iteration {iteration} "
+                f"({', '.join(where) or 'nowhere'}) {time.monotonic() - lost.failed_s:.3f} s after the "
+                "failure: restart from it",
+                flush=True,
+            )
+        _leave_together(self.rank)
+        return REUSED_EXIT_CODE
+
+    def _save_completed(self, iteration: int, group: Regrouped) -> list[str]:
+        """Save ``iteration`` on the survivors' group: a memory-tier writer per new rank (the
+        version's world is the survivors'), then ``--save-dir``."""
+        where = []
+        if self.cfg.snapshots is not None:
+            self.memory = MemoryCheckpoints(
+                self.cfg.snapshots, group.rank, group.world_size, self.cfg.skip_iterations
+            )
+            self.snapshot(iteration)
+            self.memory.close()
+            where.append("memory")
+        if self.cfg.save_dir is not None:
+            self.save(iteration, self.cfg.save_dir)
+            where.append(self.cfg.save_dir)
+        return where
 
     def _corrupting(self, iteration: int) -> CorruptMode | None:
         corruption = self.cfg.corruption
         return corruption.mode if corruption is not None and iteration in corruption.iterations else None
 
-    def _corrupt_targets(self, iteration: int, targets: torch.Tensor) -> torch.Tensor:
-        """``--corrupt-iterations`` (test only): the batch's targets, shifted in spike mode."""
+    def _announce_corruption(self, iteration: int) -> None:
         mode = self._corrupting(iteration)
-        if mode is None:
-            return targets
-        if self.rank == 0:
+        if mode is not None and self.rank == 0:
             print(
                 f"[unicorn-train] corrupting the batch of iteration {iteration} "
                 f"({mode}, --corrupt-iterations: test only)",
                 flush=True,
             )
+
+    def _corrupt_targets(
+        self, iteration: int, targets: torch.Tensor, *, announce: bool = True
+    ) -> torch.Tensor:
+        """``--corrupt-iterations`` (test only): the batch's targets, shifted in spike mode."""
+        mode = self._corrupting(iteration)
+        if mode is None:
+            return targets
+        if announce:
+            self._announce_corruption(iteration)
         vocabulary = self.cfg.model.vocabulary
         return (targets + vocabulary // 2) % vocabulary if mode is CorruptMode.SPIKE else targets
 
@@ -569,7 +779,7 @@ class _Trainer:
             phase=IterationPhase.CHECKPOINT,
             final=iteration == self.cfg.iterations,
         )
-        if self.rank == 0:
+        if dist.get_rank() == 0:
             print(f"[unicorn-train] saved iteration {iteration} to {directory}", flush=True)
 
 

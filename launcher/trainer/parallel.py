@@ -16,6 +16,7 @@ batch at any layout: each micro-batch loss is divided by the replica's micro-bat
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -134,11 +135,19 @@ class StepRunner:
     def is_first_stage(self) -> bool:
         return self.coords.pp == 0
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        on_microbatch: Callable[[int], None] | None = None,
+    ) -> float | None:
         """Forward and backward over this replica's samples (``[global/dp, seq]``).
 
         Returns the mean micro-batch loss on the last pipeline stage, ``None`` elsewhere.
         Gradients are left reduced across DP and scaled for one optimizer step.
+        ``on_microbatch(done)`` is called after each micro-batch without pipelining (test
+        fault injection).
         """
         if self._schedule is not None:
             return self._pipelined_step(inputs, targets)
@@ -156,6 +165,8 @@ class StepRunner:
                 loss = lm_loss(self.module(inputs[i * mb : (i + 1) * mb]), targets[i * mb : (i + 1) * mb])
                 torch.autograd.backward(loss / nmb)
             total += loss.item()
+            if on_microbatch is not None:
+                on_microbatch(i + 1)
         return total / nmb
 
     def _pipelined_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:

@@ -18,6 +18,13 @@ node-loss scenarios:
   layout (PP2 -> PP1).
 - ``rank_exception``: rank 1 raises at iteration ``--fail-at`` (once). Time zero is the
   moment the rank's once-marker file was written, just before it raises.
+- ``dp_rank_mid_iteration``: a data-parallel task on n1..n4 (TP1 PP1 DP4: the planner
+  sees a one-layer model, :data:`DP_MODEL`) with ``--reuse-microbatches``;
+  rank 2 (n3) SIGKILLs itself once it finished 1 of its micro-batches of iteration
+  ``--fail-at`` (once; time zero: its once-marker). The survivors complete that iteration
+  from their finished micro-batches plus rank 2's, save it and exit 4; unicornd restarts
+  the task, which resumes right after it. (Not rank 0: the first node's torchrun holds
+  the store the survivors agree on, and ends when its last rank dies.)
 
 Per trial, in seconds from the fault (time zero: the kill is issued; the marker), all on
 this machine's wall clock: unicornd's JSON log lines, its persisted incident, the ranks'
@@ -50,8 +57,14 @@ own reports:
   agent's ``IterationTiming`` on the job's events stream, stamped by the rank's node)
   at or before time zero. ``resumed_from``: the iteration the new ranks restored, and
   ``restored``: from where. ``iterations_lost`` = ``iteration_at_fault - resumed_from``:
-  completed iterations computed again (the iteration in flight is not counted).
-  ``iteration_s``: the ranks' median iteration time before the fault.
+  completed iterations computed again (the iteration in flight is not counted; never
+  below 0: ``dp_rank_mid_iteration`` completes the iteration in flight, and
+  ``in_flight_completed`` says so). ``microbatches_per_iteration``: from the ranks' reports
+  (built-in trainer); ``recomputed_microbatches``: micro-batches computed again because of
+  the fault: the lost iterations' and the iteration in flight's, all of them for a
+  restart, only the lost replica's when the survivors completed it (their report's
+  ``recomputed_microbatches``). ``iteration_s``: the ranks' median iteration time before
+  the fault.
 - ``layout_before``/``layout_after``, ``nodes_before``/``nodes_after``, the incident's
   ``stages`` and ``timeline``; ``--events`` adds unicornd's log (findings, probes,
   decisions, actions) relative to time zero.
@@ -107,6 +120,7 @@ from tests.system.megatron_job import (  # noqa: E402
 )
 from unicorn_core.errors import ProtocolError  # noqa: E402
 from unicorn_core.keys import PAYLOAD_FIELD  # noqa: E402
+from unicorn_core.model import ModelSpec  # noqa: E402
 from unicorn_core.protocol import IterationPhase, IterationTiming, decode  # noqa: E402
 from unicornd.state import Incident, LadderStage, Snapshot, TaskRecord, TaskState  # noqa: E402
 
@@ -114,9 +128,17 @@ ENV: dict[str, str] = {}  # default detection settings, as the e2e tests
 SPARE: Final = "node_loss_spare"
 NO_SPARE: Final = "node_loss_no_spare"
 EXCEPTION: Final = "rank_exception"
-SCENARIOS: Final = (SPARE, NO_SPARE, EXCEPTION)
+DP_MID: Final = "dp_rank_mid_iteration"
+SCENARIOS: Final = (SPARE, NO_SPARE, EXCEPTION, DP_MID)
 KILLED: Final = "n2"
 OTHERS: Final = "n3,n4"
+DP_NODES: Final = "n1,n2,n3,n4"
+DP_FAIL_RANK: Final = 2
+DP_MODEL: Final = ModelSpec(layers=1, hidden=32, heads=4, sequence=16, vocabulary=64, global_batch=12)
+"""What the planner sees for the data-parallel scenario: one layer, which no pipeline can
+split, with ``min_gpus`` = its 4 nodes, so the plan is TP1 PP1 DP4 (for the trainer's own
+12 layers it picks PP4, and for one layer without ``min_gpus`` a single GPU). The trainer
+runs the layers of its command."""
 FIGURES: Final = (
     "first_finding_s",
     "detect_s",
@@ -128,6 +150,8 @@ FIGURES: Final = (
     "launched_s",
     "resumed_s",
     "iterations_lost",
+    "recomputed_microbatches",
+    "microbatches_per_iteration",
 )
 RANK_MARKS: Final = ("main_s", "imported_s", "initialized_s", "built_s", "loaded_s", "first_iteration_s")
 _STARTUP = re.compile(r"\[unicorn-train\] startup (\{.*\})")
@@ -222,18 +246,21 @@ _EVENT_KINDS: Final = frozenset(
 # --- one trial --------------------------------------------------------------------------
 
 
-def start_task(c: Coordinator, name: str, tmp: Path, megatron: bool, *extra: str) -> TaskRecord:
-    job, held = c.hold_job(name, "n1,n2")
+def start_task(
+    c: Coordinator, name: str, tmp: Path, megatron: bool, *extra: str, data_parallel: bool = False
+) -> TaskRecord:
+    """The task on n1,n2 (``data_parallel``: on n1..n4, planned for the trainer's own shape)."""
+    job, held = c.hold_job(name, DP_NODES if data_parallel else "n1,n2")
     task = TaskRecord(
         task_id=name,
         name=name,
-        model=MODEL if megatron else PLANNER_MODEL,
+        model=MODEL if megatron else DP_MODEL if data_parallel else PLANNER_MODEL,
         command=task_command(tmp / f"ckpt-{name}", 100_000)
         if megatron
         else trainer_command(tmp / f"ckpt-{name}", *extra),
         framework="megatron" if megatron else "unicorn-train",
-        min_gpus=1,
-        max_gpus=2,  # stays on its two nodes until one fails
+        min_gpus=len(held) if data_parallel else 1,
+        max_gpus=len(held),  # stays on its nodes until one fails
         job_id=job,
         nodes=held,
     )
@@ -392,7 +419,30 @@ def analyse(
             row["rank_start"] = {k: rel(latest[2].get(k) or None, t0) for k in RANK_MARKS}
     row["resumed_from"] = resumed_from
     at_fault = row["iteration_at_fault"]
-    row["iterations_lost"] = None if at_fault is None or resumed_from is None else at_fault - resumed_from
+    row["iterations_lost"] = (
+        None if at_fault is None or resumed_from is None else max(0, at_fault - resumed_from)
+    )
+    per_iteration = next((m.microbatches for m in reversed(before) if m.microbatches), None)
+    row["microbatches_per_iteration"] = per_iteration
+    completed = [
+        m.recomputed_microbatches
+        for m in train_reports(c, job)
+        if m.wall_time_s > t0 and m.recomputed_microbatches is not None
+    ]
+    row["in_flight_completed"] = bool(completed) and (resumed_from or 0) > (at_fault or 0)
+    row["recomputed_microbatches"] = recomputed(row, per_iteration, completed)
+
+
+def recomputed(row: dict[str, Any], per_iteration: int | None, completed: list[int]) -> int | None:
+    """Micro-batches computed again because of the fault: the lost iterations' and the
+    iteration in flight's, or only the lost replica's of the iteration in flight when the
+    survivors completed it (``completed``: their reports' counts)."""
+    lost = row.get("iterations_lost")
+    if per_iteration is None or lost is None:
+        return None
+    if row.get("in_flight_completed"):
+        return int(lost * per_iteration + max(completed))
+    return int((lost + 1) * per_iteration)
 
 
 def transition_of(
@@ -579,6 +629,58 @@ def exception_trial(
     return row
 
 
+def dp_rank_trial(cluster: DevCluster, tmp: Path, i: int, opts: argparse.Namespace) -> dict[str, Any]:
+    """``dp_rank_mid_iteration``: rank 2 of a data-parallel task SIGKILLs itself mid-iteration;
+    the survivors (``--reuse-microbatches``) complete and save that iteration."""
+    row: dict[str, Any] = {"trial": i, "ok": False, "error": None}
+    marker = tmp / f"fired-{i}"
+    extra = (
+        "--reuse-microbatches",
+        f"--fail-at-iteration={opts.fail_at}",
+        f"--fail-rank={DP_FAIL_RANK}",
+        "--fail-mode=kill",
+        "--fail-after-microbatches=1",
+        f"--fail-once-marker={marker}",
+    )
+    try:
+        all_idle(cluster)
+        with coordinator(cluster, tmp, **trial_env(tmp, False, opts.snapshot_every)) as c:
+            task = start_task(c, f"dp{i}", tmp, False, *extra, data_parallel=True)
+            snap = c.snapshot()
+            if snap is not None:
+                row["nodes_before"] = list(snap.tasks[task.task_id].nodes)
+                layout = snap.tasks[task.task_id].layout
+                row["layout_before"] = layout.describe() if layout else None
+            deadline = time.monotonic() + 120
+            while not marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not marker.exists():
+                raise TrialFailed(
+                    f"rank {DP_FAIL_RANK} did not fail at iteration {opts.fail_at} within 120 s"
+                )
+            seen, mono_seen = time.time(), time.monotonic()
+            t0 = marker.stat().st_mtime
+            try:
+                wait(
+                    c,
+                    lambda s: closed_incident(s) is not None and running(s, task.task_id, 0),
+                    "training again",
+                    opts.timeout_s,
+                )
+                row["ok"] = True
+            except TrialFailed as e:
+                row["error"] = str(e)
+            analyse(c, row, task, t0, None, False, opts.events)
+            clock_check(row, seen, mono_seen)
+            if row["ok"] and not row.get("in_flight_completed"):
+                row["ok"] = False
+                row["error"] = "the survivors did not complete the iteration in flight"
+    except Exception as e:
+        row["ok"] = False
+        row["error"] = row["error"] or f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
 def clock_check(row: dict[str, Any], wall0: float, mono0: float) -> None:
     """Every time here is wall clock: a step of it during the trial (the VM's clock being
     corrected) would shift the figures. Fails the trial when wall and monotonic time
@@ -661,6 +763,8 @@ def main() -> None:
     unknown = set(expanded) - set(SCENARIOS)
     if unknown or args.trials < 1:
         ap.error(f"unknown faults {sorted(unknown)} or --trials < 1")
+    if megatron and DP_MID in expanded:
+        ap.error(f"{DP_MID} needs the built-in trainer (--reuse-microbatches)")
     scenarios = list(dict.fromkeys(expanded))
     t_start = time.monotonic()
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in scenarios}
@@ -676,6 +780,8 @@ def main() -> None:
                     tmp.mkdir()
                     if scenario == EXCEPTION:
                         row = exception_trial(cluster, tmp, i, megatron, args)
+                    elif scenario == DP_MID:
+                        row = dp_rank_trial(cluster, tmp, i, args)
                     else:
                         row = node_loss_trial(cluster, tmp, i, scenario == SPARE, megatron, args)
                     results[scenario].append(row)

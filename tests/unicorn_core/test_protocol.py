@@ -231,6 +231,21 @@ def test_unknown_fields_are_ignored_for_additive_evolution() -> None:
     assert isinstance(msg, Heartbeat)
 
 
+def test_iteration_timing_microbatch_fields_are_additive() -> None:
+    """``microbatches``/``recomputed_microbatches`` (issue 23 item 4) default to None: a sender
+    of the previous release still decodes, and the fields round-trip when set."""
+    old = {"type": "iter", **ENV, "rank": 0, "iteration": 5, "duration_s": 0.5, "samples": 12}
+    msg = decode(raw(old))
+    assert isinstance(msg, IterationTiming)
+    assert (msg.microbatches, msg.recomputed_microbatches) == (None, None)
+    new = decode(raw({**old, "microbatches": 12, "recomputed_microbatches": 3}))
+    assert isinstance(new, IterationTiming)
+    assert (new.microbatches, new.recomputed_microbatches) == (12, 3)
+    assert decode(encode(new)) == new
+    with pytest.raises(ProtocolError, match="exceeds microbatches"):
+        decode(raw({**old, "microbatches": 12, "recomputed_microbatches": 13}))
+
+
 def test_agent_command_defaults_to_no_argv_and_env() -> None:
     data = {"type": "cmd", **ENV, "command_id": "c1", "action": "stop", "deadline_s": 30.0}
     msg = decode(raw(data))
