@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import getpass
 import json
 import os
 import re
@@ -32,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -39,6 +42,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# Shared folders this demo may make (torch's compile cache, made by importing the trainer's
+# modules below; the agents' run root): removed at the end unless they were here before.
+INDUCTOR = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+MADE = [d for d in (INDUCTOR, Path("/tmp/unicorn")) if not d.exists()]
 
 from tests.system import megatron_job  # noqa: E402
 from unicorn_core import redis_io  # noqa: E402
@@ -501,6 +508,18 @@ class Demo:
         self.log.close()
         subprocess.run([*DEV, "down"], capture_output=True, check=False)
         shutil.rmtree(SHM, ignore_errors=True)
+        # The agents' run folders (training logs, agent.out) go beside the demo's other files,
+        # nothing stays in /tmp.
+        agents = AGENT_RUN_ROOT / PREFIX
+        if agents.is_dir():
+            shutil.rmtree(STATE / "agent-logs", ignore_errors=True)
+            shutil.copytree(agents, STATE / "agent-logs", ignore=shutil.ignore_patterns("*.sock"))
+            shutil.rmtree(agents, ignore_errors=True)
+        if INDUCTOR in MADE:
+            shutil.rmtree(INDUCTOR, ignore_errors=True)
+        if AGENT_RUN_ROOT in MADE:
+            with contextlib.suppress(OSError):
+                AGENT_RUN_ROOT.rmdir()  # only if nothing else uses it
 
 
 def main() -> int:

@@ -8,6 +8,7 @@ developer's own cluster.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import http.server
 import json
 import os
@@ -20,6 +21,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 import pytest
 
@@ -32,29 +34,47 @@ def _entries(folder: Path) -> set[Path]:
     return set(folder.iterdir()) if folder.is_dir() else set()
 
 
+_INDUCTOR: Final = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+"""torch's compile cache when $TORCHINDUCTOR_CACHE_DIR is unset: importing
+``torch.distributed.pipelining`` makes it, in this process while pytest collects the
+trainer's tests, before any fixture runs."""
+_EXISTED: Final = frozenset(d for d in (_INDUCTOR, AGENT_RUN_ROOT) if d.exists())
+"""Of the shared folders a run may make, those that were there before it (kept)."""
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _leave_nothing_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One temporary folder per run, removed at the end: ``TMPDIR`` points there for the
     tests and every process they start (unicornd, srun steps, agents, torchrun and its
-    ``torchelastic_*`` folders). The agents' run folders the run added under /tmp/unicorn
-    go too. pytest's own ``tmp_path`` folders stay where pytest keeps (and rotates) them."""
+    ``torchelastic_*`` folders, torch's compile cache). The agents' run folders the run
+    added under /tmp/unicorn go too, and /tmp/unicorn and the system temp folder's
+    ``torchinductor_<user>`` when the run made them. pytest's own ``tmp_path`` folders stay
+    where pytest keeps (and rotates) them."""
     tmp_path_factory.getbasetemp()
+    shared = [d for d in (_INDUCTOR, AGENT_RUN_ROOT) if d not in _EXISTED]
     run_dir = Path(tempfile.mkdtemp(prefix="unicorn-test-"))
-    saved = os.environ.get("TMPDIR")
+    saved = {k: os.environ.get(k) for k in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR")}
     agents_before = _entries(AGENT_RUN_ROOT)
     os.environ["TMPDIR"] = str(run_dir)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(run_dir / "torchinductor")
     tempfile.tempdir = None
     try:
         yield run_dir
     finally:
-        if saved is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         tempfile.tempdir = None
         shutil.rmtree(run_dir, ignore_errors=True)
         for added in _entries(AGENT_RUN_ROOT) - agents_before:
             shutil.rmtree(added, ignore_errors=True)
+        if _INDUCTOR in shared:  # made by this run: a cache only
+            shutil.rmtree(_INDUCTOR, ignore_errors=True)
+        if AGENT_RUN_ROOT in shared:  # made by this run; kept while anything else uses it
+            with contextlib.suppress(OSError):
+                AGENT_RUN_ROOT.rmdir()
 
 
 @dataclass
