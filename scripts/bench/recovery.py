@@ -573,7 +573,6 @@ def node_loss_trial(
 def exception_trial(
     cluster: DevCluster, tmp: Path, i: int, megatron: bool, opts: argparse.Namespace
 ) -> dict[str, Any]:
-    row: dict[str, Any] = {"trial": i, "ok": False, "error": None}
     marker = tmp / f"fired-{i}"
     fail_at = opts.fail_at
     if megatron:
@@ -591,10 +590,35 @@ def exception_trial(
             "--fail-mode=raise",
             f"--fail-once-marker={marker}",
         )
+    return marker_trial(
+        cluster, tmp, i, opts, f"ex{i}", extra, megatron=megatron, inject=inject,
+        what=f"rank 1 did not raise at iteration {fail_at}",
+    )  # fmt: skip
+
+
+def marker_trial(
+    cluster: DevCluster,
+    tmp: Path,
+    i: int,
+    opts: argparse.Namespace,
+    name: str,
+    extra: tuple[str, ...],
+    *,
+    megatron: bool = False,
+    inject: dict[str, str] | None = None,
+    data_parallel: bool = False,
+    what: str,
+) -> dict[str, Any]:
+    """One trial whose fault a rank fires itself and marks with ``tmp/fired-<i>`` (its mtime
+    is time zero): start the task, wait for the marker (``what`` says what did not happen
+    when it never comes), then for the task to train again, and analyse."""
+    row: dict[str, Any] = {"trial": i, "ok": False, "error": None}
+    marker = tmp / f"fired-{i}"
     try:
         all_idle(cluster)
-        with coordinator(cluster, tmp, **trial_env(tmp, megatron, opts.snapshot_every, **inject)) as c:
-            task = start_task(c, f"ex{i}", tmp, megatron, *extra)
+        env = trial_env(tmp, megatron, opts.snapshot_every, **(inject or {}))
+        with coordinator(cluster, tmp, **env) as c:
+            task = start_task(c, name, tmp, megatron, *extra, data_parallel=data_parallel)
             snap = c.snapshot()
             if snap is not None:
                 row["nodes_before"] = list(snap.tasks[task.task_id].nodes)
@@ -604,7 +628,7 @@ def exception_trial(
             while not marker.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             if not marker.exists():
-                raise TrialFailed(f"rank 1 did not raise at iteration {fail_at} within 120 s")
+                raise TrialFailed(f"{what} within 120 s")
             seen, mono_seen = time.time(), time.monotonic()
             t0 = marker.stat().st_mtime
             try:
@@ -618,11 +642,15 @@ def exception_trial(
             except TrialFailed as e:
                 row["error"] = str(e)
             analyse(c, row, task, t0, None, megatron, opts.events)
-            row["marker_seen_s"] = round(seen - t0, 3)  # polled every 50 ms: within [0, ~0.1]
+            if not data_parallel:
+                row["marker_seen_s"] = round(seen - t0, 3)  # polled every 50 ms: within [0, ~0.1]
             clock_check(row, seen, mono_seen)
-            if row["ok"] and not -0.05 <= seen - t0 <= 1.0:
+            if not data_parallel and row["ok"] and not -0.05 <= seen - t0 <= 1.0:
                 row["ok"] = False
                 row["error"] = f"the marker was seen {seen - t0:+.3f} s after its mtime: time zero unreliable"
+            if data_parallel and row["ok"] and not row.get("in_flight_completed"):
+                row["ok"] = False
+                row["error"] = "the survivors did not complete the iteration in flight"
     except Exception as e:
         row["ok"] = False
         row["error"] = row["error"] or f"{type(e).__name__}: {str(e)[:300]}"
@@ -632,53 +660,18 @@ def exception_trial(
 def dp_rank_trial(cluster: DevCluster, tmp: Path, i: int, opts: argparse.Namespace) -> dict[str, Any]:
     """``dp_rank_mid_iteration``: rank 2 of a data-parallel task SIGKILLs itself mid-iteration;
     the survivors (``--reuse-microbatches``) complete and save that iteration."""
-    row: dict[str, Any] = {"trial": i, "ok": False, "error": None}
-    marker = tmp / f"fired-{i}"
     extra = (
         "--reuse-microbatches",
         f"--fail-at-iteration={opts.fail_at}",
         f"--fail-rank={DP_FAIL_RANK}",
         "--fail-mode=kill",
         "--fail-after-microbatches=1",
-        f"--fail-once-marker={marker}",
+        f"--fail-once-marker={tmp / f'fired-{i}'}",
     )
-    try:
-        all_idle(cluster)
-        with coordinator(cluster, tmp, **trial_env(tmp, False, opts.snapshot_every)) as c:
-            task = start_task(c, f"dp{i}", tmp, False, *extra, data_parallel=True)
-            snap = c.snapshot()
-            if snap is not None:
-                row["nodes_before"] = list(snap.tasks[task.task_id].nodes)
-                layout = snap.tasks[task.task_id].layout
-                row["layout_before"] = layout.describe() if layout else None
-            deadline = time.monotonic() + 120
-            while not marker.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if not marker.exists():
-                raise TrialFailed(
-                    f"rank {DP_FAIL_RANK} did not fail at iteration {opts.fail_at} within 120 s"
-                )
-            seen, mono_seen = time.time(), time.monotonic()
-            t0 = marker.stat().st_mtime
-            try:
-                wait(
-                    c,
-                    lambda s: closed_incident(s) is not None and running(s, task.task_id, 0),
-                    "training again",
-                    opts.timeout_s,
-                )
-                row["ok"] = True
-            except TrialFailed as e:
-                row["error"] = str(e)
-            analyse(c, row, task, t0, None, False, opts.events)
-            clock_check(row, seen, mono_seen)
-            if row["ok"] and not row.get("in_flight_completed"):
-                row["ok"] = False
-                row["error"] = "the survivors did not complete the iteration in flight"
-    except Exception as e:
-        row["ok"] = False
-        row["error"] = row["error"] or f"{type(e).__name__}: {str(e)[:300]}"
-    return row
+    return marker_trial(
+        cluster, tmp, i, opts, f"dp{i}", extra, data_parallel=True,
+        what=f"rank {DP_FAIL_RANK} did not fail at iteration {opts.fail_at}",
+    )  # fmt: skip
 
 
 def clock_check(row: dict[str, Any], wall0: float, mono0: float) -> None:

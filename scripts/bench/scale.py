@@ -105,6 +105,7 @@ from scale_agents import AgentTimings, Fault, Fleet, InjectedFault, Job, deaths,
 from scale_daemon import slurm_stream, t0_key  # noqa: E402
 from scale_slurm import SlurmTimings  # noqa: E402
 
+from tests.conftest import free_port  # noqa: E402
 from unicorn_core import redis_io  # noqa: E402
 from unicorn_core.config import Config, load_config  # noqa: E402
 from unicorn_core.errors import RedisCallError  # noqa: E402
@@ -276,12 +277,6 @@ def match_faults(
 
 def log(msg: str) -> None:
     print(f"[scale {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def runqueue_wait_s(pid: int) -> float:

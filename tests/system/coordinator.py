@@ -236,6 +236,8 @@ def coordinator(cluster: DevCluster, tmp: Path, **env: str) -> Iterator[Coordina
         while cluster.slurm("squeue", "-h").stdout.strip() and time.monotonic() < deadline:
             time.sleep(0.5)
         shutil.rmtree(AGENT_RUN_ROOT / prefix, ignore_errors=True)  # the agents' run folders
+        with contextlib.suppress(OSError):
+            AGENT_RUN_ROOT.rmdir()  # and their root once nobody else's are left (benches)
 
 
 class Supervisor:
