@@ -40,14 +40,21 @@ The time since a task's last iteration is not attributed yet (it becomes running
 detection when the next iteration or incident says which): ``unattributed`` = gap - sum of
 the causes, at most about one iteration per task plus calibration drift.
 
+For ``unicornctl report`` the ledger also keeps, bounded: a WAF time series
+(:class:`WafSample`, one per :data:`SERIES_EVERY_S` at most, :data:`SERIES_MAX` samples,
+older ones thinned: :func:`thin_series`) and per task its layout history
+(:class:`LayoutChange`, one per change of state, layout or nodes, the newest
+:data:`LAYOUTS_KEEP`: :func:`record_layout`). Ledgers stored before them decode with both empty.
+
 A decode that fails raises :class:`~unicorn_core.errors.ProtocolError` and changes nothing.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Final
@@ -78,6 +85,15 @@ HISTORY_EVERY_S: Final = 3600.0
 """A checkpoint of the totals every hour (``unicornctl goodput --since`` subtracts one)."""
 HISTORY_KEEP_S: Final = 8 * 86400.0
 """Checkpoints are kept 8 days (``--since 7d`` and a margin)."""
+SERIES_EVERY_S: Final = 10.0
+"""The WAF series takes a sample at the first advance at least this long after the last one."""
+SERIES_MAX: Final = 2000
+"""Samples kept (about 64 KiB of JSON, 0.3 MB in memory): past it the older half is thinned
+(every other sample dropped), so the newest ~5.5 h stay at full resolution and resolution
+halves with age; none older than :data:`HISTORY_KEEP_S`."""
+LAYOUTS_KEEP: Final = 100
+"""Layout changes kept per task (the oldest go first; nodes are stored as changes, so an
+entry costs a few node names, not the task's whole node list)."""
 CALIBRATE_UP: Final = 0.3
 """Weight of a stretch faster than the calibration (the healthy rate is found quickly)."""
 CALIBRATE_DOWN: Final = 0.03
@@ -171,6 +187,37 @@ class Totals(msgspec.Struct, forbid_unknown_fields=True):
         )
 
 
+class LayoutChange(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """From ``t_s`` the task was in ``state`` at ``layout`` (None: none) on ``nodes`` nodes
+    (``gpus`` GPUs); ``added``/``removed``: its nodes that changed since the entry before
+    (in the oldest entry kept, ``added`` is the whole node list)."""
+
+    t_s: float
+    state: TaskState
+    layout: Layout | None = None
+    nodes: int = 0
+    gpus: int = 0
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _finite(self.t_s, "layout change: t_s")
+        _check(self.nodes >= 0 and self.gpus >= 0, "layout change: nodes and gpus must be >= 0")
+
+
+class WafSample(msgspec.Struct, forbid_unknown_fields=True, array_like=True, gc=False):
+    """The WAF at ``t_s`` (weighted TFLOP/s, stored as a JSON array): ``ideal`` W* and
+    ``achieved``, in force from ``t_s`` until the next sample (a step function)."""
+
+    t_s: float
+    ideal: float
+    achieved: float
+
+    def __post_init__(self) -> None:
+        for what, v in (("t_s", self.t_s), ("ideal", self.ideal), ("achieved", self.achieved)):
+            _finite(v, f"WAF sample: {what}")
+
+
 class TaskBook(msgspec.Struct, forbid_unknown_fields=True):
     """One task's clock, phase and in-force rates, and its totals.
 
@@ -182,7 +229,11 @@ class TaskBook(msgspec.Struct, forbid_unknown_fields=True):
     and ``healthy_wtflops`` (its analytic share in the best plan on all nodes, on the nodes
     not out). ``achieved_wtflops``: the rate of its latest running stretch (0 otherwise).
     ``running_s``/``running_iterations``: the time and the new iterations of every running
-    stretch that earned work (their ratio is the iteration time the ledger measured).
+    stretch that earned work, less the stretch that passed the mark after a restart (its
+    time is booked at the calibration, not measured): their ratio is the iteration time
+    the ledger measured.
+    ``nodes``: the task's nodes at the last update; ``layouts``: its layout history, oldest
+    first (:class:`LayoutChange`, at most :data:`LAYOUTS_KEEP`).
     """
 
     task_id: str
@@ -201,6 +252,8 @@ class TaskBook(msgspec.Struct, forbid_unknown_fields=True):
     running_s: float = 0.0
     running_iterations: int = 0
     totals: Totals = msgspec.field(default_factory=Totals)
+    nodes: tuple[str, ...] = ()
+    layouts: list[LayoutChange] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         _finite(self.booked_s, f"task {self.task_id}: booked_s")
@@ -241,7 +294,8 @@ class Checkpoint(msgspec.Struct, forbid_unknown_fields=True):
 
 class Ledger(msgspec.Struct, forbid_unknown_fields=True):
     """The whole ledger as stored. ``t_s``: the cluster clock (booked up to here);
-    ``gpus_total``/``gpus_out``/``gpus_idle``: in force since then."""
+    ``gpus_total``/``gpus_out``/``gpus_idle``: in force since then; ``history``: hourly
+    checkpoints; ``series``: the WAF over time, oldest first (:class:`WafSample`)."""
 
     t_s: float
     started_s: float
@@ -252,6 +306,7 @@ class Ledger(msgspec.Struct, forbid_unknown_fields=True):
     totals: Totals = msgspec.field(default_factory=Totals)
     tasks: dict[str, TaskBook] = msgspec.field(default_factory=dict)
     history: list[Checkpoint] = msgspec.field(default_factory=list)
+    series: list[WafSample] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         _check(self.v == LEDGER_VERSION, f"ledger version {self.v}, expected {LEDGER_VERSION}")
@@ -264,11 +319,11 @@ class Ledger(msgspec.Struct, forbid_unknown_fields=True):
 
     def achieved_wtflops(self) -> float:
         """Achieved WAF now: the sum of running tasks' measured rates."""
-        return sum(b.achieved_wtflops for b in self.tasks.values() if b.phase is Phase.RUNNING)
+        return _achieved_rate(self.tasks.values())
 
     def ideal_wtflops(self) -> float:
         """W* now (calibrated tasks' shares in the best plan on all nodes)."""
-        return sum(b.ideal_wtflops * (b.efficiency or 0.0) for b in self.tasks.values())
+        return _ideal_rate(self.tasks.values())
 
     def since(self, start_s: float) -> tuple[float, Totals, dict[str, Totals]]:
         """(window start, cluster totals, per-task totals) since the newest checkpoint at or
@@ -279,6 +334,57 @@ class Ledger(msgspec.Struct, forbid_unknown_fields=True):
                 base = cp
         tasks = {tid: b.totals.minus(base.tasks.get(tid, Totals())) for tid, b in self.tasks.items()}
         return base.t_s, self.totals.minus(base.totals), tasks
+
+
+def _achieved_rate(books: Iterable[TaskBook]) -> float:
+    return sum(b.achieved_wtflops for b in books if b.phase is Phase.RUNNING)
+
+
+def _ideal_rate(books: Iterable[TaskBook]) -> float:
+    return sum(b.ideal_wtflops * (b.efficiency or 0.0) for b in books)
+
+
+def thin_series(series: list[WafSample], now_s: float, cap: int = SERIES_MAX) -> list[WafSample]:
+    """``series`` (in time order) without samples older than :data:`HISTORY_KEEP_S` and,
+    while over ``cap``, every other sample of its older half dropped (the oldest kept): at
+    most ``cap`` samples, the newest ``cap // 2`` at full resolution. A new list (``series``
+    is not changed)."""
+    _check(cap >= 2, f"cap must be >= 2, got {cap}")
+    out = series[bisect.bisect_left(series, now_s - HISTORY_KEEP_S, key=lambda p: p.t_s) :]
+    while len(out) > cap:
+        half = len(out) // 2
+        out = out[:half:2] + out[half:]
+    return out
+
+
+def record_layout(
+    layouts: list[LayoutChange], before: tuple[str, ...], task: TaskRecord, gpus: int, now_s: float
+) -> list[LayoutChange]:
+    """``layouts`` with a :class:`LayoutChange` at ``now_s`` appended when ``task``'s state,
+    layout or node set differs from the newest entry (``before``: the nodes then); at most
+    :data:`LAYOUTS_KEEP` entries (the oldest is folded into the next, whose ``added`` becomes
+    the whole node list). ``layouts`` itself is returned when nothing changed."""
+    last = layouts[-1] if layouts else None
+    nodes, now_set = task.nodes, set(task.nodes)
+    old = set(before) if last is not None else set()
+    if last is not None and last.state is task.state and last.layout == task.layout and old == now_set:
+        return layouts
+    change = LayoutChange(
+        t_s=now_s,
+        state=task.state,
+        layout=task.layout,
+        nodes=len(nodes),
+        gpus=gpus,
+        added=tuple(n for n in nodes if n not in old),
+        removed=tuple(n for n in before if n not in now_set) if last is not None else (),
+    )
+    out = [*layouts, change]
+    while len(out) > LAYOUTS_KEEP:
+        first, second = out[0], out[1]
+        gone = set(second.removed)
+        whole = [n for n in first.added if n not in gone] + list(second.added)
+        out = [msgspec.structs.replace(second, added=tuple(whole), removed=()), *out[2:]]
+    return out
 
 
 def new_ledger(now_s: float) -> Ledger:
@@ -414,7 +520,9 @@ class _Book:
             )
             if new > 0 and run > 0:
                 self.achieved_rate = self.b.iteration_wtflop * new / run
-                if e is not None:  # the stretches whose iterations earned work
+                # Measured stretches that earned work: not the one that passes the mark
+                # (its running time is the calibrated time of its new iterations).
+                if e is not None and self.phase is Phase.RUNNING:
                     self.running_s += run
                     self.running_iterations += new
             if self.phase is Phase.RUNNING and new > 0:
@@ -592,6 +700,7 @@ def advance(ledger: Ledger, snap: Snapshot, now_s: float, gpu: GpuSpec, assume: 
         analytic = (
             _analytic_iteration_s(task.model, task.layout, gpu, gpn, assume) if live and task.layout else None
         )
+        gpus = len(task.nodes) * gpn if live else 0
         out[task.task_id] = TaskBook(
             task_id=task.task_id,
             booked_s=book.booked,
@@ -600,7 +709,7 @@ def advance(ledger: Ledger, snap: Snapshot, now_s: float, gpu: GpuSpec, assume: 
             launched_s=task.launched_s,
             incidents=seen,
             efficiency=book.efficiency,
-            gpus=len(task.nodes) * gpn if live else 0,
+            gpus=gpus,
             iteration_wtflop=task.weight * task.model.model_flop_per_iteration() / 1e12,
             analytic_iteration_s=analytic,
             ideal_wtflops=all_shares.get(task.task_id, 0.0),
@@ -609,6 +718,8 @@ def advance(ledger: Ledger, snap: Snapshot, now_s: float, gpu: GpuSpec, assume: 
             running_s=book.running_s,
             running_iterations=book.running_iterations,
             totals=book.acc.totals(),
+            nodes=task.nodes,
+            layouts=record_layout(book.b.layouts, book.b.nodes, task, gpus, now_s),
         )
     gpus_total = ours * gpn
     gpus_used = sum(b.gpus for b in out.values())
@@ -617,6 +728,11 @@ def advance(ledger: Ledger, snap: Snapshot, now_s: float, gpu: GpuSpec, assume: 
     history = [cp for cp in ledger.history if now_s - cp.t_s <= HISTORY_KEEP_S]
     if not history or now_s - history[-1].t_s >= HISTORY_EVERY_S:
         history.append(Checkpoint(now_s, totals, {tid: b.totals for tid, b in out.items()}))
+    series = ledger.series
+    if not series or now_s - series[-1].t_s >= SERIES_EVERY_S:
+        ideal, achieved = _ideal_rate(out.values()), _achieved_rate(out.values())
+        sample = WafSample(round(now_s, 1), _sig(ideal), _sig(achieved))
+        series = thin_series([*series, sample], now_s)
     return Ledger(
         t_s=now_s,
         started_s=ledger.started_s,
@@ -626,7 +742,13 @@ def advance(ledger: Ledger, snap: Snapshot, now_s: float, gpu: GpuSpec, assume: 
         totals=totals,
         tasks=out,
         history=history,
+        series=series,
     )
+
+
+def _sig(v: float) -> float:
+    """``v`` to 7 significant digits (the series is stored as JSON: shorter numbers)."""
+    return float(f"{v:.7g}")
 
 
 def summary(totals: Totals) -> dict[str, object]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,9 +20,12 @@ from typing import cast
 import msgspec
 import pytest
 import redis.asyncio as aioredis
+from PIL import Image
 
 from launcher.probe import find_agents
+from tests.browser import open_in_chromium
 from tests.conftest import DevCluster, free_port, http_receiver, private_cluster
+from tests.prometheus import prometheus_server
 from tests.system.coordinator import (
     PLANNER_MODEL,
     Coordinator,
@@ -182,6 +187,90 @@ def test_node_loss_drains_replans_and_resumes_smaller(cluster: DevCluster, tmp_p
             180,
         )
         c.wait(running("a", snap.tasks["a"].last_iteration or 0), "a training on 2 nodes again", 180)
+
+
+INCIDENT_CAUSES = ("detection", "decision_drain", "transition", "recomputation")
+"""The causes an incident's timeline books: they stop growing once the task is past its mark."""
+
+
+def test_prometheus_and_the_report_show_the_goodput_of_a_node_kill(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    """A real Prometheus scrapes unicornd through a node kill, and its HTTP API gives the
+    ledger's figures: each incident cause's lost GPU-seconds exactly as ``unicornctl goodput
+    --json`` has them, and achieved WAF while the task trains. ``unicornctl report --html``
+    of the same run renders in headless Chromium with the incident's stages and the WAF."""
+    metrics_port = free_port()
+    env = {"UNICORN_METRICS__LISTEN": f"127.0.0.1:{metrics_port}"}
+    with (
+        prometheus_server(tmp_path / "prometheus", [f"127.0.0.1:{metrics_port}"]) as prom,
+        coordinator(cluster, tmp_path, **ENV, **env) as c,
+    ):
+        # All 4 nodes from the start: a job grown by expansion cannot shrink in the same run.
+        a = task(c, "p", "n1,n2,n3,n4", 1.0, tmp_path)
+        c.register(a)
+        c.wait(running("p", 6), "p training", 180)
+        cluster.script("kill-node", "n2")
+        try:
+            snap = c.wait(lambda s: s.nodes["n2"].health is not NodeHealth.HEALTHY, "n2 isolated", 60)
+            mark = snap.tasks["p"].last_iteration or 0
+            moved = running("p", mark + 5)
+            c.wait(lambda s: "n2" not in s.tasks["p"].nodes and moved(s), "p past its mark", 180)
+        finally:
+            cluster.script("revive-node", "n2")
+
+        def ledger() -> dict[str, float]:
+            shown = unicornctl(c, "goodput", "--json")
+            assert shown.returncode == 0, shown.stderr
+            return {k: float(v) for k, v in json.loads(shown.stdout)["gpu_s"]["lost"].items()}
+
+        def scraped() -> dict[str, float]:
+            return {s.labels["cause"]: s.value for s in prom.query("unicorn_goodput_lost_gpu_seconds_total")}
+
+        # The ledger is saved every 5 s and scraped every second: wait until both are past the
+        # recovery, then the frozen causes must agree to the last bit.
+        deadline = time.monotonic() + 60
+        while True:
+            want, got = ledger(), scraped()
+            same = all(math.isclose(got.get(k, -1.0), want[k], rel_tol=1e-12) for k in INCIDENT_CAUSES)
+            if same or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert same, (want, got)
+        assert prom.targets_up() == [f"http://127.0.0.1:{metrics_port}/metrics"]
+        # The node kill cost detection and transition time; the ledger booked GPU-seconds.
+        assert want["detection"] > 0 and want["transition"] > 0, want
+        total = prom.query("unicorn_goodput_gpu_seconds_total")
+        productive = prom.query("unicorn_goodput_productive_gpu_seconds_total")
+        assert len(total) == 1 and len(productive) == 1 and 0 < productive[0].value < total[0].value
+        achieved = prom.query('unicorn_goodput_task_achieved_waf_tflops{task="p"}')
+        assert len(achieved) == 1 and achieved[0].value > 0, achieved
+        ideal = prom.query("unicorn_goodput_ideal_waf_tflops")
+        assert len(ideal) == 1 and ideal[0].value >= achieved[0].value, (ideal, achieved)
+
+        # The same run as the operator's page, rendered by a real browser.
+        page = tmp_path / "report.html"
+        made = unicornctl(c, "report", "--html", str(page))
+        assert made.returncode == 0, made.stderr
+        incident = next(
+            i for i in c.wait(lambda _: True, "a snapshot").incidents.values() if i.task_id == "p"
+        )
+        with open_in_chromium(page, width=1280, height=2400) as shown:
+            assert shown.console == (), shown.console
+            with Image.open(shown.screenshot) as png:
+                colours = png.convert("RGB").getcolors(maxcolors=1 << 16)
+            assert colours is not None and len(colours) > 20  # not blank
+            dom = shown.dom
+        row = re.search(
+            rf'<g class="incident" [^>]*data-incident="{re.escape(incident.incident_id)}">(.*?)</g>', dom
+        )
+        assert row is not None, dom
+        stages = re.findall(r'data-stage="([a-z_]+)"', row.group(1))
+        assert "isolate" in stages and "resumed" in stages, stages
+        assert re.search(r'<polyline id="waf-achieved" class="series achieved" points="[\d., ]+"', dom)
+        assert re.search(r'<tr class="out"><td>n2</td><td>draine[d]?', dom), "n2 out in the node table"
+        c.resume("n2")
+        c.wait(lambda s: s.nodes["n2"].health is NodeHealth.HEALTHY, "n2 back", 120)
 
 
 def test_exception_restarts_in_place_without_drain(cluster: DevCluster, tmp_path: Path) -> None:

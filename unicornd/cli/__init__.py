@@ -9,6 +9,7 @@ runs unicornd's own decision and planner on its live snapshot and applies nothin
 The verbs live by group: :mod:`~unicornd.cli.status` (``status``, ``tasks``,
 ``incidents``), :mod:`~unicornd.cli.operator` (``drain``, ``resume``, ``incidents
 confirm``), :mod:`~unicornd.cli.preview` (outlooks, ``plan --what-if-fail``),
+:mod:`~unicornd.cli.goodput` (``goodput``), :mod:`~unicornd.cli.report` (``report --html``),
 :mod:`~unicornd.cli.common` (config, snapshot, exit codes); ``task`` is
 :mod:`unicornd.taskcli`, ``classify``/``simulate``/``plan`` the libraries' own commands.
 ``node-check`` is an alias of the compute-node command ``unicorn-node-check``
@@ -42,6 +43,7 @@ from unicornd.cli.common import (
 from unicornd.cli.goodput import goodput
 from unicornd.cli.operator import Caller, confirm, drain, operator_refusal, resume, slurm_user_from_config
 from unicornd.cli.preview import Outlook, outlook, outlook_json, plan_command, render_outlook, what_if_fail
+from unicornd.cli.report import report
 from unicornd.cli.status import (
     incident_json,
     incidents,
@@ -124,7 +126,7 @@ def node_check(ctx: click.Context, /, **options: Any) -> None:
 incidents.add_command(confirm)
 for command in (status, tasks, incidents, drain, resume, plan_command(), classify_command, simulate_command):
     cli.add_command(command)
-for command in (goodput,):
+for command in (goodput, report):
     cli.add_command(command)
 cli.add_command(task_group)
 

@@ -38,7 +38,9 @@ def parse_since(text: str) -> float:
     return seconds
 
 
-class _Since(click.ParamType[float]):
+class Since(click.ParamType[float]):
+    """A ``--since`` duration (:func:`parse_since`); bad ones are usage errors (exit 2)."""
+
     name = "duration"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
@@ -120,9 +122,7 @@ async def _read(cfg: Any) -> Ledger | None:
 
 
 @click.command()
-@click.option(
-    "--since", "since_s", type=_Since(), default=None, help="Only the last DURATION (e.g. 7d, 12h)."
-)
+@click.option("--since", "since_s", type=Since(), default=None, help="Only the last DURATION (e.g. 7d, 12h).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_context
 def goodput(ctx: click.Context, since_s: float | None, as_json: bool) -> None:
