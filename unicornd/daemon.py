@@ -45,13 +45,15 @@ import redis.asyncio as aioredis
 
 from detect import Classifier, load_classifier
 from plan.hardware import gpu_spec
-from unicorn_core import acl, redis_io
+from unicorn_core import acl, protocol, redis_io
 from unicorn_core.config import Config
 from unicorn_core.errors import ProtocolError, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
+from unicorn_core.protocol import Heartbeat
 from unicorn_core.slurm.backend import SlurmBackend
 from unicorn_core.slurm.scope import Scope, resolve_scope
+from unicornd import seed
 from unicornd.actions import Decision
 from unicornd.agentusers import AgentUsers
 from unicornd.alerts import AlertSink, alerts_for
@@ -166,6 +168,7 @@ class Daemon:
         await self._load_ledger()
         await self.core.start(snap)
         self.detector.expect_running(snap, time.monotonic())
+        await self._seed_liveness(snap)
         restored = await self.agent_users.restore(snap)
         log.info(
             "state_loaded",
@@ -177,6 +180,42 @@ class Daemon:
             owed_actions=len(await self.store.owed()),
             agent_users_restored=restored,
         )
+
+    async def _seed_liveness(self, snap: Snapshot) -> None:
+        """Seed the agents' silence from their heartbeat keys (:mod:`unicornd.seed`): one
+        MGET; unreadable keys leave the new agents' grace."""
+        agents = seed.expected_agents(snap)
+        if not agents:
+            return
+        keys = [self.keys.heartbeat(job, node) for job, node in agents]
+        try:
+            raw = await redis_io.call(("MGET", f"{len(keys)} heartbeat keys"), self.client.mget(keys))
+        except UnicornError as e:
+            log.warning("liveness_not_seeded", error=str(e))
+            return
+        beats: dict[seed.Agent, Heartbeat | None] = {}
+        for agent, value in zip(agents, raw, strict=True):
+            if value is None:
+                beats[agent] = None
+                continue
+            try:
+                msg = protocol.decode(value.encode() if isinstance(value, str) else value)
+            except ProtocolError:
+                continue  # garbage in a key: no seed for it
+            if isinstance(msg, Heartbeat):
+                beats[agent] = msg
+        found = seed.silences(
+            snap,
+            beats,
+            time.time(),
+            self.detector.liveness.initial_timeout_s,
+            self.cfg.agent.heartbeat_ttl_s,
+        )
+        now = time.monotonic()
+        for (job, node), silent in found.items():
+            self.detector.seed_silence(job, node, silent, now)
+        if found:
+            log.info("liveness_seeded", agents=len(found), silent_max_s=round(max(found.values()), 3))
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()

@@ -123,6 +123,11 @@ class Detector:
         """An agent was launched for (job, node): its silence from now on counts."""
         self.liveness.expect(job_id, node, now_s)
 
+    def seed_silence(self, job_id: int, node: str, silent_s: float, now_s: float) -> None:
+        """At start: the agent has been silent ``silent_s`` (its heartbeat key says so,
+        :mod:`unicornd.seed`), as if its last beat came then; no new agent's grace."""
+        self.liveness.beat(job_id, node, now_s - silent_s)
+
     def forget_agent(self, job_id: int, node: str) -> None:
         """The agent was stopped on purpose: its silence means nothing."""
         self.liveness.forget(job_id, node)

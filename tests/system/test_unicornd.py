@@ -632,6 +632,44 @@ def test_the_standby_completes_a_recovery_when_the_leader_is_killed(
                 standby.wait(30)
 
 
+def test_a_new_leader_drains_a_node_that_died_during_the_takeover_without_the_agents_grace(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    """The leader is killed and a node dies with it. The standby knows from the agents'
+    heartbeat keys how long each has been silent (unicornd/seed.py), so the dead node is
+    confirmed and drained at once, not after a new agent's 30 s grace."""
+    with coordinator(cluster, tmp_path, **ENV) as c:
+        standby = c.spawn(tmp_path / "standby.log")
+        try:
+            _until(lambda: len(_election(c)[2]) == 1, "a standby", 30)
+            _leader, _token, (waiting,) = _election(c)
+            a = replace(task(c, "t", "n1,n2", 1.0, tmp_path), max_gpus=2)
+            c.register(a)
+            c.wait(running("t", 4), "t training", 180)
+            assert c.stop(signal.SIGKILL) == -signal.SIGKILL
+            cluster.script("kill-node", "n2")
+            try:
+                c.proc = standby
+                _until(lambda: _election(c)[0] == waiting, "the standby leading", 30)
+                leading = time.monotonic()
+                c.wait(lambda s: s.nodes["n2"].health is not NodeHealth.HEALTHY, "n2 isolated", 60)
+                took = time.monotonic() - leading
+            finally:
+                cluster.script("revive-node", "n2")
+            print(f"n2 isolated {took:.1f} s after the standby took over")
+            assert "liveness_seeded" in (tmp_path / "standby.log").read_text()
+            # The heartbeat timeout (1.5 s) and the out-of-band confirmation (SSH connect
+            # timeout 5 s, or slurmctld's NOT_RESPONDING), far below the 30 s grace.
+            assert took < 20, took
+            assert node_reason(cluster, "n2").startswith("unicorn: lost_connection")
+            c.resume("n2")
+            c.wait(lambda s: s.nodes["n2"].health is NodeHealth.HEALTHY, "n2 back", 120)
+        finally:
+            if standby.poll() is None:
+                standby.send_signal(signal.SIGINT)
+                standby.wait(30)
+
+
 def test_a_paused_leader_that_resumes_is_fenced_off(cluster: DevCluster, tmp_path: Path) -> None:
     with coordinator(cluster, tmp_path, **ENV) as c:
         standby = c.spawn(tmp_path / "standby.log")
