@@ -4,7 +4,9 @@
 - :mod:`detect.rules`, :mod:`detect.builtin_rules`: classification rules as data.
 - :mod:`detect.classify`: :func:`load_classifier` and :class:`Classifier`.
 - :mod:`detect.rootcause`: :func:`choose_root_cause` across ranks and nodes.
-- :mod:`detect.stats`: :class:`IterationMonitor` (hangs, slowdowns, stragglers).
+- :mod:`detect.stats`: :class:`IterationMonitor` (hangs, slowdowns).
+- :mod:`detect.stragglers`: :class:`~detect.stragglers.StragglerMonitor` (a node slower than
+  its peers, from per-rank compute times).
 - :mod:`detect.liveness`: :class:`HeartbeatTracker` (lost node agents).
 - :mod:`detect.pairing`: the two-round paired node check.
 """

@@ -825,11 +825,16 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     },
     {
         "name": "training_nan",
-        "status": "other_software_error",
+        "status": "nan_loss",
         "pattern": r"found (?:NaN|Inf) in (?:local )?(?:grad norm|forward loss)|\bloss is (?:nan|inf)\b|"
-        r"Detected (?:NaN|Inf)\b|Unexpected result nan",
+        r"Detected (?:NaN|Inf)\b|Unexpected result -?(?:nan|inf)\b"
+        r"|unexpected result is reproducible within the tolerance \(-?(?:nan|inf)\b",
         "ignore_case": True,
-        "doc": "training diverged (Megatron-LM's 'found NaN in local grad norm', a NaN loss)",
+        "doc": "a NaN or Inf in the training's numbers (Megatron-LM's rerun state machine: 'Unexpected "
+        "result nan on rank 0 at iteration #8 ... (message='found NaN in local forward loss calculation')', "
+        "then, re-run, 'iteration #8: First rerun: unexpected result is reproducible within the tolerance "
+        "(nan = nan)'; its 'found NaN in local grad norm'); a training-state finding, never the node's "
+        "(detect.losshealth.named_iteration reads the iteration it names)",
     },
     # 6. network and collectives
     {

@@ -19,6 +19,10 @@ silent_data_corruption         confirm     the paired check across the job's nod
                                            all-gather checks values), operator
 lost_connection                confirm     slurm (NOT_RESPONDING/DOWN), ssh (no route),
                                            node_check, operator
+straggler                      confirm     operator; never the ladder: a node slower
+                                           than its peers is replaced only when the
+                                           planner's gain beats the transition cost
+                                           (:mod:`unicornd.decide.stragglers`)
 ecc_error, gpu_driver_error,   confirm     nvml (the agent's own GPU readings),
 nvlink_error,                              kernel_log (Xid/ECC lines the probe read),
 invalid_dma_mapping                        node_check, operator
@@ -102,6 +106,8 @@ CONFIRMED_BY: Final[Mapping[ErrorStatus, frozenset[Confirmation]]] = {
         if ISOLATION[status] is Isolation.NEVER
         else frozenset({Confirmation.SLURM, Confirmation.SSH, *_ANY_NODE})
         if status is ErrorStatus.LOST_CONNECTION
+        else frozenset({Confirmation.OPERATOR})
+        if status is ErrorStatus.STRAGGLER
         else _NODE_HARDWARE
         if status
         in (

@@ -30,6 +30,10 @@ What fires (each a :class:`LossFinding` whose classification has its own status,
   (the built-in trainer): there a corrupt replica spoils every node's loss alike and the
   finding is a plain ``loss_spike``.
 
+A NaN that the training's own output names in words (Megatron-LM's rerun state machine)
+is classified from the text (the ``training_nan`` rule, ``nan_loss``); :func:`named_iteration`
+reads the iteration such a message names, so it rolls back like a NaN loss report.
+
 An anomalous value never enters the statistics, and a series reports once per episode
 (until one normal value). Reports of an iteration already judged on that node (every rank
 of a node sends the same loss) are skipped. :meth:`LossHealth.restarted` (the processes
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -57,6 +62,7 @@ not make every wobble an infinite z-score (the ratio test guards as well)."""
 _MAD_TO_SIGMA: Final = 1.4826 / math.sqrt(2.0)
 """MAD of successive differences to the standard deviation of one value (normal noise)."""
 _SEEN_CAP: Final = 4096
+_NAMED_ITERATION: Final = re.compile(r"\biteration #?(\d+)\b")
 
 
 @dataclass(frozen=True)
@@ -338,3 +344,17 @@ class LossHealth:
                     )
                 )
         return out
+
+
+def named_iteration(text: str) -> int | None:
+    """The iteration a training-state message names (>= 1), None when it names none.
+
+    Megatron-LM's rerun state machine (megatron-core 0.16) names it as its log lines number
+    it, in both of its forms: with the default ``--rerun-mode validate_results``, logged
+    before it re-runs the step, ``Unexpected result nan on rank 0 at iteration #8 invocation
+    #1 (message='found NaN in local forward loss calculation')``; with ``--rerun-mode
+    disabled``, the rank's exception ``RuntimeError: Rank 0, node n1, device 0, iteration 8:
+    Unexpected result nan (message=...)``. Its DDP check (``found NaN in local grad norm
+    ...``) names none."""
+    found = _NAMED_ITERATION.search(text)
+    return int(found[1]) if found is not None and int(found[1]) >= 1 else None

@@ -43,7 +43,8 @@ inputs and the clock and tests replay traces without sleeping.
 - **Stragglers.** Scores in [0, 1], 1 = not straggling: a rank's recent median
   against the best rank's, or against its own history. They are as good as the
   durations fed in: wall-clock iteration times are equal across ranks in lock-step
-  training; compute-only times tell ranks apart.
+  training; compute-only times tell ranks apart. unicornd does not use these scores: it
+  judges nodes on their ranks' compute times with :mod:`detect.stragglers`.
 """
 
 from __future__ import annotations

@@ -45,6 +45,8 @@ class ErrorStatus(enum.StrEnum):
     LOSS_SPIKE = "loss_spike"
     GRAD_NORM_EXPLOSION = "grad_norm_explosion"
     SILENT_DATA_CORRUPTION = "silent_data_corruption"
+    # Sub-healthy: the node works, slower than its peers (:mod:`detect.stragglers`).
+    STRAGGLER = "straggler"
 
 
 class Severity(enum.StrEnum):
@@ -89,13 +91,16 @@ DEFAULT_SEVERITY: Final[dict[ErrorStatus, Severity]] = {
     ErrorStatus.LOSS_SPIKE: Severity.SEV2,
     ErrorStatus.GRAD_NORM_EXPLOSION: Severity.SEV2,
     ErrorStatus.SILENT_DATA_CORRUPTION: Severity.SEV1,
+    ErrorStatus.STRAGGLER: Severity.SEV3,
 }
 """Unicron Table 1: the severity of each status (``none`` has no severity), and the
 training-state statuses: a NaN, a loss spike or a gradient-norm explosion needs the
 processes restarted from saved state (SEV2), never a node taken out
 (:data:`detect.isolation.ISOLATION` says ``never``). ``silent_data_corruption`` (one
 node's replica keeps producing them while the others do not) points at the node, so
-SEV1; it is never confirmed by the training's numbers alone: the paired check decides."""
+SEV1; it is never confirmed by the training's numbers alone: the paired check decides.
+``straggler`` is sub-healthy, not failed (SEV3, the least): whether the node leaves its task
+is a cost decision (:mod:`unicornd.decide.stragglers`), never the ladder's."""
 
 SECONDARY_BY_DEFAULT: Final[frozenset[ErrorStatus]] = frozenset(
     {ErrorStatus.NCCL_TIMEOUT, ErrorStatus.CONNECTION_REFUSED_RESET, ErrorStatus.TASK_HANG}

@@ -78,13 +78,17 @@ class Hook:
         final: bool = False,
         microbatches: int | None = None,
         recomputed_microbatches: int | None = None,
+        compute_s: float | None = None,
+        stage: int | None = None,
     ) -> None:
         """Report that this rank finished ``iteration`` in ``duration_s`` seconds. Never blocks.
 
         ``final``: the run's last iteration (its ranks end next: their silence is no hang).
         ``microbatches``: micro-batches per iteration over all replicas;
         ``recomputed_microbatches``: of those, how many this iteration computed again after
-        a replica was lost mid-iteration (see :class:`IterationTiming`)."""
+        a replica was lost mid-iteration (see :class:`IterationTiming`). ``compute_s``: the
+        rank's own compute time, waits on peers excluded; ``stage``: its pipeline stage
+        (stragglers are found from both, :mod:`detect.stragglers`)."""
         if self._sock is None:
             return
         if phase == IterationPhase.TRAIN:
@@ -102,6 +106,8 @@ class Hook:
             final=final,
             microbatches=microbatches,
             recomputed_microbatches=recomputed_microbatches,
+            compute_s=None if compute_s is None else max(0.0, compute_s),
+            stage=stage,
         )
         self._send(protocol.encode(msg), blocking=False)
 

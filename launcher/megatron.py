@@ -642,6 +642,15 @@ def skip_args(user_args: Sequence[str], skip: Sequence[tuple[int, int]]) -> tupl
     return kept, ([ITERATIONS_TO_SKIP, *(str(v) for v in sorted(values))] if values else [])
 
 
+RERUN_DISABLED: Final = ("--rerun-mode", "disabled")
+"""What a launch that skips data after a roll back adds (after the user's arguments, so it
+wins over a user's ``--rerun-mode``). Megatron-LM's rerun state machine (default ``validate_results``)
+answers a NaN or Inf loss it can reproduce by saving the iteration before it, marked to
+re-run the step on another GPU, and exiting 16; a run that loads that version resumes the
+re-run, and with the step skipped exits 17 without training (seen with megatron-core
+0.16.1). Disabled, Megatron ignores the saved re-run state and still checks every loss: a
+NaN or Inf raises a RuntimeError naming the iteration, classified ``nan_loss``."""
+
 SKIPPED_FILE: Final = "unicorn-skipped"
 """In a Megatron-LM version folder (``iter_NNNNNNN``): the iterations the saving run had
 skipped by then (``A-B,C-D``, 1-based as the log lines count; absent: none). Written by the
@@ -729,7 +738,7 @@ def pretrain_command(
 
     ``skip``: iterations (1-based ranges, as Megatron's log lines number them) whose data
     the task skips after a roll back past a loss spike or NaN; appended as Megatron-LM's own
-    ``--iterations-to-skip`` (:func:`skip_args`).
+    ``--iterations-to-skip`` (:func:`skip_args`), after :data:`RERUN_DISABLED`.
     """
     user = check_user_args(command, model)
     if layout.global_batch != model.global_batch:
@@ -738,4 +747,6 @@ def pretrain_command(
         )
     ours = megatron_args(layout, model, MegatronCheckpointing(save_dir=user.save_dir, load_dir=user.load_dir))
     args, skipping = skip_args(user.args, skip)
-    return [*torchrun, "-m", MEMORY_TIER_RUNNER, user.script, *args, *_without(ours, user.given), *skipping]
+    rerun = RERUN_DISABLED if skip else ()
+    unicorns = [*_without(ours, user.given), *rerun, *skipping]
+    return [*torchrun, "-m", MEMORY_TIER_RUNNER, user.script, *args, *unicorns]

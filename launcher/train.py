@@ -40,6 +40,7 @@ from launcher.trainer.config import (
     FaultInjection,
     FaultMode,
     PipelineSchedule,
+    SlowRank,
     SnapshotOptions,
     TrainConfig,
     parse_peers,
@@ -177,6 +178,20 @@ def _env_int(name: str, default: int) -> int:
     help="TEST ONLY: spike (targets shifted: the loss jumps) or nan (NaN loss and gradients).",
 )
 @click.option(
+    "--slow-rank",
+    type=int,
+    default=None,
+    help="TEST ONLY (fault injection): this rank burns extra CPU in every training iteration, "
+    "a straggler (see --slow-factor).",
+)
+@click.option(
+    "--slow-factor",
+    type=float,
+    default=2.0,
+    show_default=True,
+    help="TEST ONLY: --slow-rank's compute time per iteration is this many times its own.",
+)
+@click.option(
     "--fail-at-iteration", type=int, default=None, help="TEST ONLY: inject a fault at this iteration."
 )
 @click.option("--fail-rank", type=int, default=0, show_default=True, help="TEST ONLY: rank that fails.")
@@ -287,7 +302,17 @@ def _config(opts: dict[str, object]) -> TrainConfig:
         corruption=_corruption(opts),
         reuse_microbatches=bool(opts["reuse_microbatches"]),
         reuse_settle_s=f("reuse_settle_s"),
+        slowdown=_slowdown(opts),
     )
+
+
+def _slowdown(opts: dict[str, object]) -> SlowRank | None:
+    rank = opts["slow_rank"]
+    if rank is None:
+        return None
+    factor = opts["slow_factor"]
+    assert isinstance(rank, int) and isinstance(factor, float | int)
+    return SlowRank(rank, float(factor))
 
 
 def _corruption(opts: dict[str, object]) -> BatchCorruption | None:

@@ -197,6 +197,13 @@ class IterationTiming(Envelope, frozen=True, kw_only=True, tag="iter"):
     them this iteration computed again because a replica was lost in the middle of it
     (the built-in trainer's ``--reuse-microbatches``: the lost replica's, not the whole
     iteration's).
+
+    ``compute_s``: this rank's own compute time for the iteration (forward, backward,
+    optimizer), excluding the time it waited for its peers in collectives; None: not
+    measured. In lock-step training every rank's ``duration_s`` is the slowest rank's, so
+    only this tells a straggler apart (:mod:`detect.stragglers`). ``stage``: the rank's
+    pipeline stage (ranks of one stage do the same work; compute times are compared only
+    among them; None counts as stage 0).
     """
 
     rank: int
@@ -215,6 +222,8 @@ class IterationTiming(Envelope, frozen=True, kw_only=True, tag="iter"):
     final: bool = False
     microbatches: int | None = None
     recomputed_microbatches: int | None = None
+    compute_s: float | None = None
+    stage: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -233,6 +242,9 @@ class IterationTiming(Envelope, frozen=True, kw_only=True, tag="iter"):
             f"recomputed_microbatches {self.recomputed_microbatches} exceeds "
             f"microbatches {self.microbatches}",
         )
+        if self.compute_s is not None:
+            _check_finite(self.compute_s, "compute_s", minimum=0.0)
+        _check_optional_index(self.stage, "stage")
 
     @property
     def interval_s(self) -> float:

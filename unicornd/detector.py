@@ -3,7 +3,8 @@
 Pure: no I/O. :meth:`Detector.on_message` classifies what an agent reported (an abnormal
 exit, an exception, a GPU event, the agent's own fault report), feeds heartbeats and
 iteration timings to the trackers and the training numbers of iteration timings to loss
-health (:mod:`detect.losshealth`: NaN, loss spike, grad-norm explosion);
+health (:mod:`detect.losshealth`: NaN, loss spike, grad-norm explosion) and their ranks'
+compute times to the straggler statistic (:mod:`detect.stragglers`);
 :meth:`Detector.check` turns silence into findings (a lost node agent, a task whose
 iterations stopped; the agents' heartbeats say how long their ranks waited for a CPU,
 so a task starved of CPU is not called hung). Both take the caller's monotonic clock,
@@ -33,7 +34,8 @@ from detect import (
     Liveness,
     Severity,
 )
-from detect.losshealth import LossHealth, LossHealthConfig, LossSample
+from detect.losshealth import LossHealth, LossHealthConfig, LossSample, named_iteration
+from detect.stragglers import Straggler, StragglerConfig, StragglerMonitor
 from unicorn_core.config import AgentConfig, DetectConfig
 from unicorn_core.protocol import (
     AgentAction,
@@ -60,9 +62,14 @@ class JobEvidence:
     evidence: Evidence
     iteration: int | None = None
     """For a finding from an iteration report (loss health): the report's iteration, the
-    iterations it covers (``span``) and the launch id of the ranks that sent it."""
+    iterations it covers (``span``) and the launch id of the ranks that sent it. A
+    ``nan_loss`` classified from text carries the iteration the text names (span 1, launch
+    id unknown)."""
     span: int = 1
     launch_id: str = ""
+    straggler: Straggler | None = None
+    """For a ``straggler`` finding: the verdict with its numbers (decided by
+    :func:`unicornd.decide.on_straggler`, never by the ladder)."""
 
     @property
     def classification(self) -> Classification:
@@ -98,6 +105,12 @@ class Detector:
     training until the agent stops them): they are not judged, so they cannot mark an
     iteration as seen before the new ranks report it. Unknown (e.g. after a takeover):
     every report is judged."""
+    _stragglers: dict[int, StragglerMonitor] = field(init=False, default_factory=dict)
+    """Per job: the straggler statistic (:mod:`detect.stragglers`), relearned at every
+    (re)launch (the layout decides which ranks do the same work)."""
+    _reported: dict[int, frozenset[str]] = field(init=False, default_factory=dict)
+    """Per job: its nodes with an open straggler report in the committed snapshot; a new
+    statistic clears them once they are no longer slow."""
 
     def __post_init__(self) -> None:
         self.liveness = HeartbeatTracker(
@@ -141,6 +154,8 @@ class Detector:
         self.liveness.forget_job(job_id)
         self._jobs.pop(job_id, None)
         self._loss.pop(job_id, None)
+        self._stragglers.pop(job_id, None)
+        self._reported.pop(job_id, None)
         self._lost = {k for k in self._lost if k[0] != job_id}
         self._launches = {k: v for k, v in self._launches.items() if k[0] != job_id}
 
@@ -154,6 +169,7 @@ class Detector:
         """The job's processes were relaunched (maybe at a new layout): relearn its timing;
         its loss statistics stay, but iterations will be reported again."""
         self._jobs.pop(job_id, None)
+        self._stragglers.pop(job_id, None)
         health = self._loss.get(job_id)
         if health is not None:
             health.restarted()
@@ -184,6 +200,22 @@ class Detector:
                 and (old is None or old.state not in ENDED_STATES)
             ):
                 self.forget_job(task.job_id)
+        self._follow_reports(after)
+
+    def _follow_reports(self, after: Snapshot) -> None:
+        """Keep :attr:`_reported` to the committed straggler reports (open incidents without a
+        task, status ``straggler``) of each live task's nodes."""
+        reported: dict[int, set[str]] = {}
+        for inc in after.incidents.values():
+            if inc.is_open and inc.task_id is None and inc.status is ErrorStatus.STRAGGLER:
+                for task in after.tasks.values():
+                    if task.job_id is not None and task.state in LIVE_TASK_STATES and inc.node in task.nodes:
+                        reported.setdefault(task.job_id, set()).add(inc.node)
+        self._reported = {job: frozenset(nodes) for job, nodes in reported.items()}
+        for job_id, nodes in self._reported.items():
+            monitor = self._stragglers.get(job_id)
+            if monitor is not None:
+                monitor.assume_convicted(nodes - monitor.convicted)
 
     def expect_running(self, snapshot: Snapshot, now_s: float) -> None:
         """At start: expect the agents of every task that runs (their silence counts, after
@@ -240,7 +272,10 @@ class Detector:
             rank, source = msg.rank, f"agent:{msg.rule}"
         if c is None or not c.is_fault:
             return []
-        return [JobEvidence(msg.job_id, Evidence(msg.node, rank, now_s, c, source))]
+        # A NaN the training names in words (Megatron-LM's rerun state machine, in a log line,
+        # the rank's exception or its exit's output) rolls back like a NaN loss report.
+        iteration = named_iteration(c.evidence) if c.status is ErrorStatus.NAN_LOSS else None
+        return [JobEvidence(msg.job_id, Evidence(msg.node, rank, now_s, c, source), iteration=iteration)]
 
     def _timing(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:
         job = self._job(msg.job_id)
@@ -251,7 +286,45 @@ class Detector:
         if msg.final:  # the run ends next: its silence from now on is no hang
             job.monitor.reset()
             job.hang_reported = None
-        return self._loss_health(msg, now_s)
+        return [*self._stragglers_of(msg, now_s), *self._loss_health(msg, now_s)]
+
+    def _stragglers_of(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:
+        """Straggler verdicts the report completed (:mod:`detect.stragglers`); a report of
+        ranks being replaced (another launch id) is left out, like for loss health."""
+        if msg.compute_s is None:
+            return []
+        current = self._launches.get((msg.job_id, msg.node))
+        if current is not None and msg.launch_id and msg.launch_id != current:
+            return []
+        monitor = self._stragglers.get(msg.job_id)
+        if monitor is None:
+            d = self.detect_cfg
+            cfg = StragglerConfig(
+                window=d.straggler_window,
+                windows=d.straggler_windows,
+                factor=d.straggler_factor,
+                min_nodes=d.straggler_min_nodes,
+                warmup=d.straggler_warmup,
+            )
+            monitor = self._stragglers[msg.job_id] = StragglerMonitor(cfg)
+            monitor.assume_convicted(self._reported.get(msg.job_id, frozenset()))
+        verdicts = monitor.observe(
+            msg.rank,
+            msg.node,
+            msg.iteration,
+            msg.compute_s,
+            msg.duration_s,
+            phase=msg.phase,
+            stage=msg.stage,
+        )
+        return [
+            JobEvidence(
+                msg.job_id,
+                Evidence(v.node, v.rank, now_s, v.classification(), f"straggler:{v.node}"),
+                straggler=v,
+            )
+            for v in verdicts
+        ]
 
     def _loss_health(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:
         """Training-state findings (NaN, loss spike, grad-norm explosion) of the report.

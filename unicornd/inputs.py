@@ -198,6 +198,9 @@ class AgentInputs:
             node = task.nodes[0]  # a task-level hang whose stopped rank's node is unknown
         if not node:
             return
+        if jf.straggler is not None:  # sub-healthy: replaced or reported on its numbers
+            await self._decide_straggler(decide.StragglerFinding(finding_id, jf.job_id, jf.straggler), now_s)
+            return
         if f.source == "heartbeat":
             age = await self._beat_age(jf.job_id, node)
             if age is not None and age < self.cfg.detect.heartbeat_timeout_s:
@@ -215,6 +218,21 @@ class AgentInputs:
             self._probe(jf, node, finding_id)  # never a node outside the scope
             return
         await self._decide_finding(jf, node, finding_id, jf.classification, now_s)
+
+    async def _decide_straggler(self, found: decide.StragglerFinding, now_s: float | None) -> None:
+        s = found.straggler
+        log.warning(
+            "straggler",
+            job_id=found.job_id,
+            node=s.node,
+            rank=s.rank,
+            ratio=round(s.ratio, 3),
+            recovered=s.recovered,
+            windows=s.windows,
+        )
+        now = time.time() if now_s is None else now_s
+        plan = self.core.ctx.plan
+        await self.core.decide(now, lambda snap: decide.on_straggler(snap, found, now, plan=plan))
 
     async def _beat_age(self, job_id: int, node: str) -> float | None:
         """Seconds since the agent's newest heartbeat as its heartbeat key holds it (the agent

@@ -278,7 +278,8 @@ class Rollback:
     ``incident_id``: the incident that decided it; ``launch``: the prefix of the relaunch's
     action ids (the rolled-back ranks' iterations carry launch ids that start with it);
     ``version``: the version the ranks restored, as their first report shows it (the first
-    iteration they reported, less one; None until then)."""
+    iteration they reported, less one and, for Megatron-LM, less the skipped iterations just
+    before it, which it logs no line for; None until then)."""
 
     first: int
     last: int

@@ -66,6 +66,23 @@ class FaultInjection:
             raise InvalidArgument(f"--fail-after-microbatches must be >= 0, got {self.after_microbatches!r}")
 
 
+@dataclass(frozen=True)
+class SlowRank:
+    """Test-only straggler: ``rank`` burns ``factor - 1`` times its own compute time of
+    every training iteration in extra CPU work before the iteration's collective, as a rank
+    on a slower device would (its peers wait for it; its reported compute time grows by
+    ``factor``). For the straggler detection's tests (:mod:`detect.stragglers`)."""
+
+    rank: int
+    factor: float = 2.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or self.rank < 0:
+            raise InvalidArgument(f"--slow-rank must be >= 0, got {self.rank!r}")
+        if not 1.0 <= self.factor <= 100.0:
+            raise InvalidArgument(f"--slow-factor must be in [1, 100], got {self.factor!r}")
+
+
 class CorruptMode(StrEnum):
     """Test-only data corruption: what a corrupted batch does to the step."""
 
@@ -201,6 +218,7 @@ class TrainConfig:
     (:mod:`launcher.trainer.reuse`). Active at TP1 PP1 on gloo (:attr:`reusing`); at other
     layouts, which unicorn may choose at any relaunch, the run trains as without it.
     ``reuse_settle_s``: how long survivors wait for each other before agreeing who is left.
+    ``slowdown``: a test-only straggler rank (:class:`SlowRank`).
     """
 
     model: ModelSpec
@@ -226,6 +244,7 @@ class TrainConfig:
     corruption: BatchCorruption | None = None
     reuse_microbatches: bool = False
     reuse_settle_s: float = 0.5
+    slowdown: SlowRank | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -290,6 +309,10 @@ class TrainConfig:
         if self.fault is not None and self.fault.rank >= self.layout.world_size:
             raise InvalidArgument(
                 f"--fail-rank {self.fault.rank} is outside the world of {self.layout.world_size} ranks"
+            )
+        if self.slowdown is not None and self.slowdown.rank >= self.layout.world_size:
+            raise InvalidArgument(
+                f"--slow-rank {self.slowdown.rank} is outside the world of {self.layout.world_size} ranks"
             )
         if self.fault is not None and self.fault.after_microbatches and self.layout.pp > 1:
             raise InvalidArgument("--fail-after-microbatches needs pipeline parallelism 1")

@@ -25,6 +25,19 @@ flags; when it fails because a peer died, the survivors complete the iteration f
 micro-batches they finished plus the lost replica's, save it and exit 4
 (:mod:`launcher.trainer.reuse`).
 
+Each training iteration's report carries the rank's compute time (``compute_s``, for the
+straggler detection, :mod:`detect.stragglers`) and its pipeline stage. On CPU it is the
+process's CPU time over the step (:func:`time.process_time`, every thread): a rank waiting
+for a peer in a collective sleeps and accrues none, and a CPU it is kept off by other
+processes does not count either. Wall time outside the collective calls would not do:
+DDP overlaps its gradient all-reduce with the backward pass and waits for it inside
+``backward()``, so a fast rank's backward lasts as long as the slowest rank's. On CUDA
+the host's CPU time says nothing about the kernels; it would need CUDA events around the
+compute on the compute stream, the NCCL kernels and the stream waits on them excluded,
+which this trainer does not do: it reports None there. ``--slow-rank R --slow-factor F``
+(test only) makes rank R a straggler: it burns ``F - 1`` times its compute time in extra
+CPU work before the iteration's collective.
+
 Exit codes (``main`` in :mod:`launcher.train`): 0 finished or stopped by SIGTERM after
 saving; 1 uncaught error; 2 invalid arguments or layout; 3 injected ``exit`` fault; 4 a
 data-parallel peer died mid-iteration and this rank completed and saved that iteration
@@ -325,6 +338,7 @@ class _Trainer:
         clock.initialized_s = time.time()
         self.hook = get_hook()
         pp_rank = mesh.get_local_rank("pp")
+        self.stage = pp_rank
         stage = build_stage(cfg.model, placement(cfg.model, pp_rank, layout.pp), cfg.seed).to(device)
         apply_tensor_parallel(stage, mesh)
         # --reuse-microbatches: no DDP wrapper; the replica's micro-batch gradients are summed
@@ -450,16 +464,17 @@ class _Trainer:
         Raises :class:`PeerLost` (``--reuse-microbatches``) when the iteration's all-reduce
         fails: :meth:`complete_after_peer_loss` then completes it with the survivors."""
         cfg, layout = self.cfg, self.cfg.layout
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         lr = learning_rate(iteration, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         if self.grads is not None:
-            loss, stop_now = self._accumulated_step(iteration, t0)
+            loss, stop_now = self._accumulated_step(iteration, t0, cpu0)
         else:
-            loss, stop_now = self._replica_step(iteration)
+            loss, stop_now = self._replica_step(iteration, cpu0)
         dt = time.monotonic() - t0
+        compute_s = self._compute_since(cpu0)
         if first:
             self.clock.first_iteration_s = time.time()
             if self.rank == 0:
@@ -472,11 +487,29 @@ class _Trainer:
             loss=loss,
             final=iteration == cfg.iterations,
             microbatches=layout.global_batch // layout.micro_batch,
+            compute_s=compute_s,
+            stage=self.stage,
         )
         self._log(iteration, dt, lr, loss, force=stop_now)
         return stop_now
 
-    def _replica_step(self, iteration: int) -> tuple[float, bool]:
+    def _compute_since(self, cpu0: float) -> float | None:
+        """This rank's compute time since ``cpu0`` (:func:`time.process_time`): its CPU time
+        on a CPU device, None on any other (see the module docstring)."""
+        return time.process_time() - cpu0 if self.device.type == "cpu" else None
+
+    def _straggle(self, cpu0: float) -> None:
+        """``--slow-rank`` (test only): on that rank, burn ``factor - 1`` times the CPU time
+        spent since ``cpu0`` before the iteration's collective (a slower device)."""
+        slow = self.cfg.slowdown
+        if slow is None or slow.rank != self.rank:
+            return
+        now = time.process_time()
+        until = now + (slow.factor - 1.0) * (now - cpu0)
+        while time.process_time() < until:
+            pass
+
+    def _replica_step(self, iteration: int, cpu0: float) -> tuple[float, bool]:
         """This replica's micro-batches (DDP/FSDP2 reduce the gradients), the optimizer step,
         then the agreement all-reduce of the replica losses and the flags; returns the
         global loss and whether any rank asked to stop."""
@@ -502,6 +535,7 @@ class _Trainer:
             self.optimizer.step()
         if self.jit is not None:
             self.jit.completed(iteration)
+        self._straggle(cpu0)
         replica_weight = 1.0 / (layout.tp * layout.dp)  # every last-stage rank holds its replica's loss
         agreed = torch.tensor(
             [
@@ -519,7 +553,7 @@ class _Trainer:
 
     # --- --reuse-microbatches ---------------------------------------------------------
 
-    def _accumulated_step(self, iteration: int, started_s: float) -> tuple[float, bool]:
+    def _accumulated_step(self, iteration: int, started_s: float, cpu0: float) -> tuple[float, bool]:
         """``--reuse-microbatches``: this replica's micro-batches summed locally, one all-reduce
         of gradients, losses and flags, the optimizer step. Raises :class:`PeerLost` when the
         all-reduce fails (this rank's finished micro-batches stay in ``self.grads``)."""
@@ -531,6 +565,7 @@ class _Trainer:
         for done, index in enumerate(mine, start=1):
             self._microbatch(iteration, index)
             _inject_fault(cfg, iteration, self.rank, after_microbatches=done)
+        self._straggle(cpu0)
         flags = (1.0 if self.stop.requested else 0.0, 1.0 if self.stop.save_requested else 0.0)
         self.stop.save_requested = False
         failure = None

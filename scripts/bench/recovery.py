@@ -25,6 +25,11 @@ node-loss scenarios:
   from their finished micro-batches plus rank 2's, save it and exit 4; unicornd restarts
   the task, which resumes right after it. (Not rank 0: the first node's torchrun holds
   the store the survivors agree on, and ends when its last rank dies.)
+- ``loss_spike``: the task on n1,n2 with the trainer's test-only ``--corrupt-iterations``:
+  the batch of iteration ``--spike-at`` (default 32, past the loss detector's 20 reports
+  of warm-up) makes its loss and gradients jump. Time zero: the first report of that
+  iteration (the spiking loss; wall time stamped by the rank's node). unicornd rolls the
+  task back: the ranks restore the newest version older than it and skip its data.
 
 Per trial, in seconds from the fault (time zero: the kill is issued; the marker), all on
 this machine's wall clock: unicornd's JSON log lines, its persisted incident, the ranks'
@@ -64,7 +69,14 @@ own reports:
   the fault: the lost iterations' and the iteration in flight's, all of them for a
   restart, only the lost replica's when the survivors completed it (their report's
   ``recomputed_microbatches``). ``iteration_s``: the ranks' median iteration time before
-  the fault.
+  the fault. ``loss_spike``: the spiking ranks train on until the roll back stops them, so
+  ``iterations_past_fault`` counts the iterations they completed after the spike and
+  ``iterations_lost`` = ``iteration_at_fault + iterations_past_fault - resumed_from``
+  (every completed update the roll back throws away, the spike's own included);
+  ``recomputed_microbatches`` = ``iterations_lost x microbatches_per_iteration`` (trained
+  again: those iterations less the skipped spike, plus the one in flight when the ranks
+  stopped); ``rollback_version``: the version unicornd's incident records (it must equal
+  ``resumed_from``), ``skipped``: the range the relaunch skips.
 - ``layout_before``/``layout_after``, ``nodes_before``/``nodes_after``, the incident's
   ``stages`` and ``timeline``; ``--events`` adds unicornd's log (findings, probes,
   decisions, actions) relative to time zero.
@@ -129,7 +141,8 @@ SPARE: Final = "node_loss_spare"
 NO_SPARE: Final = "node_loss_no_spare"
 EXCEPTION: Final = "rank_exception"
 DP_MID: Final = "dp_rank_mid_iteration"
-SCENARIOS: Final = (SPARE, NO_SPARE, EXCEPTION, DP_MID)
+SPIKE: Final = "loss_spike"
+SCENARIOS: Final = (SPARE, NO_SPARE, EXCEPTION, DP_MID, SPIKE)
 KILLED: Final = "n2"
 OTHERS: Final = "n3,n4"
 DP_NODES: Final = "n1,n2,n3,n4"
@@ -152,6 +165,7 @@ FIGURES: Final = (
     "iterations_lost",
     "recomputed_microbatches",
     "microbatches_per_iteration",
+    "iterations_past_fault",
 )
 RANK_MARKS: Final = ("main_s", "imported_s", "initialized_s", "built_s", "loaded_s", "first_iteration_s")
 _STARTUP = re.compile(r"\[unicorn-train\] startup (\{.*\})")
@@ -674,6 +688,85 @@ def dp_rank_trial(cluster: DevCluster, tmp: Path, i: int, opts: argparse.Namespa
     )  # fmt: skip
 
 
+def first_report(c: Coordinator, job: int, iteration: int, timeout_s: float = 300.0) -> float:
+    """The wall time of the first report of ``iteration`` by a rank of ``job`` (polled every
+    20 ms; the reports carry the rank's own time stamp)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stamps = [m.wall_time_s for m in train_reports(c, job, last=50) if m.iteration == iteration]
+        if stamps:
+            return min(stamps)
+        time.sleep(0.02)
+    raise TrialFailed(f"iteration {iteration} not reported within {timeout_s:g} s")
+
+
+def rolled_back(s: Snapshot) -> Incident | None:
+    """The closed incident that rolled a task back (None until one is)."""
+    return next((i for i in s.incidents.values() if not i.is_open and i.rollback is not None), None)
+
+
+def spike_trial(cluster: DevCluster, tmp: Path, i: int, opts: argparse.Namespace) -> dict[str, Any]:
+    """``loss_spike``: the batch of iteration ``--spike-at`` is corrupted (the built-in
+    trainer's ``--corrupt-iterations``); unicornd rolls the task back past it."""
+    row: dict[str, Any] = {"trial": i, "ok": False, "error": None}
+    at = opts.spike_at
+    try:
+        all_idle(cluster)
+        with coordinator(cluster, tmp, **trial_env(tmp, False, opts.snapshot_every)) as c:
+            task = start_task(c, f"ls{i}", tmp, False, f"--corrupt-iterations={at}")
+            job = task.job_id or 0
+            snap = c.snapshot()
+            if snap is not None:
+                row["nodes_before"] = list(snap.tasks[task.task_id].nodes)
+                layout = snap.tasks[task.task_id].layout
+                row["layout_before"] = layout.describe() if layout else None
+            t0 = first_report(c, job, at)
+            seen, mono_seen = time.time(), time.monotonic()
+            try:
+                wait(
+                    c,
+                    lambda s: rolled_back(s) is not None and running(s, task.task_id, 0),
+                    "training again after the roll back",
+                    opts.timeout_s,
+                )
+                row["ok"] = True
+            except TrialFailed as e:
+                row["error"] = str(e)
+            analyse(c, row, task, t0, None, False, opts.events)
+            spike_figures(c, row, job, at)
+            clock_check(row, seen, mono_seen)
+    except Exception as e:
+        row["ok"] = False
+        row["error"] = row["error"] or f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
+def spike_figures(c: Coordinator, row: dict[str, Any], job: int, at: int) -> None:
+    """The roll back's own figures (the module doc: ``loss_spike``), replacing the generic
+    lost and recomputed counts; a trial whose records disagree fails."""
+    snap = c.snapshot()
+    inc = rolled_back(snap) if snap is not None else None
+    if inc is None or inc.rollback is None:
+        if row["ok"]:
+            row["ok"], row["error"] = False, "no roll back recorded"
+        return
+    rb = inc.rollback
+    row["rollback_version"], row["skipped"] = rb.version, rb.skipped
+    replaced = [m.iteration for m in train_reports(c, job) if not m.launch_id.startswith(rb.launch)]
+    last_old = max(replaced, default=at)
+    row["iteration_at_fault"] = at
+    row["iterations_past_fault"] = max(0, last_old - at)
+    resumed_from = row.get("resumed_from")
+    per_iteration = row.get("microbatches_per_iteration")
+    lost = None if resumed_from is None else max(at, last_old) - resumed_from
+    row["iterations_lost"] = lost
+    row["recomputed_microbatches"] = None if lost is None or per_iteration is None else lost * per_iteration
+    if row["ok"] and (rb.first, rb.last) != (at, at):
+        row["ok"], row["error"] = False, f"rolled back past {rb.skipped}, not {at}-{at}"
+    elif row["ok"] and (rb.version is None or rb.version != resumed_from):
+        row["ok"], row["error"] = False, f"the incident says version {rb.version}, the ranks {resumed_from}"
+
+
 def clock_check(row: dict[str, Any], wall0: float, mono0: float) -> None:
     """Every time here is wall clock: a step of it during the trial (the VM's clock being
     corrected) would shift the figures. Fails the trial when wall and monotonic time
@@ -726,6 +819,12 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--fail-at", type=int, default=14, help="iteration at which rank 1 raises")
     ap.add_argument(
+        "--spike-at",
+        type=int,
+        default=32,
+        help="loss_spike: the corrupted iteration (after the loss detector's 20 reports of warm-up)",
+    )
+    ap.add_argument(
         "--faults",
         default="node_loss,rank_exception",
         help=f"comma-separated: {', '.join(SCENARIOS)}, or node_loss for both node-loss scenarios",
@@ -758,6 +857,8 @@ def main() -> None:
         ap.error(f"unknown faults {sorted(unknown)} or --trials < 1")
     if megatron and DP_MID in expanded:
         ap.error(f"{DP_MID} needs the built-in trainer (--reuse-microbatches)")
+    if megatron and SPIKE in expanded:
+        ap.error(f"{SPIKE} needs the built-in trainer (--corrupt-iterations)")
     scenarios = list(dict.fromkeys(expanded))
     t_start = time.monotonic()
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in scenarios}
@@ -775,6 +876,8 @@ def main() -> None:
                         row = exception_trial(cluster, tmp, i, megatron, args)
                     elif scenario == DP_MID:
                         row = dp_rank_trial(cluster, tmp, i, args)
+                    elif scenario == SPIKE:
+                        row = spike_trial(cluster, tmp, i, args)
                     else:
                         row = node_loss_trial(cluster, tmp, i, scenario == SPARE, megatron, args)
                     results[scenario].append(row)
@@ -787,6 +890,7 @@ def main() -> None:
         "trainer": args.trainer,
         "trials": args.trials,
         "fail_at": args.fail_at,
+        "spike_at": args.spike_at,
         "snapshot_every": args.snapshot_every,
         "machine": os.uname().nodename,
         "cpus": os.cpu_count(),

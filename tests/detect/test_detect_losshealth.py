@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
-from detect.losshealth import LossFinding, LossHealth, LossHealthConfig, LossSample
+from detect.classify import load_classifier
+from detect.isolation import Isolation, isolation_of
+from detect.losshealth import LossFinding, LossHealth, LossHealthConfig, LossSample, named_iteration
 from detect.statuses import ErrorStatus
 from tests.detect.loss_curves import HELDOUT_SEEDS, real, run, synthetic, with_explosion, with_spike
 
@@ -22,6 +24,48 @@ def test_a_nan_loss_fires_at_once_even_in_warmup() -> None:
     assert [(f.status, f.node, f.rank) for f in found] == [(ErrorStatus.NAN_LOSS, "n1", 7)]
     found = h.observe(LossSample("n1", 3, nan=1, skipped=1, span=1))
     assert [f.status for f in found] == [ErrorStatus.NAN_LOSS]
+
+
+MEGATRON_NAN = {
+    # megatron-core 0.16.1, --rerun-mode validate_results (its default): logged on the rank
+    # that computed the NaN loss, before it re-runs the step (seen in tests/system/test_megatron_nan.py)
+    "ERROR:megatron.core.rerun_state_machine:Unexpected result nan on rank 0 at iteration #12 "
+    "invocation #1 (message='found NaN in local forward loss calculation')": 12,
+    # --rerun-mode disabled: the rank's exception, as torchrun prints it
+    "[rank0]: RuntimeError: Rank 0, node vm, device cpu, iteration 8: Unexpected result nan "
+    "(message='found NaN in local forward loss calculation')": 8,
+    "RuntimeError: Rank 2, node n3, device 2, iteration 40: Unexpected result inf "
+    "(message='found Inf in local forward loss calculation')": 40,
+    # its DDP check names no iteration
+    "AssertionError: Rank 3: found NaN in local grad norm in backward pass before data-parallel "
+    "communication collective. Device: 3, node: node-1": None,
+}
+
+
+def test_megatron_nan_messages_are_training_state_findings_naming_their_iteration() -> None:
+    """Megatron-LM never logs an ``lm loss: nan`` line: its loss check stops the step and says
+    so in words. That is a ``nan_loss`` (never a node's fault, never a user bug), and the
+    iteration it names is the one to roll back past."""
+    classifier = load_classifier(None)
+    assert isolation_of(ErrorStatus.NAN_LOSS) is Isolation.NEVER
+    for line, iteration in MEGATRON_NAN.items():
+        found = classifier.classify_line(line)
+        assert (found.status, found.rule) == (ErrorStatus.NAN_LOSS, "training_nan"), line
+        assert named_iteration(found.evidence) == iteration, line
+    # its next line, after re-running the step: the same NaN at the same iteration
+    follow_up = classifier.classify_line(
+        "ERROR:megatron.core.rerun_state_machine:Rank 0, node vm, device cpu, iteration #12: First rerun: "
+        "unexpected result is reproducible within the tolerance (nan = nan). Need to rerun on a "
+        "different GPU to verify correctness.!"
+    )
+    assert follow_up.status is ErrorStatus.NAN_LOSS and named_iteration(follow_up.evidence) == 12
+    exc = classifier.classify_exception(
+        "RuntimeError",
+        "Rank 0, node vm, device cpu, iteration 8: Unexpected result nan "
+        "(message='found NaN in local forward loss calculation')",
+    )
+    assert exc.status is ErrorStatus.NAN_LOSS and named_iteration(exc.evidence) == 8
+    assert named_iteration("iteration 0: Unexpected result nan") is None
 
 
 def test_a_spike_after_warmup_fires_once_and_warmup_never_does() -> None:

@@ -22,6 +22,7 @@ import pytest
 import redis.asyncio as aioredis
 from PIL import Image
 
+from detect.statuses import ErrorStatus
 from launcher.probe import find_agents
 from tests.browser import open_in_chromium
 from tests.conftest import DevCluster, free_port, http_receiver, private_cluster
@@ -47,7 +48,7 @@ from unicorn_core.protocol import (
     encode,
 )
 from unicornd.leader import election
-from unicornd.state import LadderStage, NodeHealth, Snapshot, TaskRecord, TaskState
+from unicornd.state import Incident, LadderStage, NodeHealth, Snapshot, TaskRecord, TaskState
 
 pytestmark = pytest.mark.system
 
@@ -271,6 +272,73 @@ def test_prometheus_and_the_report_show_the_goodput_of_a_node_kill(
         assert re.search(r'<tr class="out"><td>n2</td><td>draine[d]?', dom), "n2 out in the node table"
         c.resume("n2")
         c.wait(lambda s: s.nodes["n2"].health is NodeHealth.HEALTHY, "n2 back", 120)
+
+
+def stragglers(snap: Snapshot, task_id: str | None) -> list[Incident]:
+    """The straggler incidents of ``task_id`` (None: the reports, which name no task)."""
+    return [i for i in snap.incidents.values() if i.status is ErrorStatus.STRAGGLER and i.task_id == task_id]
+
+
+def test_a_straggler_is_replaced_by_the_spare_and_the_same_slow_rank_elsewhere_only_reported(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    """Rank 1 of a data-parallel task on n1-n3 burns 3x its compute time (the trainer's
+    test-only --slow-rank): its node is convicted on compute times (not the lock-step wall
+    time), drained as a straggler and replaced by the idle n4 (the gain over the next
+    failure interval beats the transition). The same rank, slow again on its new node, is
+    the rank's own work: reported, nothing more drained."""
+    with coordinator(cluster, tmp_path, **ENV) as c:
+        job, held = c.hold_job("st", "n1,n2,n3")
+        # One layer: the planner cannot pipeline it, so all three nodes are one stage (DP3).
+        model = replace(PLANNER_MODEL, layers=1)
+        a = TaskRecord(
+            task_id="st",
+            name="st",
+            model=model,
+            command=trainer_command(tmp_path / "ckpt-st", "--slow-rank=1", "--slow-factor=3"),
+            min_gpus=1,
+            max_gpus=3,
+            job_id=job,
+            nodes=held,
+        )
+        c.register(a)
+        snap = c.wait(running("st", 2), "st training", 180)
+        layout = snap.tasks["st"].layout
+        assert layout is not None and (layout.pp, layout.dp) == (1, 3), layout
+        try:
+            snap = c.wait(
+                lambda s: any(
+                    i.status.value == "straggler" and i.task_id == "st" for i in s.incidents.values()
+                ),
+                "the straggler convicted and replaced",
+                300,
+            )
+            inc = next(
+                i for i in snap.incidents.values() if i.status.value == "straggler" and i.task_id == "st"
+            )
+            slow = inc.node
+            assert slow in held, inc
+            snap = c.wait(
+                lambda s: "n4" in s.tasks["st"].nodes and running("st", 1)(s), "st on the spare n4", 180
+            )
+            assert slow not in snap.tasks["st"].nodes
+            assert node_reason(cluster, slow).startswith("unicorn: straggler"), node_reason(cluster, slow)
+            others = [n for n in ("n1", "n2", "n3", "n4") if n != slow]
+            # Rank 1 is slow again on its new node: a report (an incident without a task).
+            snap = c.wait(
+                lambda s: any(i.node in others for i in stragglers(s, None)),
+                "the same slow rank reported",
+                300,
+            )
+            report = next(
+                i for i in snap.incidents.values() if i.status.value == "straggler" and i.task_id is None
+            )
+            assert report.stage is LadderStage.DETECTED and "rank" in report.note, report
+            assert all(snap.nodes[n].health is NodeHealth.HEALTHY for n in others)
+            assert not any(node_reason(cluster, n) for n in others)
+        finally:
+            for n in ("n1", "n2", "n3"):
+                cluster.slurm("scontrol", "update", f"nodename={n}", "state=resume", check=False)
 
 
 def test_exception_restarts_in_place_without_drain(cluster: DevCluster, tmp_path: Path) -> None:

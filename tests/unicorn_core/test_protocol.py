@@ -246,6 +246,22 @@ def test_iteration_timing_microbatch_fields_are_additive() -> None:
         decode(raw({**old, "microbatches": 12, "recomputed_microbatches": 13}))
 
 
+def test_iteration_timing_compute_and_stage_are_additive() -> None:
+    """``compute_s``/``stage`` (issue 17 item 5, stragglers) default to None: a sender of the
+    previous release still decodes, the fields round-trip, and bad values are refused."""
+    old = {"type": "iter", **ENV, "rank": 0, "iteration": 5, "duration_s": 0.5, "samples": 12}
+    msg = decode(raw(old))
+    assert isinstance(msg, IterationTiming)
+    assert (msg.compute_s, msg.stage) == (None, None)
+    new = decode(raw({**old, "compute_s": 0.25, "stage": 1}))
+    assert isinstance(new, IterationTiming)
+    assert (new.compute_s, new.stage) == (0.25, 1)
+    assert decode(encode(new)) == new
+    for bad in ({"compute_s": -0.1}, {"compute_s": float("nan")}, {"stage": -1}):
+        with pytest.raises(ProtocolError, match="invalid"):
+            decode(raw({**old, **bad}))
+
+
 def test_agent_command_defaults_to_no_argv_and_env() -> None:
     data = {"type": "cmd", **ENV, "command_id": "c1", "action": "stop", "deadline_s": 30.0}
     msg = decode(raw(data))

@@ -7,16 +7,18 @@ from dataclasses import replace
 
 import pytest
 
+from detect.classify import load_classifier
 from detect.statuses import ErrorStatus, Severity
 from plan.hardware import gpu_spec
 from plan.objective import FailureModel
 from tests.unicornd.coord_world import MODEL, apply, finding, of_kind, task, world
-from unicorn_core.config import AgentConfig
+from unicorn_core.config import AgentConfig, DetectConfig
 from unicorn_core.errors import InvalidArgument, ProtocolError
 from unicorn_core.layout import Layout
-from unicorn_core.protocol import AgentAction
+from unicorn_core.protocol import AgentAction, FaultReport, ProcessExit
 from unicornd.actions import NotifyOperator, RollBack, SendCommand
 from unicornd.decide import Finding, on_finding, on_progress, resolve
+from unicornd.detector import Detector, JobEvidence
 from unicornd.launch import render_task, renderer
 from unicornd.replan import PlanContext
 from unicornd.state import Incident, LadderStage, Rollback, Snapshot, TaskRecord, TaskState
@@ -232,6 +234,12 @@ def test_rendering_appends_each_trainers_own_skip_flag() -> None:
     at = argv.index("--iterations-to-skip")
     assert argv[at:] == ["--iterations-to-skip", "3", "35", "36", "37", "39"]
     assert argv.count("--iterations-to-skip") == 1
+    # Megatron's rerun state machine must not resume a re-run saved before the NaN
+    assert argv[at - 2 : at] == ["--rerun-mode", "disabled"]
+    plain = render_task(
+        replace(megatron, rollbacks=()), layout, ("n1",), cfg=cfg, gpus_per_node=2, generation=1
+    )
+    assert "--rerun-mode" not in plain["n1"]
 
 
 def test_a_finding_with_a_bad_iteration_is_refused() -> None:
@@ -242,3 +250,80 @@ def test_a_finding_with_a_bad_iteration_is_refused() -> None:
         replace(spike("f1", 40), status=ErrorStatus.ECC_ERROR, severity=Severity.SEV1).bad_iterations()
         is None
     )
+
+
+MEGATRON_NAN = (
+    "ERROR:megatron.core.rerun_state_machine:Unexpected result nan on rank 0 at iteration #12 "
+    "invocation #1 (message='found NaN in local forward loss calculation')"
+)
+"""Megatron-LM 0.16.1's own line for a NaN loss (its default --rerun-mode validate_results);
+it then re-runs the step, saves iteration 11 and exits 16 (tests/system/test_megatron_nan.py)."""
+
+
+def megatron_finding(fid: str, found: JobEvidence) -> Finding:
+    f = Finding.of(
+        found.classification,
+        finding_id=fid,
+        job_id=found.job_id,
+        node=found.evidence.node,
+        rank=found.evidence.rank,
+        rank_died=found.evidence.source == "exit",
+        iteration=found.iteration,
+        span=found.span,
+        launch_id=found.launch_id,
+    )
+    assert f is not None
+    return f
+
+
+def test_megatrons_nan_line_rolls_back_and_its_ranks_exit_after_it_changes_nothing() -> None:
+    """Megatron-LM prints no ``lm loss: nan`` line: the agent sends its NaN message as a
+    fault report, which names the iteration; the rank's exit 16 that follows (its output
+    holds the same line) comes from ranks before the roll back and is ignored, not taken
+    for a repeat that would stop the task."""
+    d = Detector(DetectConfig(), AGENT, load_classifier(None))
+    line = FaultReport(
+        job_id=1, node="n1", wall_time_s=T0, status="nan_loss", severity="SEV2", rule="training_nan",
+        rank=None, evidence=MEGATRON_NAN,
+    )  # fmt: skip
+    (found,) = d.on_message(line, 10.0)
+    assert (found.classification.status, found.iteration, found.span) == (ErrorStatus.NAN_LOSS, 12, 1)
+    command = ("/w/pretrain_gpt.py", "--save", "/c", "--save-interval", "5")
+    s = world(3, [task("a", 1, NODES, last_iteration=11, framework="megatron", command=command)])
+    resolved = resolve(s, on_finding(s, megatron_finding("f1", found), T0), CTX, T0)
+    s = apply(s, resolved)
+    (rb,) = s.tasks["a"].rollbacks
+    assert (rb.first, rb.last) == (12, 12) and s.incidents["a.1"].status is ErrorStatus.NAN_LOSS
+    sends = [a for a in resolved.actions if isinstance(a, SendCommand)]
+    assert {a.node for a in sends} == set(NODES)
+    for send in sends:
+        assert list(send.argv[-4:]) == ["--rerun-mode", "disabled", "--iterations-to-skip", "11"]
+
+    tail = f"{MEGATRON_NAN}\nWARNING:megatron.core.rerun_state_machine:Saving a checkpoint and exiting now."
+    exit16 = ProcessExit(
+        job_id=1, node="n1", wall_time_s=T0 + 2, rank=0, local_rank=0, pid=99, exit_code=16, signal=None,
+        error_file_text=None, stderr_tail=tail,
+    )  # fmt: skip
+    (again,) = d.on_message(exit16, 12.0)
+    assert (again.classification.status, again.iteration) == (ErrorStatus.NAN_LOSS, 12)
+    stale = on_finding(s, megatron_finding("f2", again), T0 + 2)
+    assert stale.actions == () and stale.tasks == () and "from ranks before it; ignored" in stale.notes[0]
+
+    # Megatron logs no line for the skipped iteration: its first line after restoring 11 is 13
+    after = apply(s, on_progress(s, "a", 13, T0 + 12, launch_id=f"{rb.launch}n2"))
+    inc = after.incidents["a.1"]
+    assert inc.stage is LadderStage.CLOSED and inc.rollback is not None and inc.rollback.version == 11
+    assert "rolled back to version 11, iterations 12-12 skipped" in inc.note
+    assert after.tasks["a"].state is TaskState.RUNNING
+
+
+def test_the_rolled_back_ranks_naming_a_skipped_iteration_still_stop_the_task() -> None:
+    """Only a report of unknown ranks naming skipped data is taken for an old one: the
+    rolled-back ranks themselves reporting it (a trainer that did not skip) stop the task."""
+    s, rb = rolled_back(40)
+    mine = on_finding(s, spike("f2", 40, status=ErrorStatus.NAN_LOSS, launch_id=f"{rb.launch}n1"), T0 + 1)
+    assert apply(s, mine).tasks["a"].state is TaskState.STOPPED
+    unknown = on_finding(s, spike("f3", 40, status=ErrorStatus.NAN_LOSS, launch_id=""), T0 + 1)
+    assert unknown.actions == () and "ignored" in unknown.notes[0]
+    beyond = on_finding(s, spike("f4", 41, status=ErrorStatus.NAN_LOSS, launch_id=""), T0 + 1)
+    assert apply(s, beyond).tasks["a"].state is TaskState.STOPPED  # right after the skipped data

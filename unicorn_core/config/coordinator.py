@@ -271,6 +271,17 @@ class RecoveryConfig(Section):
             gt=0,
         ),
     )
+    straggler_cooldown_s: float = field(
+        default=3600.0,
+        metadata=_meta(
+            "Seconds after unicorn replaced or reported a straggler node (a node persistently "
+            "slower than its task's other nodes) in which it does not act on that node again "
+            "(unicornd/decide/stragglers.py). At most 86400: the incidents that remember the "
+            "act are kept a day. Default 3600.",
+            ge=0,
+            le=86400,
+        ),
+    )
 
     def __post_init__(self) -> None:
         """A policy built in code passes the same bounds the loader checks (field metadata)."""

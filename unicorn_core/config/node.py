@@ -216,6 +216,54 @@ class DetectConfig(Section):
             ge=1,
         ),
     )
+    straggler_factor: float = field(
+        default=1.5,
+        metadata=_meta(
+            "A node is slow in a window when its ranks' compute time (their own forward/"
+            "backward/optimizer time, waits on peers excluded: IterationTiming.compute_s; "
+            "per rank the lower quartile of the window, per node its slowest rank's) is at "
+            "least this many times the median of the other nodes' of the same pipeline stage "
+            "(detect/stragglers.py; a ratio, no unit; must be > 1). Default 1.5: 30 % "
+            "per-iteration jitter moves a window's ratio by about 0.13 in log units, 1.5 is "
+            "0.41; a node 1.5x slower costs its task up to a third of its throughput.",
+            gt=1,
+        ),
+    )
+    straggler_window: int = field(
+        default=20,
+        metadata=_meta(
+            "Training iterations per window of the straggler statistic (per rank, the lower "
+            "quartile of its compute times in the window; a rank needs half of them). Default "
+            "20: checkpoint steps, spikes and bursts of contention that hit fewer than 15 of "
+            "them cannot move a lower quartile.",
+            ge=4,
+        ),
+    )
+    straggler_windows: int = field(
+        default=3,
+        metadata=_meta(
+            "Consecutive slow windows before a node is a straggler, and consecutive normal "
+            "windows before it has recovered. Default 3 (60 iterations at the default window).",
+            ge=1,
+        ),
+    )
+    straggler_min_nodes: int = field(
+        default=3,
+        metadata=_meta(
+            "Nodes a pipeline stage must span before its nodes are compared (each against the "
+            "median of the others). At least 3: of two nodes either may be the slow one, so a "
+            "2-node task never convicts either. Default 3.",
+            ge=3,
+        ),
+    )
+    straggler_warmup: int = field(
+        default=10,
+        metadata=_meta(
+            "Training iterations of a rank after each (re)start left out of the straggler "
+            "statistic (compilation, allocator and cache warm-up). Default 10.",
+            ge=0,
+        ),
+    )
     rules_file: str = field(
         default="",
         metadata=_meta(

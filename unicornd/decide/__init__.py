@@ -42,6 +42,7 @@ The package, by input:
 - :mod:`.membership`: nodes join/are checked/drained; tasks arrive, finish, stop; a
   requeued job runs again;
 - :mod:`.outcomes`: what became of each action (:func:`on_outcome`);
+- :mod:`.stragglers`: a node slower than its peers, replaced or reported (:func:`on_straggler`);
 - :mod:`.resolve`: a decision's replan and agent restarts made concrete before commit.
 """
 
@@ -79,6 +80,7 @@ from unicornd.decide.membership import (
 from unicornd.decide.outcomes import on_outcome
 from unicornd.decide.progress import on_progress
 from unicornd.decide.resolve import resolve, resolve_with_plan
+from unicornd.decide.stragglers import StragglerFinding, on_straggler
 from unicornd.state import LIVE_TASK_STATES
 
 __all__ = [
@@ -91,6 +93,7 @@ __all__ = [
     "SSH_UNREACHABLE",
     "ClassificationLike",
     "Finding",
+    "StragglerFinding",
     "on_finding",
     "on_job_running",
     "on_node_check",
@@ -102,6 +105,7 @@ __all__ = [
     "on_operator_drain",
     "on_outcome",
     "on_progress",
+    "on_straggler",
     "on_task_arrived",
     "on_task_finished",
     "on_task_stop",

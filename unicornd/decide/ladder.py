@@ -394,6 +394,16 @@ def _from_replaced_ranks(snapshot: Snapshot, task: TaskRecord, finding: Finding)
     return inc is not None and inc.is_open and not finding.launch_id.startswith(latest.launch)
 
 
+def _only_skipped_data(task: TaskRecord, finding: Finding, bad: tuple[int, int]) -> bool:
+    """A finding from unknown ranks (no launch id: one classified from a message's text,
+    such as Megatron-LM's NaN line and the exit of the rank that printed it) that names only
+    iterations the task already skips: no rank that skips them trains on them, so ranks from
+    before the roll back sent it (the same NaN, seen again in another report)."""
+    return not finding.launch_id and any(
+        first <= bad[0] and bad[1] <= last for first, last in task.skip_ranges()
+    )
+
+
 def _on_loss_finding(draft: Draft, task: TaskRecord, finding: Finding, bad: tuple[int, int]) -> bool:
     """A loss spike or NaN of a task that was rolled back before: a stale report is noted, a
     repeat at the same data stops the task with the reason. True when handled here."""
@@ -403,6 +413,12 @@ def _on_loss_finding(draft: Draft, task: TaskRecord, finding: Finding, bad: tupl
             f"finding {finding.finding_id}: {finding.status} at iteration {finding.iteration} from ranks "
             f"launched by {finding.launch_id}, which roll back {task.rollbacks[-1].incident_id} "
             "replaces; ignored"
+        )
+        return True
+    if _only_skipped_data(task, finding, bad):
+        draft.notes.append(
+            f"finding {finding.finding_id}: {finding.status} at iteration {finding.iteration}, whose data "
+            f"the task skips since a roll back: from ranks before it; ignored"
         )
         return True
     again = _repeated(task, bad)
@@ -478,6 +494,11 @@ def on_finding(snapshot: Snapshot, finding: Finding, now_s: float) -> Decision:
     seen = seen_in(snapshot, finding.finding_id)
     if seen is not None:
         return draft.note(f"finding {finding.finding_id}: already handled in {seen.incident_id}")
+    if finding.status is ErrorStatus.STRAGGLER:  # sub-healthy: a cost decision, never the ladder's
+        return draft.note(
+            f"finding {finding.finding_id}: a straggler is decided with its measurements "
+            "(unicornd.decide.stragglers), not by the ladder; ignored"
+        )
     task = _task_for(snapshot, finding)
     if task is None:
         return _on_node_finding(draft, finding)
@@ -623,7 +644,8 @@ def on_tick(snapshot: Snapshot, now_s: float) -> Decision:
 
     A timed-out retry retries again or restarts; a timed-out restart or transition
     restarts (while restarts remain) or isolates the incident's node; with nothing left
-    to isolate the operator is asked. Deterministic in (snapshot, now_s).
+    to isolate the operator is asked. A straggler report on a node that no longer runs a
+    task closes. Deterministic in (snapshot, now_s).
     """
     draft = Draft(snapshot, now_s)
     pol = snapshot.policy
@@ -644,6 +666,17 @@ def on_tick(snapshot: Snapshot, now_s: float) -> Decision:
             draft.put(replace(inc.moved(_L.ESCALATED_TO_OPERATOR, now_s), note=why, pending_check=()))
             draft.act(NotifyOperator(f"{inc.incident_id}/notify/check-lost", inc.incident_id, why))
             draft.notes.append(f"{inc.incident_id}: {why}")
+    for inc in sorted(snapshot.incidents.values(), key=lambda i: i.incident_id):
+        if (
+            inc.is_open
+            and inc.task_id is None
+            and inc.status is ErrorStatus.STRAGGLER
+            and not any(inc.node in t.nodes and t.state in LIVE_TASK_STATES for t in snapshot.tasks.values())
+        ):  # a straggler report (unicornd.decide.stragglers) on a node that left its task
+            draft.put(
+                replace(inc.moved(_L.CLOSED, now_s), note=f"{inc.note}; closed: {inc.node} runs no task")
+            )
+            draft.notes.append(f"{inc.incident_id}: {inc.node} runs no task any more; report closed")
     for task in sorted(snapshot.tasks.values(), key=lambda t: t.task_id):
         if task.requeue is not None and now_s > task.requeue.deadline_s and task.state in LIVE_TASK_STATES:
             why = (

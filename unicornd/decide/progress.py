@@ -105,12 +105,18 @@ def _rolled_back(
     inc: Incident, task: TaskRecord, iteration: int, launch_id: str, note: str
 ) -> tuple[Incident, TaskRecord, str]:
     """The first iteration of the rolled-back ranks: the version they restored is the one
-    before it (a rank reports every iteration, skipped ones too), recorded on the incident's
-    and the task's roll back. Unknown ranks (no launch id) or a version that is not older
-    than the skipped data (the trainer did not roll back) record none, and say so."""
+    before it (the built-in trainer reports every iteration, skipped ones too; Megatron-LM
+    logs no line for a skipped one, so there it is the one before the skipped iterations that
+    precede it), recorded on the incident's and the task's roll back. Unknown ranks (no
+    launch id) or a version that is not older than the skipped data (the trainer did not
+    roll back) record none, and say so."""
     rollback = inc.rollback
     assert rollback is not None
     version = iteration - 1
+    if task.framework == "megatron":
+        for first, last in task.skip_ranges():  # merged and sorted: one pass walks back
+            if first <= version <= last:
+                version = first - 1
     if not launch_id.startswith(rollback.launch) or not 0 <= version < rollback.first:
         unknown = f"{note} after the roll back (iterations {rollback.skipped} skipped; version unknown)"
         return inc, task, unknown
