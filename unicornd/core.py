@@ -130,10 +130,15 @@ class Core:
             return decision
 
     async def flush(self) -> None:
-        """Commit progress held in memory (the ticker calls this every second)."""
+        """Commit progress held in memory (the ticker calls this every second). With nothing
+        to commit, the goodput ledger still advances and is saved when a save is due, so
+        the saved ledger is never more than a save interval old (a task's finish, the
+        last commit of a quiet cluster, reaches ``unicornctl goodput``)."""
         async with self._lock:
             if self.dirty:
                 await self._commit(self.snap, Decision())
+            elif self.committed is not None and self.clock() - self._ledger_saved_s >= SAVE_EVERY_S:
+                await self._account(self.committed)
 
     def handled(self, stream: str, entry_id: str) -> None:
         """A stream entry was handled: it may be acknowledged once the state it changed is

@@ -85,6 +85,9 @@ HISTORY_EVERY_S: Final = 3600.0
 """A checkpoint of the totals every hour (``unicornctl goodput --since`` subtracts one)."""
 HISTORY_KEEP_S: Final = 8 * 86400.0
 """Checkpoints are kept 8 days (``--since 7d`` and a margin)."""
+RANGES_KEEP: Final = 200
+"""Running ranges kept per task (:attr:`TaskBook.running_ranges`): merged when adjacent, so
+a new range starts only after a stall or an incident."""
 SERIES_EVERY_S: Final = 10.0
 """The WAF series takes a sample at the first advance at least this long after the last one."""
 SERIES_MAX: Final = 2000
@@ -231,7 +234,9 @@ class TaskBook(msgspec.Struct, forbid_unknown_fields=True):
     ``running_s``/``running_iterations``: the time and the new iterations of every running
     stretch that earned work, less the stretch that passed the mark after a restart (its
     time is booked at the calibration, not measured): their ratio is the iteration time
-    the ledger measured.
+    the ledger measured. ``running_ranges``: the iterations they hold, as inclusive
+    ranges, oldest first (adjacent ones merged; at most :data:`RANGES_KEEP`), so a reader can
+    compare the training logs' time over exactly those iterations.
     ``nodes``: the task's nodes at the last update; ``layouts``: its layout history, oldest
     first (:class:`LayoutChange`, at most :data:`LAYOUTS_KEEP`).
     """
@@ -251,6 +256,7 @@ class TaskBook(msgspec.Struct, forbid_unknown_fields=True):
     achieved_wtflops: float = 0.0
     running_s: float = 0.0
     running_iterations: int = 0
+    running_ranges: list[tuple[int, int]] = msgspec.field(default_factory=list)
     totals: Totals = msgspec.field(default_factory=Totals)
     nodes: tuple[str, ...] = ()
     layouts: list[LayoutChange] = msgspec.field(default_factory=list)
@@ -342,6 +348,14 @@ def _achieved_rate(books: Iterable[TaskBook]) -> float:
 
 def _ideal_rate(books: Iterable[TaskBook]) -> float:
     return sum(b.ideal_wtflops * (b.efficiency or 0.0) for b in books)
+
+
+def add_range(ranges: list[tuple[int, int]], first: int, last: int) -> list[tuple[int, int]]:
+    """``ranges`` with the inclusive range ``first..last`` appended (merged into the last
+    one when adjacent), the oldest dropped past :data:`RANGES_KEEP`."""
+    if ranges and ranges[-1][1] + 1 == first:
+        return [*ranges[:-1], (ranges[-1][0], last)]
+    return [*ranges, (first, last)][-RANGES_KEEP:]
 
 
 def thin_series(series: list[WafSample], now_s: float, cap: int = SERIES_MAX) -> list[WafSample]:
@@ -472,6 +486,7 @@ class _Book:
         self.achieved_rate = book.achieved_wtflops
         self.running_s = book.running_s
         self.running_iterations = book.running_iterations
+        self.running_ranges = list(book.running_ranges)
 
     def _add(
         self, wtflop: dict[Cause, float], achieved: float, gpu: dict[Cause, float], productive: float
@@ -563,7 +578,10 @@ class _Book:
             if not incident_open and self.phase is Phase.TRANSITION:
                 self.phase = Phase.RUNNING
         elif self.phase in (Phase.RUNNING, Phase.RECOMPUTE):
+            counted = self.running_iterations
             self.progress(t, new, None)
+            if self.running_iterations > counted and self.mark is not None:
+                self.running_ranges = add_range(self.running_ranges, self.mark + 1, iteration)
             self.phase = Phase.RUNNING
         else:
             self.booked = max(self.booked, t)
@@ -717,6 +735,7 @@ def advance(ledger: Ledger, snap: Snapshot, now_s: float, gpu: GpuSpec, assume: 
             achieved_wtflops=book.achieved_rate,
             running_s=book.running_s,
             running_iterations=book.running_iterations,
+            running_ranges=book.running_ranges,
             totals=book.acc.totals(),
             nodes=task.nodes,
             layouts=record_layout(book.b.layouts, book.b.nodes, task, gpus, now_s),

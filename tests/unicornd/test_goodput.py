@@ -24,7 +24,17 @@ from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import reset_logging
 from unicornd.cli import cli
 from unicornd.cli.goodput import parse_since
-from unicornd.goodput import Cause, Ledger, Phase, advance, decode, encode, new_ledger
+from unicornd.goodput import (
+    RANGES_KEEP,
+    Cause,
+    Ledger,
+    Phase,
+    add_range,
+    advance,
+    decode,
+    encode,
+    new_ledger,
+)
 from unicornd.ledgerstore import save_ledger
 from unicornd.metrics import SnapshotMetrics
 from unicornd.state import Incident, LadderStage, NodeHealth, NodeRecord, Snapshot, StageEntry, TaskState
@@ -181,6 +191,7 @@ def test_a_node_loss_is_booked_by_cause_and_the_causes_add_up_to_the_gap() -> No
     # which passed the mark after the recomputation of 8..10, is booked at the calibration).
     assert ledger.tasks["a"].running_iterations == 12
     assert ledger.tasks["a"].running_s == pytest.approx(9 + 3 * tau1, rel=REL)
+    assert ledger.tasks["a"].running_ranges == [(2, 10), (12, 14)]
 
 
 def test_idle_gpus_and_a_slow_stretch_are_their_own_causes() -> None:
@@ -363,4 +374,49 @@ async def test_accounting_never_stops_a_commit(redis_url: str, monkeypatch: pyte
         assert core.committed.tasks["a"].last_iteration == 3
         assert await client.get(keys.state()) is not None
     finally:
+        await client.aclose()
+
+
+def test_running_ranges_merge_when_adjacent_and_stay_bounded() -> None:
+    ranges = add_range([], 2, 10)
+    assert add_range(ranges, 11, 14) == [(2, 14)]
+    assert add_range(ranges, 12, 14) == [(2, 10), (12, 14)]
+    many: list[tuple[int, int]] = []
+    for k in range(3 * RANGES_KEEP):
+        many = add_range(many, 2 * k, 2 * k)
+    assert len(many) == RANGES_KEEP and many[-1] == (6 * RANGES_KEEP - 2, 6 * RANGES_KEEP - 2)
+
+
+async def test_a_quiet_cluster_still_saves_its_ledger_on_the_tick(redis_url: str) -> None:
+    """No commit after the last one (a task finished, nothing else happens): the ticker's
+    flush still advances and saves the ledger once a save is due, so ``unicornctl goodput``
+    never reads a ledger older than the save interval."""
+    from plan.objective import FailureModel
+    from unicornd.core import Core
+    from unicornd.ledgerstore import SAVE_EVERY_S, read_ledger
+    from unicornd.replan import PlanContext
+    from unicornd.state import Policy
+    from unicornd.store import Store
+
+    client = aioredis.Redis.from_url(redis_url)
+    keys = RedisKeys("quiettest")
+    core = Core(Store(client, keys, Policy()), PlanContext(GPU, FailureModel(24.0), lambda _g, _n: render))
+    core.ledger = new_ledger(T0)
+    now = [T0 + 1]
+    core.clock = lambda: now[0]
+    try:
+        await core.start(running(("n1",), 1, 0, 0))
+        saved = await read_ledger(client, keys)
+        assert saved is not None and saved.t_s == T0 + 1
+        now[0] = T0 + 1 + SAVE_EVERY_S / 2
+        await core.flush()  # not due yet: nothing saved
+        saved = await read_ledger(client, keys)
+        assert saved is not None and saved.t_s == T0 + 1
+        now[0] = T0 + 1 + SAVE_EVERY_S
+        await core.flush()
+        saved = await read_ledger(client, keys)
+        assert saved is not None and saved.t_s == T0 + 1 + SAVE_EVERY_S
+        assert saved.totals.gpu_s == pytest.approx(saved.gpus_total * SAVE_EVERY_S, rel=REL)  # booked to now
+    finally:
+        await client.delete(keys.goodput(), keys.state())
         await client.aclose()

@@ -74,6 +74,7 @@ def goodput_json(ledger: Ledger, since_s: float | None, now_s: float) -> dict[st
                 "iteration_wtflop": ledger.tasks[tid].iteration_wtflop,
                 "running_s": ledger.tasks[tid].running_s,
                 "running_iterations": ledger.tasks[tid].running_iterations,
+                "running_ranges": [list(r) for r in ledger.tasks[tid].running_ranges],
                 "achieved_waf_tflops": (
                     ledger.tasks[tid].achieved_wtflops if ledger.tasks[tid].phase is Phase.RUNNING else 0.0
                 ),
