@@ -4,7 +4,7 @@
 Everything Chromium writes (its profile, caches, crash dumps, temporary files; it also
 looks under ``$HOME`` and the XDG folders) goes to one temporary folder that
 :func:`open_in_chromium` removes on exit, and its process group is killed when it is done
-past its timeout: nothing is left behind in /tmp or ``$HOME``.
+(and past its timeout): nothing is left behind in /tmp or ``$HOME``.
 
 Chromium's ``--enable-logging=stderr`` log writes every console message (errors, warnings,
 logs, uncaught exceptions, Content-Security-Policy violations, failed loads) as an
@@ -50,7 +50,7 @@ def chromium() -> str | None:
 def _run(argv: list[str], env: dict[str, str], cwd: Path, timeout_s: float) -> tuple[str, str]:
     """(stdout, stderr) of ``argv``, run in its own process group; past ``timeout_s`` the
     whole group is killed (before the leader is reaped, so the id is still ours) and
-    TimeoutExpired is raised."""
+    TimeoutExpired is raised; after a normal exit, what is left of the group is killed."""
     proc = subprocess.Popen(
         argv,
         cwd=cwd,
@@ -68,6 +68,10 @@ def _run(argv: list[str], env: dict[str, str], cwd: Path, timeout_s: float) -> t
             os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=10)
         raise
+    # Helpers Chromium left running in its group (its crash handler) go too: the group
+    # outlives its reaped leader only while they do, so the id is still this run's.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
     return out, err
 
 

@@ -50,6 +50,7 @@ from unicorn_core.protocol import (
     SlowStep,
 )
 from unicornd.actions import Decision, LaunchAgents, Requeue, SendCommand
+from unicornd.seed import expected_agents
 from unicornd.state import ENDED_STATES, LIVE_TASK_STATES, Snapshot
 
 
@@ -220,11 +221,8 @@ class Detector:
     def expect_running(self, snapshot: Snapshot, now_s: float) -> None:
         """At start: expect the agents of every task that runs (their silence counts, after
         the initial grace), except jobs being requeued."""
-        for task in snapshot.tasks.values():
-            if task.state in LIVE_TASK_STATES and task.job_id is not None and task.requeue is None:
-                for node in task.nodes:
-                    if node not in task.finished_nodes:
-                        self.expect_agent(task.job_id, node, now_s)
+        for job_id, node in expected_agents(snapshot):
+            self.expect_agent(job_id, node, now_s)
 
     def silent(self, job_id: int, node: str, now_s: float) -> bool:
         """The agent of ``job_id`` on ``node`` is silent past its heartbeat timeout at ``now_s``."""

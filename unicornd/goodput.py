@@ -92,8 +92,8 @@ SERIES_EVERY_S: Final = 10.0
 """The WAF series takes a sample at the first advance at least this long after the last one."""
 SERIES_MAX: Final = 2000
 """Samples kept (about 64 KiB of JSON, 0.3 MB in memory): past it the older half is thinned
-(every other sample dropped), so the newest ~5.5 h stay at full resolution and resolution
-halves with age; none older than :data:`HISTORY_KEEP_S`."""
+(every other sample dropped), so at least the newest 1000 samples (~2.8 h) stay at full
+resolution and resolution halves with age; none older than :data:`HISTORY_KEEP_S`."""
 LAYOUTS_KEEP: Final = 100
 """Layout changes kept per task (the oldest go first; nodes are stored as changes, so an
 entry costs a few node names, not the task's whole node list)."""

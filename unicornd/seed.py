@@ -9,11 +9,12 @@ the key says how long the agent has been silent:
 
 * key present: silent since the beat it holds (its wall time; a clock ahead of ours counts
   as 0);
-* key absent, and the task was launched longer than ``initial_timeout_s`` ago (so its agents
-  have beaten, and the key would be there if they still did): silent at least
-  ``heartbeat_ttl_s``;
-* key absent and the launch recent (the agent may still be starting), or unreadable: no
-  seed, the new agent's grace stands.
+* key absent, and the task settled: running, no incident open (no agent restart or
+  relaunch under way), launched longer than ``initial_timeout_s`` ago and its ranks
+  reported an iteration since (so its agents have beaten, and the key would be there if
+  they still did): silent at least ``heartbeat_ttl_s``;
+* otherwise (key absent while the task may be starting agents, or unreadable): no seed,
+  the new agent's grace stands.
 
 :func:`silences` is pure; the daemon reads the keys and feeds the result to
 :meth:`unicornd.detector.Detector.seed_silence`. A seeded silence only starts the usual path:
@@ -25,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from unicorn_core.protocol import Heartbeat
-from unicornd.state import LIVE_TASK_STATES, Snapshot
+from unicornd.state import LIVE_TASK_STATES, Snapshot, TaskState
 
 Agent = tuple[int, str]
 """(job id, node)."""
@@ -53,7 +54,17 @@ def silences(
     ``beats``: the decoded heartbeat key of each agent, None when it is absent; an agent
     missing from ``beats`` (unreadable) gets no seed. A beat naming another job or node is
     ignored (no seed)."""
-    launched = {t.job_id: t.launched_s for t in snap.tasks.values() if t.job_id is not None}
+    settled = {
+        t.job_id
+        for t in snap.tasks.values()
+        if t.job_id is not None
+        and t.state is TaskState.RUNNING
+        and snap.open_incident(t.task_id) is None
+        and t.launched_s is not None
+        and now_wall_s - t.launched_s > initial_timeout_s
+        and t.last_iteration_s is not None
+        and t.last_iteration_s > t.launched_s
+    }
     out: dict[Agent, float] = {}
     for agent in expected_agents(snap):
         if agent not in beats:
@@ -63,7 +74,6 @@ def silences(
             if (beat.job_id, beat.node) == agent:
                 out[agent] = max(0.0, now_wall_s - beat.wall_time_s)
             continue
-        since = launched.get(agent[0])
-        if since is not None and now_wall_s - since > initial_timeout_s:
+        if agent[0] in settled:
             out[agent] = heartbeat_ttl_s
     return out

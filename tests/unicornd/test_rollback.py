@@ -315,6 +315,11 @@ def test_megatrons_nan_line_rolls_back_and_its_ranks_exit_after_it_changes_nothi
     assert inc.stage is LadderStage.CLOSED and inc.rollback is not None and inc.rollback.version == 11
     assert "rolled back to version 11, iterations 12-12 skipped" in inc.note
     assert after.tasks["a"].state is TaskState.RUNNING
+    # Once the new ranks reported, the same NaN line is theirs (they did not skip it): a
+    # repeat at the same data stops the task, with the reason.
+    repeat = on_finding(after, megatron_finding("f3", again), T0 + 20)
+    stopped = apply(after, repeat)
+    assert stopped.tasks["a"].state is TaskState.STOPPED, repeat.notes
 
 
 def test_the_rolled_back_ranks_naming_a_skipped_iteration_still_stop_the_task() -> None:

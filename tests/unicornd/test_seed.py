@@ -6,12 +6,13 @@ import pytest
 
 from detect import load_classifier
 from detect.liveness import Liveness
+from detect.statuses import ErrorStatus, Severity
 from tests.unicornd.coord_world import task, world
 from unicorn_core.config import AgentConfig, DetectConfig
 from unicorn_core.protocol import Heartbeat
 from unicornd.detector import Detector
 from unicornd.seed import expected_agents, silences
-from unicornd.state import RequeueWait, Snapshot, TaskState
+from unicornd.state import Incident, RequeueWait, Snapshot, TaskState
 
 NOW = 1_800_000_000.0
 GRACE = 30.0
@@ -24,8 +25,8 @@ def beat(job: int, node: str, age_s: float) -> Heartbeat:
     )
 
 
-def snap_with(requeue: RequeueWait | None = None) -> Snapshot:
-    a = task("a", 1, ["n1", "n2"], launched_s=NOW - 600, requeue=requeue)
+def snap_with(requeue: RequeueWait | None = None, last_iteration_s: float | None = NOW - 2) -> Snapshot:
+    a = task("a", 1, ["n1", "n2"], launched_s=NOW - 600, requeue=requeue, last_iteration_s=last_iteration_s)
     b = task("b", 2, ["n3"], launched_s=NOW - 5)
     done = task("c", 3, ["n4"], state=TaskState.FINISHED, launched_s=NOW - 600)
     return world(4, [a, b, done])
@@ -38,6 +39,23 @@ def test_the_keys_say_how_long_each_agent_has_been_silent() -> None:
     # n1 beat 0.4 s ago; n2's key expired although its task was launched 10 min ago (silent
     # at least the key's TTL); n3's task was launched 5 s ago: its agent may be starting.
     assert silences(snap, beats, NOW, GRACE, TTL) == {(1, "n1"): pytest.approx(0.4), (1, "n2"): TTL}
+    # Not settled, so an absent key may be an agent being started: no iteration since the
+    # launch, or an incident open (an agent restart or a relaunch under way).
+    quiet = snap_with(last_iteration_s=NOW - 700)
+    assert silences(quiet, beats, NOW, GRACE, TTL) == {(1, "n1"): pytest.approx(0.4)}
+    inc = Incident(
+        incident_id="a.1",
+        task_id="a",
+        node="n2",
+        rank=None,
+        status=ErrorStatus.LOST_CONNECTION,
+        severity=Severity.SEV2,
+        rule="agent_lost",
+        evidence="",
+        opened_s=NOW - 10,
+    )
+    busy = snap.apply(incidents=[inc])
+    assert silences(busy, beats, NOW, GRACE, TTL) == {(1, "n1"): pytest.approx(0.4)}
 
 
 def test_no_seed_for_unreadable_or_foreign_keys_or_jobs_being_requeued() -> None:

@@ -111,6 +111,9 @@ def test_a_straggler_with_an_idle_spare_is_drained_and_the_task_replanned_onto_t
     moved = resolve(snap, d, CTX, T0)
     assert [r.nodes for r in of_kind(moved.actions, Requeue)] == [("n1", "n3", "n4", "n5")]  # type: ignore[attr-defined]
     assert moved.applied_to(snap).tasks["a"].nodes == ("n1", "n3", "n4", "n5")
+    # A drain, not a failure: the node's record and the MTBF calibration count no failure.
+    assert after.nodes["n2"].failures_s == () and after.nodes["n2"].drains_s == (T0,)
+    assert moved.applied_to(snap).calibration.node_failures == snap.calibration.node_failures
 
 
 # --- report ------------------------------------------------------------------------------------

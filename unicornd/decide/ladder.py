@@ -134,8 +134,13 @@ def _drain(draft: Draft, inc: Incident, fault: Fault, *, confirmed: bool) -> Inc
         return replace(inc, isolated_nodes=(*inc.isolated_nodes, node), pending_drain=None)
     if not confirmed and draft.drains_within_window() >= pol.drain_limit(max(len(draft.snap.nodes), 1)):
         return None
-    failures = recent((*rec.failures_s, now_s), now_s, pol.node_failure_window_s)
-    held = rec.held or len(failures) >= pol.node_failure_limit
+    # A straggler works, slower: its drain counts against the drain limiter, not as a
+    # failure (no MTBF sample, never held for the failure limit).
+    failed = fault.status != ErrorStatus.STRAGGLER.value
+    failures = recent(
+        (*rec.failures_s, now_s) if failed else rec.failures_s, now_s, pol.node_failure_window_s
+    )
+    held = rec.held or (failed and len(failures) >= pol.node_failure_limit)
     reason = drain_reason(draft, fault.status, f"{inc.incident_id} {fault.detail}")
     draft.put(
         replace(
@@ -394,13 +399,21 @@ def _from_replaced_ranks(snapshot: Snapshot, task: TaskRecord, finding: Finding)
     return inc is not None and inc.is_open and not finding.launch_id.startswith(latest.launch)
 
 
-def _only_skipped_data(task: TaskRecord, finding: Finding, bad: tuple[int, int]) -> bool:
+def _only_skipped_data(snapshot: Snapshot, task: TaskRecord, finding: Finding, bad: tuple[int, int]) -> bool:
     """A finding from unknown ranks (no launch id: one classified from a message's text,
     such as Megatron-LM's NaN line and the exit of the rank that printed it) that names only
-    iterations the task already skips: no rank that skips them trains on them, so ranks from
-    before the roll back sent it (the same NaN, seen again in another report)."""
-    return not finding.launch_id and any(
-        first <= bad[0] and bad[1] <= last for first, last in task.skip_ranges()
+    iterations a roll back skips, while that roll back is under way (its incident open, the
+    new ranks not reported yet): ranks from before it sent it (the same NaN, seen again in
+    another report). Once the new ranks reported, such a finding is theirs: a repeat."""
+    if finding.launch_id:
+        return False
+    return any(
+        r.first <= bad[0]
+        and bad[1] <= r.last
+        and r.version is None
+        and (inc := snapshot.incidents.get(r.incident_id)) is not None
+        and inc.is_open
+        for r in task.rollbacks
     )
 
 
@@ -415,7 +428,7 @@ def _on_loss_finding(draft: Draft, task: TaskRecord, finding: Finding, bad: tupl
             "replaces; ignored"
         )
         return True
-    if _only_skipped_data(task, finding, bad):
+    if _only_skipped_data(snapshot, task, finding, bad):
         draft.notes.append(
             f"finding {finding.finding_id}: {finding.status} at iteration {finding.iteration}, whose data "
             f"the task skips since a roll back: from ranks before it; ignored"
