@@ -45,7 +45,7 @@ import redis.asyncio as aioredis
 
 from detect import Classifier, load_classifier
 from plan.hardware import gpu_spec
-from unicorn_core import acl, protocol, redis_io
+from unicorn_core import acl, redis_io
 from unicorn_core.config import Config
 from unicorn_core.errors import ProtocolError, UnicornError
 from unicorn_core.keys import RedisKeys
@@ -196,14 +196,14 @@ class Daemon:
         beats: dict[seed.Agent, Heartbeat | None] = {}
         for agent, value in zip(agents, raw, strict=True):
             if value is None:
-                beats[agent] = None
+                beats[agent] = None  # expired: silent since at least its TTL, if settled
                 continue
             try:
-                msg = protocol.decode(value.encode() if isinstance(value, str) else value)
+                beat = seed.decode_beat(value, agent)
             except ProtocolError:
                 continue  # garbage in a key: no seed for it
-            if isinstance(msg, Heartbeat):
-                beats[agent] = msg
+            if beat is not None:
+                beats[agent] = beat
         found = seed.silences(
             snap,
             beats,

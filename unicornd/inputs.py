@@ -26,14 +26,13 @@ from typing import Final
 
 from detect.isolation import Confirmation
 from detect.statuses import ErrorStatus, Severity
-from unicorn_core import protocol, redis_io
+from unicorn_core import redis_io
 from unicorn_core.config import Config
 from unicorn_core.errors import UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
 from unicorn_core.protocol import (
     CommandResult,
-    Heartbeat,
     IterationPhase,
     IterationTiming,
     Message,
@@ -42,7 +41,7 @@ from unicorn_core.protocol import (
 from unicorn_core.slurm.backend import SlurmBackend
 from unicorn_core.slurm.scope import Scope, jobs_by_node
 from unicorn_core.slurm.types import JobInfo, JobState, NodeInfo, NodeState
-from unicornd import decide, oob
+from unicornd import decide, oob, seed
 from unicornd.actions import Outcome, OutcomeStatus
 from unicornd.agentusers import AgentUsers
 from unicornd.calibrate import IterationSample
@@ -243,13 +242,11 @@ class AgentInputs:
         key = self.keys.heartbeat(job_id, node)
         try:
             raw = await redis_io.call(("GET", key), self.core.store.client.get(key))
-            msg = None if raw is None else protocol.decode(raw.encode() if isinstance(raw, str) else raw)
+            msg = None if raw is None else seed.decode_beat(raw, (job_id, node))
         except UnicornError as e:
             log.warning("heartbeat_key_unreadable", job_id=job_id, node=node, error=str(e))
             return None
-        if not isinstance(msg, Heartbeat) or msg.job_id != job_id or msg.node != node:
-            return None
-        return time.time() - msg.wall_time_s
+        return None if msg is None else time.time() - msg.wall_time_s
 
     def _probe(self, jf: JobEvidence, node: str, finding_id: str) -> None:
         """Confirm a silent agent out of band (SSH) before deciding; one probe per agent at a time."""

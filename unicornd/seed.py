@@ -25,11 +25,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from unicorn_core import protocol
 from unicorn_core.protocol import Heartbeat
 from unicornd.state import LIVE_TASK_STATES, Snapshot, TaskState
 
 Agent = tuple[int, str]
 """(job id, node)."""
+
+
+def decode_beat(raw: bytes | str, agent: Agent) -> Heartbeat | None:
+    """The heartbeat a key holds for ``agent`` (None: another message, or another agent's);
+    raises :class:`~unicorn_core.errors.ProtocolError` when it does not decode."""
+    msg = protocol.decode(raw.encode() if isinstance(raw, str) else raw)
+    if not isinstance(msg, Heartbeat) or (msg.job_id, msg.node) != agent:
+        return None
+    return msg
 
 
 def expected_agents(snap: Snapshot) -> list[Agent]:

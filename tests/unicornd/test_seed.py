@@ -9,9 +9,10 @@ from detect.liveness import Liveness
 from detect.statuses import ErrorStatus, Severity
 from tests.unicornd.coord_world import task, world
 from unicorn_core.config import AgentConfig, DetectConfig
-from unicorn_core.protocol import Heartbeat
+from unicorn_core.errors import ProtocolError
+from unicorn_core.protocol import Heartbeat, encode
 from unicornd.detector import Detector
-from unicornd.seed import expected_agents, silences
+from unicornd.seed import decode_beat, expected_agents, silences
 from unicornd.state import Incident, RequeueWait, Snapshot, TaskState
 
 NOW = 1_800_000_000.0
@@ -86,3 +87,11 @@ def test_a_seeded_silence_expires_on_the_heartbeat_timeout_not_the_new_agents_gr
     det.liveness.beat(1, "n2", 101.0)
     det.seed_silence(1, "n2", 50.0, 101.0)
     assert det.liveness.state(1, "n2", 101.5) is Liveness.ALIVE
+
+
+def test_a_key_decodes_to_its_agents_heartbeat_only() -> None:
+    raw = encode(beat(1, "n1", 0.5))
+    assert decode_beat(raw, (1, "n1")) == beat(1, "n1", 0.5)
+    assert decode_beat(raw, (1, "n2")) is None and decode_beat(raw, (2, "n1")) is None
+    with pytest.raises(ProtocolError):
+        decode_beat(b"\x00garbage", (1, "n1"))

@@ -114,7 +114,9 @@ def render_goodput(ledger: Ledger, since_s: float | None, now_s: float) -> str:
     return "\n".join(lines)
 
 
-async def _read(cfg: Any) -> Ledger | None:
+async def read_ledger_of(cfg: Any) -> Ledger | None:
+    """The goodput ledger in the configured Redis (None: none kept yet); ``unicornctl
+    goodput`` and ``report`` read it so."""
     client = acl.connect_caller(cfg.redis, client_name="unicornctl")
     try:
         return await read_ledger(client, RedisKeys(cfg.redis.key_prefix))
@@ -135,7 +137,7 @@ def goodput(ctx: click.Context, since_s: float | None, as_json: bool) -> None:
     """
     cfg = config_of(ctx)
     try:
-        ledger = asyncio.run(_read(cfg))
+        ledger = asyncio.run(read_ledger_of(cfg))
     except UnicornError as e:
         raise StateUnreadableError(f"cannot read the goodput ledger: {e}") from None
     if ledger is None:

@@ -17,17 +17,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 
-from unicorn_core import acl
 from unicorn_core.errors import UnicornError
-from unicorn_core.keys import RedisKeys
 from unicornd.cli.common import StateUnreadableError, config_of, snapshot_of
-from unicornd.cli.goodput import Since
-from unicornd.goodput import Ledger
-from unicornd.ledgerstore import read_ledger
+from unicornd.cli.goodput import Since, read_ledger_of
 from unicornd.report import incidents_in, render_html, window
 
 
@@ -57,14 +52,6 @@ def write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
-async def _read_ledger(cfg: Any) -> Ledger | None:
-    client = acl.connect_caller(cfg.redis, client_name="unicornctl")
-    try:
-        return await read_ledger(client, RedisKeys(cfg.redis.key_prefix))
-    finally:
-        await client.aclose()
-
-
 def _progress(text: str) -> None:
     click.echo(f"report: {text}", err=True)
 
@@ -91,7 +78,7 @@ def report(ctx: click.Context, target: Path, since_s: float | None) -> None:
     _progress(f"reading unicornd's state and goodput ledger (key prefix {cfg.redis.key_prefix!r})")
     snap = snapshot_of(ctx)
     try:
-        ledger = asyncio.run(_read_ledger(cfg))
+        ledger = asyncio.run(read_ledger_of(cfg))
     except UnicornError as e:
         raise StateUnreadableError(f"cannot read the goodput ledger: {e}") from None
     now_s = time.time()
