@@ -85,6 +85,8 @@ class _JobState:
     last_iteration: int | None = None
     rank_nodes: dict[int, str] = field(default_factory=dict)
     """Which node each rank reported from (a hang names the node of its stopped rank)."""
+    final: bool = False
+    """A rank reported the run's last iteration: the ranks save and end next."""
 
 
 @dataclass
@@ -268,12 +270,21 @@ class Detector:
         elif isinstance(msg, FaultReport):
             c = self._fault(msg)
             rank, source = msg.rank, f"agent:{msg.rule}"
-        if c is None or not c.is_fault:
+        if c is None or not c.is_fault or self._teardown_noise(msg, c):
             return []
         # A NaN the training names in words (Megatron-LM's rerun state machine, in a log line,
         # the rank's exception or its exit's output) rolls back like a NaN loss report.
         iteration = named_iteration(c.evidence) if c.status is ErrorStatus.NAN_LOSS else None
         return [JobEvidence(msg.job_id, Evidence(msg.node, rank, now_s, c, source), iteration=iteration)]
+
+    def _teardown_noise(self, msg: Message, c: Classification) -> bool:
+        """A SEV3 log line after the run's last iteration. Found in CI: the ranks tear their
+        groups down at their own pace, and the last to go logs its peers' closed sockets. A
+        retry in place cannot help a run that is ending; its exit code says how it ended."""
+        if not isinstance(msg, FaultReport) or c.severity is not Severity.SEV3:
+            return False
+        job = self._jobs.get(msg.job_id)
+        return job is not None and job.final
 
     def _timing(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:
         job = self._job(msg.job_id)
@@ -282,6 +293,7 @@ class Detector:
         if job.last_iteration is None or msg.iteration > job.last_iteration:
             job.last_iteration = msg.iteration
         if msg.final:  # the run ends next: its silence from now on is no hang
+            job.final = True
             job.monitor.reset()
             job.hang_reported = None
         return [*self._stragglers_of(msg, now_s), *self._loss_health(msg, now_s)]

@@ -10,6 +10,7 @@ from detect.statuses import ErrorStatus
 from unicorn_core.config import AgentConfig, DetectConfig
 from unicorn_core.protocol import (
     AgentAction,
+    FaultReport,
     Heartbeat,
     IterationPhase,
     IterationTiming,
@@ -147,3 +148,27 @@ def test_a_replaced_launchs_loss_report_does_not_hide_the_new_ranks_report() -> 
     found = d.on_message(loss(11, 9.0, restart.action_id), 20.0)  # the new ranks spike at 11
     assert [f.evidence.classification.status for f in found] == [ErrorStatus.LOSS_SPIKE]
     assert found[0].launch_id == restart.action_id
+
+
+def test_teardown_noise_after_the_last_iteration_is_no_finding() -> None:
+    """Seen in CI: after the run's last iteration, the last rank to tear down logged its
+    peers' closed sockets (SEV3, a retry in place that cannot help). Before the last
+    iteration the same line is a finding; a SEV2 one stays a finding after it too."""
+    d = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
+
+    def line(status: str, severity: str) -> FaultReport:
+        return FaultReport(
+            job_id=4, node="n3", wall_time_s=1.0, status=status, severity=severity, rule="socket_failure",
+            rank=None, evidence="RuntimeError: Connection closed by peer [127.0.0.1]:1234",
+        )  # fmt: skip
+
+    d.on_message(timing(0, 9), 10.0)
+    assert len(d.on_message(line("other_network_error", "SEV3"), 10.1)) == 1
+    last = IterationTiming(
+        job_id=4, node="n1", wall_time_s=1.0, rank=0, iteration=10, duration_s=0.1, samples=12, final=True
+    )
+    d.on_message(last, 10.2)
+    assert d.on_message(line("other_network_error", "SEV3"), 10.3) == []
+    assert len(d.on_message(line("other_software_error", "SEV2"), 10.4)) == 1
+    d.restart_job(4)  # a relaunch runs on: its lines count again
+    assert len(d.on_message(line("other_network_error", "SEV3"), 10.5)) == 1
