@@ -154,6 +154,33 @@ class _Judged:
     nodes: int
     wall_s: float
 
+    def verdict(
+        self,
+        node: str,
+        windows: int,
+        first_window: int,
+        last_window: int,
+        size: int,
+        *,
+        recovered: bool = False,
+    ) -> Straggler:
+        """The verdict on ``node`` with this window's numbers, over windows
+        ``first_window..last_window`` of ``size`` iterations."""
+        return Straggler(
+            node=node,
+            rank=self.rank,
+            stage=self.stage,
+            ratio=self.ratio,
+            compute_s=self.compute_s,
+            peers_compute_s=self.peers_s,
+            iteration_s=self.wall_s,
+            windows=windows,
+            first_iteration=first_window * size,
+            last_iteration=(last_window + 1) * size - 1,
+            nodes=self.nodes,
+            recovered=recovered,
+        )
+
 
 @dataclass
 class _Rank:
@@ -326,21 +353,8 @@ class StragglerMonitor:
             if track.streak < cfg.windows or (track.streak - cfg.windows) % cfg.windows:
                 return None
             track.convicted = True
-            least = track.least
-            assert least is not None
-            return Straggler(
-                node=node,
-                rank=least.rank,
-                stage=least.stage,
-                ratio=least.ratio,
-                compute_s=least.compute_s,
-                peers_compute_s=least.peers_s,
-                iteration_s=least.wall_s,
-                windows=track.streak,
-                first_iteration=track.first_window * cfg.window,
-                last_iteration=(w + 1) * cfg.window - 1,
-                nodes=least.nodes,
-            )
+            assert track.least is not None
+            return track.least.verdict(node, track.streak, track.first_window, w, cfg.window)
         track.streak, track.least = 0, None
         if consecutive and track.ok:
             track.ok += 1
@@ -349,17 +363,4 @@ class StragglerMonitor:
         if not (track.convicted and track.ok >= cfg.windows):
             return None
         track.convicted = False
-        return Straggler(
-            node=node,
-            rank=j.rank,
-            stage=j.stage,
-            ratio=j.ratio,
-            compute_s=j.compute_s,
-            peers_compute_s=j.peers_s,
-            iteration_s=j.wall_s,
-            windows=track.ok,
-            first_iteration=track.ok_first_window * cfg.window,
-            last_iteration=(w + 1) * cfg.window - 1,
-            nodes=j.nodes,
-            recovered=True,
-        )
+        return j.verdict(node, track.ok, track.ok_first_window, w, cfg.window, recovered=True)

@@ -296,15 +296,15 @@ class Detector:
             job.final = True
             job.monitor.reset()
             job.hang_reported = None
+        current = self._launches.get((msg.job_id, msg.node))
+        if current is not None and msg.launch_id and msg.launch_id != current:
+            return []  # a replaced launch's ranks, still running until the agent stops them
         return [*self._stragglers_of(msg, now_s), *self._loss_health(msg, now_s)]
 
     def _stragglers_of(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:
-        """Straggler verdicts the report completed (:mod:`detect.stragglers`); a report of
-        ranks being replaced (another launch id) is left out, like for loss health."""
+        """Straggler verdicts the report (of the current launch) completed
+        (:mod:`detect.stragglers`)."""
         if msg.compute_s is None:
-            return []
-        current = self._launches.get((msg.job_id, msg.node))
-        if current is not None and msg.launch_id and msg.launch_id != current:
             return []
         monitor = self._stragglers.get(msg.job_id)
         if monitor is None:
@@ -342,10 +342,7 @@ class Detector:
         Each names the node and rank that reported it; its source ``loss:<status>`` keeps
         the finding ids of one report apart. They never drain a node by themselves
         (:data:`detect.isolation.ISOLATION`): ``silent_data_corruption`` only runs the
-        paired check, whose failure drains."""
-        current = self._launches.get((msg.job_id, msg.node))
-        if current is not None and msg.launch_id and msg.launch_id != current:
-            return []  # a replaced launch's ranks, still running until the agent stops them
+        paired check, whose failure drains. Only reports of the current launch come here."""
         health = self._loss.get(msg.job_id)
         if health is None:
             health = self._loss[msg.job_id] = LossHealth(self._loss_cfg())

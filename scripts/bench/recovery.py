@@ -543,11 +543,7 @@ def node_loss_trial(
             coordinator(cluster, tmp, **trial_env(tmp, megatron, opts.snapshot_every)) as c,
         ):
             task = start_task(c, name, tmp, megatron)
-            snap = c.snapshot()
-            if snap is not None:
-                row["nodes_before"] = list(snap.tasks[name].nodes)
-                layout = snap.tasks[name].layout
-                row["layout_before"] = layout.describe() if layout else None
+            note_before(c, name, row)
             # Killed right after an iteration spread over two snapshot cycles across trials
             # (the loss depends on where the kill falls between snapshots).
             kill_after = opts.kill_after + (7 * i) % 10
@@ -610,6 +606,15 @@ def exception_trial(
     )  # fmt: skip
 
 
+def note_before(c: Coordinator, task_id: str, row: dict[str, Any]) -> None:
+    """The task's nodes and layout before the fault, into the trial's row."""
+    snap = c.snapshot()
+    if snap is not None:
+        row["nodes_before"] = list(snap.tasks[task_id].nodes)
+        layout = snap.tasks[task_id].layout
+        row["layout_before"] = layout.describe() if layout else None
+
+
 def marker_trial(
     cluster: DevCluster,
     tmp: Path,
@@ -633,11 +638,7 @@ def marker_trial(
         env = trial_env(tmp, megatron, opts.snapshot_every, **(inject or {}))
         with coordinator(cluster, tmp, **env) as c:
             task = start_task(c, name, tmp, megatron, *extra, data_parallel=data_parallel)
-            snap = c.snapshot()
-            if snap is not None:
-                row["nodes_before"] = list(snap.tasks[task.task_id].nodes)
-                layout = snap.tasks[task.task_id].layout
-                row["layout_before"] = layout.describe() if layout else None
+            note_before(c, task.task_id, row)
             deadline = time.monotonic() + 120
             while not marker.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -715,11 +716,7 @@ def spike_trial(cluster: DevCluster, tmp: Path, i: int, opts: argparse.Namespace
         with coordinator(cluster, tmp, **trial_env(tmp, False, opts.snapshot_every)) as c:
             task = start_task(c, f"ls{i}", tmp, False, f"--corrupt-iterations={at}")
             job = task.job_id or 0
-            snap = c.snapshot()
-            if snap is not None:
-                row["nodes_before"] = list(snap.tasks[task.task_id].nodes)
-                layout = snap.tasks[task.task_id].layout
-                row["layout_before"] = layout.describe() if layout else None
+            note_before(c, task.task_id, row)
             t0 = first_report(c, job, at)
             seen, mono_seen = time.time(), time.monotonic()
             try:
