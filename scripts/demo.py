@@ -54,7 +54,7 @@ from unicorn_core.keys import RedisKeys  # noqa: E402
 from unicorn_core.model import ModelSpec  # noqa: E402
 from unicorn_core.paths import AGENT_RUN_ROOT  # noqa: E402
 from unicornd.state import NodeHealth, Policy, Snapshot, TaskState  # noqa: E402
-from unicornd.store import snapshot_from_json  # noqa: E402
+from unicornd.store import read_snapshot  # noqa: E402
 
 STATE = REPO / ".dev-cluster-demo"
 REPORT = STATE / "report.html"  # unicornctl report --html of the run, kept after the demo
@@ -199,17 +199,16 @@ class Demo:
     # --- reading unicornd's state --------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
-        async def go() -> bytes | None:
+        async def go() -> Snapshot | None:
             client = redis_io.connect(RedisConfig(url=self.env["UNICORN_REDIS__URL"]))
             try:
-                raw = await client.get(self.keys.state())
-                return raw.encode() if isinstance(raw, str) else raw
+                return await read_snapshot(client, self.keys, Policy())
             finally:
                 await client.aclose()
 
-        raw = asyncio.run(go())
-        assert raw is not None, "unicornd has not written its state"
-        return snapshot_from_json(raw, Policy())
+        snap = asyncio.run(go())
+        assert snap is not None, "unicornd has not written its state"
+        return snap
 
     def wait(self, pred: Callable[[Snapshot], bool], what: str, timeout_s: float = 240) -> Snapshot:
         deadline = time.monotonic() + timeout_s

@@ -52,7 +52,8 @@ AGENT_COMMANDS: Final = ("+get", "+set", "+del", "+xadd", "+xread", "+xdel", *_C
 """An agent's whole command set: job environment GET, heartbeat SET/DEL, event XADD,
 command XREAD/XDEL."""
 
-_READER_COMMANDS: Final = ("+@read", "-@dangerous", "+xadd", *_CONNECT)
+_READER_COMMANDS: Final = ("+@read", "-@dangerous", "+xadd", "+multi", "+exec", "+discard", *_CONNECT)
+"""Reads (the snapshot's keys in one MULTI/EXEC: a consistent view), and requests."""
 
 
 def agent_user(keys: RedisKeys, job_id: int) -> str:
@@ -92,6 +93,8 @@ def _status_keys(keys: RedisKeys) -> list[str]:
     """Read grants for what ``unicornctl status`` and the wrapper read (never secrets)."""
     names = [
         keys.state(),
+        keys.state_meta(),
+        *(keys.state_records(kind) for kind in ("tasks", "nodes", "incidents")),
         keys.goodput(),
         keys.incidents(),
         keys.daemon_liveness(),

@@ -144,8 +144,21 @@ class RedisKeys:
         return self._key("actions", "done")
 
     def state(self) -> str:
-        """String: unicornd's snapshot as JSON."""
+        """String: unicornd's snapshot as one JSON document (version 2, written before
+        :meth:`state_meta`; read once and replaced by the hashes at the next commit)."""
         return self._key("state")
+
+    def state_meta(self) -> str:
+        """String: the snapshot's scalars as JSON (version, GPUs per node, plan generation,
+        calibration); its presence says the records are in :meth:`state_records`."""
+        return self._key("state", "meta")
+
+    def state_records(self, kind: str) -> str:
+        """Hash: the snapshot's records of ``kind`` (``tasks``, ``nodes``, ``incidents``),
+        key -> JSON, so a commit writes only the records it changed."""
+        if kind not in ("tasks", "nodes", "incidents"):
+            raise InvalidArgument(f"state_records: unknown kind {kind!r}")
+        return self._key("state", kind)
 
     def goodput(self) -> str:
         """String: unicornd's goodput ledger as JSON (:mod:`unicornd.goodput`), written by the

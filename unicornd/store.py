@@ -1,13 +1,21 @@
 """unicornd's state in Redis: the snapshot and the actions it still owes.
 
-One JSON document (``keys.state()``) holds every task, node and incident record and the
-plan generation; ``keys.actions_pending()`` lists the actions decided but not yet
-executed. :meth:`Store.commit` writes both in one atomic script, so after a crash the
+The snapshot lives in four keys: ``keys.state_meta()`` (version, GPUs per node, plan
+generation, calibration) and one hash per kind of record (``keys.state_records``: tasks,
+nodes, incidents; key -> JSON). ``keys.actions_pending()`` lists the actions decided but
+not yet executed. :meth:`Store.commit` writes the records a decision changed (its
+:class:`StateDelta`, not the whole snapshot: a commit costs what the decision touched, not
+the cluster's size) and the owed actions in one atomic script, so after a crash the
 snapshot and its owed actions always match. An action's outcome is committed in the same
 transaction that marks it done and removes it (``finished``), together with the decision
 on that outcome, so an action is executed at most once unless unicornd dies *during* it,
 in which case it is retried (actions are idempotent: draining a drained node, sending a
 command with the same id, ...) and its outcome decided then.
+
+Each stored record carries its position (``{"o": n, "r": record}``), so a snapshot read
+back iterates its records in the order the writer's did (decisions that walk the records
+decide the same after a restart). The version-2 form, one JSON document in
+``keys.state()`` (:func:`snapshot_to_json`), is still read; the first commit replaces it.
 
 Closed incidents older than :data:`KEEP_CLOSED_S` are dropped from the snapshot (they
 stay in the incidents stream).
@@ -17,10 +25,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, cast
 
+import msgspec
 import redis.asyncio as aioredis
 
 from unicorn_core import redis_io
@@ -41,19 +50,26 @@ tasks carry ``finished_nodes`` and ``requeue``. Version 1 documents are read and
 before it existed) reads as no measurement yet."""
 
 
+STATE_VERSION: Final = 3
+"""3: the snapshot's records in hashes (:meth:`RedisKeys.state_records`), its scalars in
+:meth:`RedisKeys.state_meta`."""
+KINDS: Final = ("tasks", "nodes", "incidents")
+
+
 def snapshot_to_json(snap: Snapshot) -> str:
-    return json.dumps(
+    """The version-2 document: every record in one JSON object (what ``keys.state()``
+    held before version 3; tools and tests still write it, :func:`read_snapshot` reads it)."""
+    return msgspec.json.encode(
         {
             "v": SNAPSHOT_VERSION,
             "gpus_per_node": snap.gpus_per_node,
             "plan_generation": snap.plan_generation,
-            "tasks": [t.to_dict() for t in snap.tasks.values()],
-            "nodes": [n.to_dict() for n in snap.nodes.values()],
-            "incidents": [i.to_dict() for i in snap.incidents.values()],
-            "calibration": snap.calibration.to_dict(),
-        },
-        separators=(",", ":"),
-    )
+            "tasks": list(snap.tasks.values()),
+            "nodes": list(snap.nodes.values()),
+            "incidents": list(snap.incidents.values()),
+            "calibration": snap.calibration,
+        }
+    ).decode()
 
 
 def _upgrade(doc: dict[str, Any]) -> dict[str, Any]:
@@ -90,13 +106,207 @@ def snapshot_from_json(text: str | bytes, policy: Policy) -> Snapshot:
     )
 
 
+def _meta_json(snap: Snapshot) -> bytes:
+    return msgspec.json.encode(
+        {
+            "v": STATE_VERSION,
+            "gpus_per_node": snap.gpus_per_node,
+            "plan_generation": snap.plan_generation,
+            "calibration": snap.calibration,
+        }
+    )
+
+
+def _records(snap: Snapshot, kind: str) -> Mapping[str, object]:
+    return cast(Mapping[str, object], getattr(snap, kind))
+
+
+@dataclass(frozen=True)
+class StateDelta:
+    """What one commit writes: per kind, whether the hash is written afresh (``reset``),
+    the records to set (key -> stored JSON) and the keys to delete; and the meta document
+    (None: unchanged)."""
+
+    meta: bytes | None
+    reset: dict[str, bool]
+    sets: dict[str, dict[str, bytes]]
+    deletes: dict[str, list[str]]
+
+    @property
+    def size(self) -> int:
+        """Bytes of state written (meta and records, keys included)."""
+        meta = len(self.meta) if self.meta is not None else 0
+        sets = sum(len(k) + len(v) for kind in KINDS for k, v in self.sets[kind].items())
+        return meta + sets + sum(len(k) for kind in KINDS for k in self.deletes[kind])
+
+
+@dataclass
+class Written:
+    """The state as last committed: the snapshot and each record's stored position."""
+
+    snapshot: Snapshot
+    positions: dict[str, dict[str, int]] = field(default_factory=dict)
+    next_position: dict[str, int] = field(default_factory=dict)
+
+
+def _kept_order(before: Mapping[str, object], after: Mapping[str, object]) -> bool:
+    """The records in both appear in the same order in both (new ones only appended)."""
+    return [k for k in after if k in before] == [k for k in before if k in after]
+
+
+def state_delta(written: Written | None, after: Snapshot) -> tuple[StateDelta, Written]:
+    """What to write so the stored state becomes ``after`` (all of it when nothing is
+    known to be written), and the new :class:`Written`. Records are frozen and a decision
+    replaces only those it changes, so an unchanged record is the same object: the scan is
+    an identity test per record, and only changed records are encoded."""
+    meta_changed = (
+        written is None
+        or written.snapshot.gpus_per_node != after.gpus_per_node
+        or written.snapshot.plan_generation != after.plan_generation
+        or (
+            written.snapshot.calibration is not after.calibration
+            and written.snapshot.calibration != after.calibration
+        )
+    )
+    new = Written(after)
+    reset: dict[str, bool] = {}
+    sets: dict[str, dict[str, bytes]] = {}
+    deletes: dict[str, list[str]] = {}
+    for kind in KINDS:
+        now = _records(after, kind)
+        old = _records(written.snapshot, kind) if written is not None else None
+        fresh = old is None or written is None or not _kept_order(old, now)
+        positions: dict[str, int] = {} if fresh or written is None else dict(written.positions[kind])
+        nxt = 0 if fresh or written is None else written.next_position[kind]
+        changed: dict[str, bytes] = {}
+        gone: list[str] = []
+        if not fresh and old is not None:
+            for key in old:
+                if key not in now:
+                    gone.append(key)
+                    del positions[key]
+        for key, record in now.items():
+            if not fresh and old is not None:
+                before = old.get(key, None)
+                if before is record or (before is not None and before == record):
+                    continue
+            pos = positions.get(key)
+            if pos is None:
+                pos = positions[key] = nxt
+                nxt += 1
+            changed[key] = b'{"o":%d,"r":%s}' % (pos, msgspec.json.encode(record))
+        reset[kind], sets[kind], deletes[kind] = fresh, changed, gone
+        new.positions[kind], new.next_position[kind] = positions, nxt
+    return StateDelta(_meta_json(after) if meta_changed else None, reset, sets, deletes), new
+
+
+def _stored(kind: str, raw: Mapping[bytes, bytes]) -> list[tuple[int, object]]:
+    """A hash's records with their stored positions, in order. Raises ProtocolError."""
+    cls: type[TaskRecord | NodeRecord | Incident] = {
+        "tasks": TaskRecord,
+        "nodes": NodeRecord,
+        "incidents": Incident,
+    }[kind]
+    out: list[tuple[int, object]] = []
+    for key, value in raw.items():
+        try:
+            doc = msgspec.json.decode(value)
+        except msgspec.DecodeError as e:
+            raise ProtocolError("malformed", f"state {kind} {key!r}: {e}") from e
+        if not isinstance(doc, dict) or not isinstance(doc.get("o"), int) or "r" not in doc:
+            raise ProtocolError("invalid", f'state {kind} {key!r}: expected {{"o": n, "r": record}}')
+        record = cls.from_dict(doc["r"])
+        name = (
+            record.task_id
+            if isinstance(record, TaskRecord)
+            else record.name
+            if isinstance(record, NodeRecord)
+            else record.incident_id
+        )
+        if name.encode() != key:
+            raise ProtocolError("invalid", f"state {kind} {key!r} holds {name!r}")
+        out.append((doc["o"], record))
+    out.sort(key=lambda p: p[0])
+    return out
+
+
+def snapshot_from_state(
+    meta: bytes, hashes: Mapping[str, Mapping[bytes, bytes]], policy: Policy
+) -> tuple[Snapshot, Written]:
+    """The version-3 state read back, and what it says is written (positions kept, so the
+    next commit writes only what changes). Raises ProtocolError."""
+    try:
+        doc = msgspec.json.decode(meta)
+    except msgspec.DecodeError as e:
+        raise ProtocolError("malformed", f"state meta: {e}") from e
+    if not isinstance(doc, dict) or doc.get("v") != STATE_VERSION:
+        raise ProtocolError("unknown_version", f"state meta: expected v={STATE_VERSION}")
+    stored = {kind: _stored(kind, hashes[kind]) for kind in KINDS}
+    tasks = [cast(TaskRecord, r) for _, r in stored["tasks"]]
+    nodes = [cast(NodeRecord, r) for _, r in stored["nodes"]]
+    incidents = [cast(Incident, r) for _, r in stored["incidents"]]
+    try:
+        snap = Snapshot(
+            tasks={t.task_id: t for t in tasks},
+            nodes={n.name: n for n in nodes},
+            gpus_per_node=int(doc["gpus_per_node"]),
+            incidents={i.incident_id: i for i in incidents},
+            plan_generation=int(doc.get("plan_generation", 0)),
+            policy=policy,
+            calibration=Calibration.from_dict(doc.get("calibration", {})),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError("invalid", f"state meta: {e}") from e
+    written = Written(snap)
+    for kind in KINDS:
+        names = list(_records(snap, kind))
+        written.positions[kind] = {name: pos for name, (pos, _) in zip(names, stored[kind], strict=True)}
+        written.next_position[kind] = max((pos for pos, _ in stored[kind]), default=-1) + 1
+    return snap, written
+
+
+def state_reads(keys: RedisKeys) -> list[tuple[str, str]]:
+    """The reads of a snapshot, to run in one MULTI/EXEC: (command, key) in the order
+    :func:`decode_state` takes their replies."""
+    return [
+        ("GET", keys.state_meta()),
+        *(("HGETALL", keys.state_records(kind)) for kind in KINDS),
+        ("GET", keys.state()),
+    ]
+
+
+def decode_state(replies: Sequence[object], policy: Policy) -> tuple[Snapshot, Written | None] | None:
+    """The snapshot from the replies of :func:`state_reads`, with what is written when it
+    is in the version-3 form (None for the version-2 document); None when there is none.
+    Raises ProtocolError."""
+    meta, *hashes, legacy = replies
+    if meta is not None:
+        records = dict(zip(KINDS, cast(list[dict[bytes, bytes]], hashes), strict=True))
+        return snapshot_from_state(cast(bytes, meta), records, policy)
+    if legacy is not None:
+        return snapshot_from_json(cast(bytes, legacy), policy), None
+    return None
+
+
+async def read_state(
+    client: aioredis.Redis, keys: RedisKeys, policy: Policy
+) -> tuple[Snapshot, Written | None] | None:
+    """:func:`decode_state` of the committed state, read in one transaction (a consistent
+    view). Raises RedisCallError, or ProtocolError when it does not decode."""
+    pipe = client.pipeline(transaction=True)
+    for command, key in state_reads(keys):
+        pipe.execute_command(command, key)
+    replies = await redis_io.call(("MULTI", keys.state_meta(), "HGETALL"), pipe.execute())
+    return decode_state(replies, policy)
+
+
 async def read_snapshot(client: aioredis.Redis, keys: RedisKeys, policy: Policy) -> Snapshot | None:
     """The snapshot unicornd last committed under ``keys``, with ``policy`` (pass the configured
     ``[recovery]`` section, so previews decide as unicornd does); None when there is none (a
     reader's view: ``unicornctl``, the sbatch wrapper). Raises RedisCallError, or
-    ProtocolError when the document is not a snapshot this version wrote."""
-    raw = await redis_io.call(("GET", keys.state()), client.get(keys.state()))
-    return None if raw is None else snapshot_from_json(raw, policy)
+    ProtocolError when the state is not one this version wrote."""
+    found = await read_state(client, keys, policy)
+    return None if found is None else found[0]
 
 
 def prune(snap: Snapshot, now_s: float) -> Snapshot:
@@ -131,8 +341,24 @@ if token > 0 then
   end
   redis.call('HINCRBY', KEYS[6], ARGV[1], 1)
 end
-redis.call('SET', KEYS[1], ARGV[3])
+redis.call('DEL', KEYS[1])
+if ARGV[3] ~= '' then redis.call('SET', KEYS[7], ARGV[3]) end
 local i = 4
+for h = 8, 10 do
+  if ARGV[i] == '1' then redis.call('DEL', KEYS[h]) end
+  local n = tonumber(ARGV[i + 1])
+  i = i + 2
+  for j = 1, n do
+    redis.call('HSET', KEYS[h], ARGV[i], ARGV[i + 1])
+    i = i + 2
+  end
+  n = tonumber(ARGV[i])
+  i = i + 1
+  for j = 1, n do
+    redis.call('HDEL', KEYS[h], ARGV[i])
+    i = i + 1
+  end
+end
 local n = tonumber(ARGV[i])
 for j = 1, n do redis.call('LREM', KEYS[2], 1, ARGV[i + j]) end
 i = i + n + 1
@@ -145,23 +371,25 @@ if ARGV[i] ~= '' then
 end
 return 1
 """
-"""One commit, atomically. KEYS: state, owed list, done set, fence, lease, commits per
-token (counted for each accepted commit made under a token). ARGV: token
-(0: no election), the lease holder ``token:id``, snapshot, the voided entries (count
-first), the new entries (count first), the finished entry and its id ("" ""). Refused,
-changing nothing, when a token is given and the fence has moved past it (another unicornd
-took the lease), or when the lease names another holder: after a Sentinel failover that
-lost an unreplicated INCR of the fence, a second leader can be handed the same token, and
-only the lease's holder tells the two apart."""
+"""One commit, atomically. KEYS: the version-2 document (deleted: the hashes replace it),
+owed list, done set, fence, lease, commits per token (counted for each accepted commit
+made under a token), state meta, the tasks, nodes and incidents hashes. ARGV: token (0: no
+election), the lease holder ``token:id``, the meta document ("": unchanged), per hash
+(reset "1"/"0", the sets as a count then key-value pairs, the deletions as a count then
+keys), the voided entries (count first), the new entries (count first), the finished
+entry and its id ("" ""). Refused, changing nothing, when a token is given and the fence
+has moved past it (another unicornd took the lease), or when the lease names another
+holder: after a Sentinel failover that lost an unreplicated INCR of the fence, a second
+leader can be handed the same token, and only the lease's holder tells the two apart."""
 
 
 @dataclass(frozen=True)
 class CommitCost:
-    """What one accepted commit cost: the snapshot document's size, the time to serialise
-    it, and the whole commit (serialisation, the script and its Redis round trip, the
-    replication wait) in seconds."""
+    """What one accepted commit cost: the state bytes it wrote (its delta), the time to
+    find and serialise them, and the whole commit (serialisation, the script and its Redis
+    round trip, the replication wait) in seconds."""
 
-    snapshot_bytes: int
+    state_bytes: int
     serialise_s: float
     total_s: float
 
@@ -197,16 +425,20 @@ class Store:
         self.on_commit: Callable[[CommitCost], None] | None = None
         """Called after each accepted commit with its :class:`CommitCost` (for measurements:
         ``scripts/bench/scale.py``); must not raise or block."""
+        self._written: Written | None = None
         self.unreplicated = 0
         """Commits the primary acknowledged but ``wait_replicas`` replicas did not within
         ``wait_timeout_ms`` (a failover in that window would lose them: see ARCHITECTURE)."""
 
     async def load(self, gpus_per_node: int) -> Snapshot:
-        """The persisted snapshot, or an empty one for a fresh installation."""
-        raw = await redis_io.call(("GET", self.keys.state()), self.client.get(self.keys.state()))
-        if raw is None:
+        """The persisted snapshot, or an empty one for a fresh installation. The next
+        commit writes only what changed since (after a version-2 document: everything)."""
+        found = await read_state(self.client, self.keys, self.policy)
+        if found is None:
+            self._written = None
             return Snapshot(tasks={}, nodes={}, gpus_per_node=gpus_per_node, policy=self.policy)
-        return snapshot_from_json(cast(bytes, raw), self.policy)
+        snap, self._written = found
+        return snap
 
     async def commit(
         self,
@@ -222,8 +454,10 @@ class Store:
         with :class:`Fenced`, changing nothing, when another unicornd took the lease.
         Returns the voided actions.
 
-        Only the leading unicornd writes these keys, one commit at a time, so reading the owed list
-        before the transaction (for the cancellations) is safe.
+        Only the records that differ from the last commit are written (a commit that
+        failed, or a first one, writes everything). Only the leading unicornd writes these
+        keys, one commit at a time, so reading the owed list before the transaction (for
+        the cancellations) is safe.
         """
         voided: list[Owed] = []
         if cancels:
@@ -235,40 +469,44 @@ class Store:
             ]
         k = self.keys
         started = time.perf_counter()
-        document = snapshot_to_json(snap)
+        delta, written = state_delta(self._written, snap)
         serialised = time.perf_counter()
-        args: list[str | int] = [
-            self.token,
-            self.holder,
-            document,
-            len(voided),
-            *(o.raw for o in voided),
-        ]
+        args: list[str | bytes | int] = [self.token, self.holder, delta.meta or b""]
+        for kind in KINDS:
+            sets = delta.sets[kind]
+            args += ["1" if delta.reset[kind] else "0", len(sets)]
+            for key, value in sets.items():
+                args += [key, value]
+            args += [len(delta.deletes[kind]), *delta.deletes[kind]]
+        args += [len(voided), *(o.raw for o in voided)]
         args += [len(actions), *(json.dumps(action_to_dict(a)) for a in actions)]
         args += [finished.raw, finished.action.action_id] if finished is not None else ["", ""]
+        self._written = None  # unknown until the script is known to have run
         try:
             _, replicated = await redis_io.eval_replicated(
                 self.client,
                 self.replication,
-                ("EVAL", "commit", k.state()),
+                ("EVAL", "commit", k.state_meta()),
                 _COMMIT,
-                6,
+                10,
                 k.state(),
                 k.actions_pending(),
                 k.actions_done(),
                 k.fence(),
                 k.leader(),
                 k.commits(),
+                k.state_meta(),
+                *(k.state_records(kind) for kind in KINDS),
                 *args,
             )
         except RedisCallError as e:
             if "FENCED" in str(e):
                 raise Fenced(f"commit refused: {e}; another unicornd leads") from e
             raise
+        self._written = written
         self.commits += 1
         if self.on_commit is not None:
-            # json.dumps escapes every non-ASCII character: its length is the byte count.
-            self.on_commit(CommitCost(len(document), serialised - started, time.perf_counter() - started))
+            self.on_commit(CommitCost(delta.size, serialised - started, time.perf_counter() - started))
         if not replicated:
             self.unreplicated += 1
             log.warning(

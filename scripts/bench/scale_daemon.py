@@ -64,7 +64,7 @@ class Recorder:
         self.incidents: list[dict[str, Any]] = []
 
     def commit(self, cost: CommitCost) -> None:
-        self.commits.append((time.time(), cost.snapshot_bytes, cost.serialise_s, cost.total_s))
+        self.commits.append((time.time(), cost.state_bytes, cost.serialise_s, cost.total_s))
 
     def follow(self, before: Snapshot, after: Snapshot, decision: Decision) -> None:
         """A commit that opened or changed incidents: each one's new finding ids (they name

@@ -30,7 +30,7 @@ from unicorn_core.model import ModelSpec
 from unicorn_core.paths import AGENT_RUN_ROOT, agent_run_dir
 from unicornd.control import ControlClient
 from unicornd.state import Policy, Snapshot, TaskRecord
-from unicornd.store import snapshot_from_json
+from unicornd.store import decode_state, state_reads
 
 UNICORND = Path(sys.executable).parent / "unicornd"
 _prefixes = itertools.count()
@@ -159,8 +159,11 @@ class Coordinator:
 
     def snapshot(self) -> Snapshot | None:
         with contextlib.closing(self.client()) as c:
-            raw = c.get(self.keys.state())
-        return None if raw is None else snapshot_from_json(raw, Policy())
+            pipe = c.pipeline(transaction=True)
+            for command, key in state_reads(self.keys):
+                pipe.execute_command(command, key)
+            found = decode_state(pipe.execute(), Policy())
+        return None if found is None else found[0]
 
     def wait(self, pred: Callable[[Snapshot], bool], what: str, timeout_s: float = 120.0) -> Snapshot:
         deadline = time.monotonic() + timeout_s

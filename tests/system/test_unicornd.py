@@ -780,12 +780,12 @@ def test_state_and_pending_events_survive_a_redis_crash(cluster: DevCluster, tmp
         assert c.stop(signal.SIGKILL) == -signal.SIGKILL  # nobody reads the events for a while
         evidence = "ConnectionResetError: written before the Redis crash (injected by the test)"
         entry = inject(c, a, "n2", "connection_refused_reset", "SEV3", evidence)
-        with c.client() as r:
-            state = r.get(c.keys.state())
+        state = c.snapshot()
+        assert state is not None
         restarted = cluster.script("restart-redis", check=False)
         assert restarted.returncode == 0, restarted.stderr
         with c.client() as r:
-            assert r.get(c.keys.state()) == state
+            assert c.snapshot() == state
             assert [e[0] for e in r.xrange(c.keys.events(a.job_id or 0), entry, entry)] == [entry]
         c.start()
         snap = c.wait(

@@ -16,11 +16,14 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from tests.unicornd.coord_world import task, world
 from unicorn_core import acl, redis_io
 from unicorn_core.config import RedisConfig
 from unicorn_core.errors import ConfigError, InvalidArgument
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicornd.control import ControlClient, Drain, NotOperator, Stop, encode_request
+from unicornd.state import Policy
+from unicornd.store import Store, read_snapshot
 
 KEYS = RedisKeys("t")
 
@@ -135,6 +138,12 @@ async def test_users_may_register_but_only_operators_may_drain(redis_url: str) -
     try:
         with pytest.raises(NotOperator, match="not an operator"):
             await ControlClient(client, KEYS, timeout_s=1).drain("n1", "x")
+        # A user reads the committed snapshot (its hashes, in one MULTI/EXEC).
+        coordinator = aioredis.Redis.from_url(redis_url)
+        snap = world(2, [task("t", 1, ["n1"])])
+        await Store(coordinator, KEYS, Policy()).commit(snap)
+        await coordinator.aclose()
+        assert await read_snapshot(client, KEYS, Policy()) == snap
     finally:
         await client.aclose()
     assert admin.xlen(KEYS.operator_control()) == 1
@@ -171,6 +180,10 @@ def test_status_reads_name_only_keys_unicorn_writes() -> None:
     reads = [rule for rule in acl.reader_rules(KEYS, "pw") if rule.startswith("%R~")]
     names = [
         "t:state",
+        "t:state:meta",
+        "t:state:tasks",
+        "t:state:nodes",
+        "t:state:incidents",
         "t:goodput",
         "t:incidents",
         "t:unicornd:alive",

@@ -98,6 +98,7 @@ calls = st.one_of(
                 "incidents",
                 "actions_done",
                 "state",
+                "state_meta",
                 "goodput",
                 "actions_pending",
                 "control",
@@ -111,6 +112,7 @@ calls = st.one_of(
         st.just(()),
     ),
     st.tuples(st.just("standby"), st.tuples(names)),
+    st.tuples(st.just("state_records"), st.tuples(st.sampled_from(["tasks", "nodes", "incidents"]))),
     st.tuples(
         st.sampled_from(["events", "command_results", "agent_password", "job_env"]), st.tuples(job_ids)
     ),
@@ -134,6 +136,8 @@ def test_calls_strategy_covers_every_method() -> None:
         "incidents",
         "actions_done",
         "state",
+        "state_meta",
+        "state_records",
         "goodput",
         "actions_pending",
         "control",
@@ -181,12 +185,14 @@ def test_distinct_keys_over_a_grid_of_look_alike_inputs() -> None:
                 "incidents",
                 "actions_done",
                 "state",
+                "state_meta",
                 "goodput",
                 "actions_pending",
                 "control",
                 "operator_control",
             ]
         ]
+        inputs += [(prefix, ("state_records", (kind,))) for kind in ("tasks", "nodes", "incidents")]
         inputs += [
             (prefix, (method, (job_id,)))
             for method in ["events", "command_results", "agent_password", "job_env"]
@@ -200,6 +206,12 @@ def test_distinct_keys_over_a_grid_of_look_alike_inputs() -> None:
         ]
     produced = {key_for(prefix, call) for prefix, call in inputs}
     assert len(produced) == len(inputs)
+
+
+def test_state_records_only_for_the_snapshots_kinds() -> None:
+    assert RedisKeys("u").state_records("nodes") == "u:state:nodes"
+    with pytest.raises(InvalidArgument, match="unknown kind"):
+        RedisKeys("u").state_records("meta")
 
 
 def test_reply_keys_only_for_control_streams_and_entry_ids() -> None:

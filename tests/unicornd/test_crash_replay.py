@@ -15,7 +15,6 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -30,7 +29,7 @@ from unicornd.calibrate import IterationSample
 from unicornd.core import Core
 from unicornd.replan import PlanContext
 from unicornd.state import Policy, Snapshot, TaskState
-from unicornd.store import Store
+from unicornd.store import Store, read_snapshot, snapshot_to_json
 
 T0 = 1_700_000_000.0
 CTX = PlanContext(gpu_spec("a100-80g"), FailureModel(24.0), lambda _gpn, _gen: render)
@@ -170,10 +169,11 @@ class Runner:
 
     async def state(self) -> tuple[str, list[str], list[str]]:
         await self.core.flush()
-        raw = await self.client.get(self.keys.state())
+        snap = await read_snapshot(self.client, self.keys, self.core.store.policy)
+        assert snap is not None
         owed = [o.action.action_id for o in await self.core.store.owed()]
         done = sorted(x.decode() for x in await self.client.smembers(self.keys.actions_done()))
-        return cast(bytes, raw).decode(), owed, done
+        return snapshot_to_json(snap), owed, done
 
 
 def start() -> Snapshot:

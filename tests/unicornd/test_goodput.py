@@ -38,6 +38,7 @@ from unicornd.goodput import (
 from unicornd.ledgerstore import save_ledger
 from unicornd.metrics import SnapshotMetrics
 from unicornd.state import Incident, LadderStage, NodeHealth, NodeRecord, Snapshot, StageEntry, TaskState
+from unicornd.store import KINDS
 
 L = LadderStage
 T0 = 1_700_000_000.0
@@ -372,7 +373,7 @@ async def test_accounting_never_stops_a_commit(redis_url: str, monkeypatch: pyte
         await core.decide(T0 + 2, lambda _s: Decision(tasks=(later.tasks["a"],)))
         assert core.ledger is None and core.committed is not None
         assert core.committed.tasks["a"].last_iteration == 3
-        assert await client.get(keys.state()) is not None
+        assert await client.get(keys.state_meta()) is not None
     finally:
         await client.aclose()
 
@@ -418,5 +419,5 @@ async def test_a_quiet_cluster_still_saves_its_ledger_on_the_tick(redis_url: str
         assert saved is not None and saved.t_s == T0 + 1 + SAVE_EVERY_S
         assert saved.totals.gpu_s == pytest.approx(saved.gpus_total * SAVE_EVERY_S, rel=REL)  # booked to now
     finally:
-        await client.delete(keys.goodput(), keys.state())
+        await client.delete(keys.goodput(), keys.state_meta(), *(keys.state_records(k) for k in KINDS))
         await client.aclose()

@@ -64,7 +64,7 @@ from unicornd.control import (
 from unicornd.daemon import Daemon
 from unicornd.decide import on_finding, on_node_join, on_operator_drain
 from unicornd.state import NodeHealth, Snapshot, TaskState
-from unicornd.store import snapshot_from_json, snapshot_to_json
+from unicornd.store import read_snapshot, snapshot_to_json
 
 T0 = 1_700_000_000.0
 UNICORNCTL = Path(sys.executable).parent / "unicornctl"
@@ -398,9 +398,8 @@ async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> No
         assert code == 0, err
         await _until(lambda: daemon.snap.nodes["n2"].health is NodeHealth.DRAINED)
         assert slurm.calls == [("drain", "n2", "unicorn: operator: fan failing")]
-        raw = await client.get(keys.state())
-        persisted = snapshot_from_json(cast(bytes, raw), daemon.store.policy)
-        assert persisted.nodes["n2"].held
+        persisted = await read_snapshot(client, keys, daemon.store.policy)
+        assert persisted is not None and persisted.nodes["n2"].held
 
         code, out, err = await _ctl(redis_url, "plan", "--what-if-fail", "n1", "--json")
         assert code == 0, err

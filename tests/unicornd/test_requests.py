@@ -21,7 +21,7 @@ from unicornd.core import Core
 from unicornd.replan import PlanContext
 from unicornd.requests import Requests
 from unicornd.state import Policy, TaskState
-from unicornd.store import Store
+from unicornd.store import Store, read_snapshot, snapshot_to_json
 
 PREFIX = "reqtest"
 PENDING = task("c", 3, [], state=TaskState.PENDING).to_dict()
@@ -104,13 +104,14 @@ def test_a_bad_request_is_refused_and_changes_nothing(
         )
         try:
             await core.start(world(4, [task("a", 1, ["n1", "n2"])]))
-            before = await client.get(keys.state())
+            before = snapshot_to_json(core.snap)
             requests = Requests(cfg, core, slurm, client)
             stream = keys.operator_control() if operator else keys.control()
             await requests.on_entry({PAYLOAD_FIELD.encode(): payload}, "1700000000000-0", stream)
             reply = decode_reply(await client.get(keys.reply(stream, "1700000000000-0")))
             assert not reply.ok and says.lower() in reply.detail.lower(), reply
-            assert await client.get(keys.state()) == before
+            after = await read_snapshot(client, keys, Policy())
+            assert after is not None and snapshot_to_json(after) == before
             assert await core.store.owed() == [] and not slurm.calls
             assert not await client.exists(keys.job_env(3))
         finally:

@@ -219,7 +219,8 @@ async def test_a_bad_scope_stops_unicornd_at_start(
         with pytest.raises(ScopeError) as ei:
             await asyncio.wait_for(Daemon(cfg, site(), client).run(), 30)
         assert message in str(ei.value)
-        assert not redis.Redis.from_url(redis_url).exists(RedisKeys(PREFIX).state())  # nothing written
+        keys = RedisKeys(PREFIX)
+        assert not redis.Redis.from_url(redis_url).exists(keys.state(), keys.state_meta())  # nothing written
     finally:
         await client.aclose()
 
