@@ -163,11 +163,20 @@ class Totals(msgspec.Struct, forbid_unknown_fields=True):
     lost_gpu_s: dict[Cause, float] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _check(self.gpu_s >= 0 and self.productive_gpu_s >= 0, "GPU-seconds must be >= 0")
+        # One sum first (a NaN or an infinity anywhere makes it non-finite): the ledger builds
+        # thousands of these per commit at scale; the per-value checks only name the culprit.
+        if math.isfinite(
+            self.ideal_wtflop
+            + self.achieved_wtflop
+            + sum(self.lost_wtflop.values())
+            + sum(self.lost_gpu_s.values())
+        ):
+            return
         for what, v in (("ideal", self.ideal_wtflop), ("achieved", self.achieved_wtflop)):
             _finite(v, what)
         for c, v in (*self.lost_wtflop.items(), *self.lost_gpu_s.items()):
             _finite(v, f"lost[{c}]")
-        _check(self.gpu_s >= 0 and self.productive_gpu_s >= 0, "GPU-seconds must be >= 0")
 
     @property
     def unattributed_wtflop(self) -> float:
@@ -268,8 +277,11 @@ class TaskBook(msgspec.Struct, forbid_unknown_fields=True):
             self.efficiency is None or (math.isfinite(self.efficiency) and self.efficiency > 0),
             f"task {self.task_id}: efficiency must be > 0",
         )
-        for v in (self.iteration_wtflop, self.ideal_wtflops, self.healthy_wtflops, self.achieved_wtflops):
-            _finite(v, f"task {self.task_id}: rate")
+        if not math.isfinite(
+            self.iteration_wtflop + self.ideal_wtflops + self.healthy_wtflops + self.achieved_wtflops
+        ):  # one sum first, as in Totals
+            for v in (self.iteration_wtflop, self.ideal_wtflops, self.healthy_wtflops, self.achieved_wtflops):
+                _finite(v, f"task {self.task_id}: rate")
         _check(
             self.analytic_iteration_s is None or self.analytic_iteration_s > 0,
             f"task {self.task_id}: analytic_iteration_s must be > 0",
@@ -447,6 +459,11 @@ def _analytic_iteration_s(
 # --- advancing -------------------------------------------------------------------------
 
 
+_CAUSES: Final = tuple(Cause)
+"""Every cause, once (iterating the enum itself is slow, and the ledger does it per task
+per commit)."""
+
+
 @dataclass
 class _Acc:
     """Mutable totals while advancing (built back into :class:`Totals`)."""
@@ -455,16 +472,20 @@ class _Acc:
     achieved: float = 0.0
     gpu_s: float = 0.0
     productive: float = 0.0
-    lost: dict[Cause, float] = field(default_factory=lambda: dict.fromkeys(Cause, 0.0))
-    lost_gpu: dict[Cause, float] = field(default_factory=lambda: dict.fromkeys(Cause, 0.0))
+    lost: dict[Cause, float] = field(default_factory=lambda: dict.fromkeys(_CAUSES, 0.0))
+    lost_gpu: dict[Cause, float] = field(default_factory=lambda: dict.fromkeys(_CAUSES, 0.0))
 
     @classmethod
     def of(cls, t: Totals) -> _Acc:
-        acc = cls(t.ideal_wtflop, t.achieved_wtflop, t.gpu_s, t.productive_gpu_s)
-        for c in Cause:
-            acc.lost[c] = t.lost_wtflop.get(c, 0.0)
-            acc.lost_gpu[c] = t.lost_gpu_s.get(c, 0.0)
-        return acc
+        lost, lost_gpu = t.lost_wtflop, t.lost_gpu_s
+        return cls(
+            t.ideal_wtflop,
+            t.achieved_wtflop,
+            t.gpu_s,
+            t.productive_gpu_s,
+            {c: lost.get(c, 0.0) for c in _CAUSES},
+            {c: lost_gpu.get(c, 0.0) for c in _CAUSES},
+        )
 
     def totals(self) -> Totals:
         return Totals(
