@@ -27,7 +27,7 @@ from typing import Final
 from unicorn_core.errors import UnicornError
 from unicorn_core.logs import get_logger
 from unicornd import decide, goodput
-from unicornd.actions import Decision, Outcome
+from unicornd.actions import Decision, Outcome, Replan
 from unicornd.ledgerstore import SAVE_EVERY_S, save_ledger
 from unicornd.replan import PlanContext
 from unicornd.state import Snapshot, TaskRecord
@@ -61,6 +61,16 @@ def _progress_only(before: Snapshot, decision: Decision) -> bool:
         if not changed <= _PROGRESS_FIELDS:
             return False
     return True
+
+
+async def _resolve(snap: Snapshot, decision: Decision, ctx: PlanContext, now_s: float) -> Decision:
+    """:func:`unicornd.decide.resolve`; one that replans runs in a worker thread. The solve
+    takes 0.2 s at 4,096 nodes (``scripts/bench/scale.py``); on the event loop it would hold
+    every other input (heartbeats, Slurm, replies) that long. Under the lock, with an
+    immutable snapshot and pure functions, the decision is the same either way."""
+    if any(isinstance(a, Replan) for a in decision.actions):
+        return await asyncio.to_thread(decide.resolve, snap, decision, ctx, now_s)
+    return decide.resolve(snap, decision, ctx, now_s)
 
 
 class Core:
@@ -112,7 +122,7 @@ class Core:
             if decision.empty and decision.plan_generation is None:
                 self._log(decision)
                 return decision
-            resolved = decide.resolve(snap, decision, self.ctx, now_s)
+            resolved = await _resolve(snap, decision, self.ctx, now_s)
             after = resolved.applied_to(snap)
             if _progress_only(snap, resolved) and not self._progress_due(after):
                 self.snapshot = after
@@ -125,7 +135,7 @@ class Core:
         the action's removal from the owed list (one transaction)."""
         async with self._lock:
             snap = self.snap
-            decision = decide.resolve(snap, decide.on_outcome(snap, outcome, now_s), self.ctx, now_s)
+            decision = await _resolve(snap, decide.on_outcome(snap, outcome, now_s), self.ctx, now_s)
             await self._commit(decision.applied_to(snap), decision, finished=owed)
             return decision
 

@@ -75,6 +75,7 @@ from unicornd.state import (
     Incident,
     LadderStage,
     NodeHealth,
+    NodeRecord,
     Snapshot,
     TaskRecord,
     TaskState,
@@ -688,6 +689,37 @@ def _advance_task(task: TaskRecord, book: _Book, snap: Snapshot, now_s: float) -
     return seen
 
 
+_TaskPlaces = tuple[tuple[TaskState, tuple[str, ...], int | None], ...]
+_COUNTS: list[tuple[Mapping[str, NodeRecord], _TaskPlaces, tuple[int, int]]] = []
+"""The last :func:`_node_counts` (one entry): its snapshot's node mapping, each task's
+state, nodes and job, and the counts. :meth:`Snapshot.apply` keeps a mapping nothing
+changed in, so most commits (progress, incidents) find their counts here instead of
+walking every node."""
+
+
+def _node_counts(snap: Snapshot) -> tuple[int, int]:
+    """(ours, not out): the nodes that are unicorn's (other users' jobs hold the rest:
+    ``[slurm]`` scope, neither in the ideal nor idle: their GPUs are someone else's work,
+    not unicorn's loss), and of those the ones not out (healthy and not held, or running
+    a task)."""
+    places = tuple((t.state, t.nodes, t.job_id) for t in snap.tasks.values())
+    if _COUNTS and _COUNTS[0][0] is snap.nodes and _COUNTS[0][1] == places:
+        return _COUNTS[0][2]
+    used = {n for t in snap.tasks.values() if t.state in LIVE_TASK_STATES for n in t.nodes}
+    task_jobs = {t.job_id for t in snap.tasks.values() if t.job_id is not None}
+    foreign = {
+        n.name for n in snap.nodes.values() if n.name not in used and any(j not in task_jobs for j in n.jobs)
+    }
+    not_out = sum(
+        1
+        for n in snap.nodes.values()
+        if n.name not in foreign and ((n.health is NodeHealth.HEALTHY and not n.held) or n.name in used)
+    )
+    counts = (len(snap.nodes) - len(foreign), not_out)
+    _COUNTS[:] = [(snap.nodes, places, counts)]
+    return counts
+
+
 def advance(ledger: Ledger, snap: Snapshot, now_s: float, gpu: GpuSpec, assume: PerfAssumptions) -> Ledger:
     """The ledger booked up to ``now_s`` with the rates in force, then with ``snap``'s rates
     in force (see the module docstring). A clock that went back books nothing."""
@@ -712,25 +744,13 @@ def advance(ledger: Ledger, snap: Snapshot, now_s: float, gpu: GpuSpec, assume: 
     out: dict[str, TaskBook] = {}
     planned = sorted((t for t in snap.tasks.values() if t.state in PLANNED_STATES), key=lambda t: t.task_id)
     gpn = snap.gpus_per_node
-    used = {n for t in snap.tasks.values() if t.state in LIVE_TASK_STATES for n in t.nodes}
-    # Nodes other users' jobs hold ([slurm] scope: not ours while they do) are neither in the
-    # ideal nor idle: their GPUs are someone else's work, not unicorn's loss.
-    task_jobs = {t.job_id for t in snap.tasks.values() if t.job_id is not None}
-    foreign = {
-        n.name for n in snap.nodes.values() if n.name not in used and any(j not in task_jobs for j in n.jobs)
-    }
-    ours = len(snap.nodes) - len(foreign)
-    not_out = {
-        n.name
-        for n in snap.nodes.values()
-        if n.name not in foreign and ((n.health is NodeHealth.HEALTHY and not n.held) or n.name in used)
-    }
+    ours, not_out = _node_counts(snap)
     specs = tuple(t.spec() for t in planned)
     all_shares = dict(
         zip((t.task_id for t in planned), _best_shares(specs, ours, gpn, gpu, assume), strict=True)
     )
     healthy_shares = dict(
-        zip((t.task_id for t in planned), _best_shares(specs, len(not_out), gpn, gpu, assume), strict=True)
+        zip((t.task_id for t in planned), _best_shares(specs, not_out, gpn, gpu, assume), strict=True)
     )
     for task in sorted(snap.tasks.values(), key=lambda t: t.task_id):
         book = books.get(task.task_id) or _Book(TaskBook(task.task_id, booked_s=now_s), cluster)
@@ -763,7 +783,7 @@ def advance(ledger: Ledger, snap: Snapshot, now_s: float, gpu: GpuSpec, assume: 
         )
     gpus_total = ours * gpn
     gpus_used = sum(b.gpus for b in out.values())
-    gpus_out = gpn * (ours - len(not_out))
+    gpus_out = gpn * (ours - not_out)
     totals = cluster.totals()
     history = [cp for cp in ledger.history if now_s - cp.t_s <= HISTORY_KEEP_S]
     if not history or now_s - history[-1].t_s >= HISTORY_EVERY_S:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import Any, Final, Self, TypeVar
 
 import msgspec
@@ -628,8 +628,13 @@ class Snapshot:
     plan_generation: int = 0
     policy: Policy = field(default_factory=Policy)
     calibration: Calibration = field(default_factory=Calibration)
+    check: InitVar[bool] = True
+    """False: the mappings are known to hold each record under its own key (:meth:`apply`
+    builds them so), and are not checked again (O(records) on every decision at scale)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check: bool) -> None:
+        if not check:
+            return
         if self.gpus_per_node <= 0:
             raise InvalidArgument(f"gpus_per_node must be > 0, got {self.gpus_per_node!r}")
         for key, task in self.tasks.items():
@@ -702,12 +707,20 @@ class Snapshot:
         plan_generation: int | None = None,
         calibration: Calibration | None = None,
     ) -> Snapshot:
-        """A copy with these records upserted (what unicornd persists after a decision)."""
+        """A copy with these records upserted (what unicornd persists after a decision).
+        A mapping nothing is upserted into is the same object as before (readers that
+        derive something from one, e.g. the goodput ledger, keep it while it stays)."""
+        new_tasks, new_nodes, new_incidents = tuple(tasks), tuple(nodes), tuple(incidents)
         return replace(
             self,
-            tasks={**self.tasks, **{t.task_id: t for t in tasks}},
-            nodes={**self.nodes, **{n.name: n for n in nodes}},
-            incidents={**self.incidents, **{i.incident_id: i for i in incidents}},
+            tasks={**self.tasks, **{t.task_id: t for t in new_tasks}} if new_tasks else self.tasks,
+            nodes={**self.nodes, **{n.name: n for n in new_nodes}} if new_nodes else self.nodes,
+            incidents=(
+                {**self.incidents, **{i.incident_id: i for i in new_incidents}}
+                if new_incidents
+                else self.incidents
+            ),
             plan_generation=self.plan_generation if plan_generation is None else plan_generation,
             calibration=self.calibration if calibration is None else calibration,
+            check=False,
         )
