@@ -415,6 +415,11 @@ class IterationMonitor:
             if limit is None:
                 continue
             wait = now_s - state.last_seen_s
+            if wait <= limit:
+                # The silence never exceeds the wait (every source's samples are at or
+                # before now_s, and at most the wait is excused): no need to weigh CPU
+                # waits, which costs ranks x sources per check (most ranks, most checks).
+                continue
             silence, starved = wait, 0.0
             evidence = self._starved(state.last_seen_s)
             if evidence is not None:
