@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import redis.asyncio as aioredis
@@ -41,6 +41,7 @@ from unicornd.actions import (
     DrainNode,
     Grow,
     LaunchAgents,
+    NodeArgv,
     NotifyOperator,
     Outcome,
     OutcomeStatus,
@@ -67,6 +68,10 @@ IDLE_WAIT_S: Final = 1.0
 NODE_CHECK_VERDICT: Final = "unhealthy:"
 """How ``unicorn-node-check`` starts the line that names what failed (its verdict)."""
 PAIRED_CHECK_TIMEOUT_S: Final = 60.0
+LAUNCH_CONCURRENCY: Final = 16
+"""Agents' srun steps started at once by one launch: each is a slurmctld RPC (step
+creation, 27 ms on the dev cluster) plus a job lookup; a few in flight overlap their
+latencies without flooding slurmctld's RPC queue."""
 """Per test of the paired check (each test: an all-gather and a matmul on 2-3 nodes)."""
 
 
@@ -302,39 +307,57 @@ class Executor:
         return f"{action.action.value} sent"
 
     async def _launch(self, action: LaunchAgents) -> str:
+        """One srun step per node, :data:`LAUNCH_CONCURRENCY` at a time (a 512-node job
+        launched one node after the other waited 512 slurmctld round trips in a row). The
+        action fails with the first node's error if any launch fails (the others are
+        logged); the other nodes are started all the same."""
         credentials = await self.agent_users.env(action.job_id)
         # The checkpoint ring: the task's nodes as committed with this launch (an agent
         # restarted alone joins its task's ring, not a ring of one).
         task = self.core.snap.tasks.get(action.task_id)
         ring = task.nodes if task is not None and set(action.nodes) <= set(task.nodes) else action.nodes
-        for cmd in action.commands:
-            # A new agent reads its command stream from the start: whatever is queued there
-            # was written for an agent before it (one that died before reading it, e.g. a
-            # restart sent to a node that was being killed) and must never run now. Found by
-            # the soak bench: a requeue back onto a revived node restarted the new ranks
-            # with a restart written for that node three cycles earlier.
-            stream = self.keys.agent_commands(action.job_id, cmd.node)
-            await redis_io.call(("DEL", stream), self.client.delete(stream))
-            old = self.steps.pop((action.job_id, cmd.node), None)
-            if old is not None:
-                with contextlib.suppress(UnicornError, ProcessLookupError):
-                    await old.stop(grace_s=5.0)
-            argv = agent_argv(
-                self.cfg.agent,
-                action.job_id,
-                cmd.node,
-                cmd.argv,
-                config_path=self.config_path,
-                launch_id=action.action_id,
-            )
-            self.steps[(action.job_id, cmd.node)] = await self.slurm.launch_step(
-                action.job_id,
-                [cmd.node],
-                logged(argv, agent_run_dir(self.keys.prefix, action.job_id, cmd.node)),
-                env={**action.env, **credentials, CKPT_RING_ENV: ",".join(ring)},
-                capture=False,
-            )
+        env = {**action.env, **credentials, CKPT_RING_ENV: ",".join(ring)}
+        slots = asyncio.Semaphore(LAUNCH_CONCURRENCY)
+
+        async def one(cmd: NodeArgv) -> None:
+            async with slots:
+                await self._launch_node(action, cmd, env)
+
+        results = await asyncio.gather(*(one(cmd) for cmd in action.commands), return_exceptions=True)
+        failed = [(cmd.node, r) for cmd, r in zip(action.commands, results, strict=True) if r is not None]
+        for node, error in failed[1:]:
+            log.warning("agent_launch_failed", action=action.action_id, node=node, error=repr(error))
+        if failed:
+            raise failed[0][1]
         return f"agents on {','.join(action.nodes)}"
+
+    async def _launch_node(self, action: LaunchAgents, cmd: NodeArgv, env: Mapping[str, str]) -> None:
+        # A new agent reads its command stream from the start: whatever is queued there
+        # was written for an agent before it (one that died before reading it, e.g. a
+        # restart sent to a node that was being killed) and must never run now. Found by
+        # the soak bench: a requeue back onto a revived node restarted the new ranks
+        # with a restart written for that node three cycles earlier.
+        stream = self.keys.agent_commands(action.job_id, cmd.node)
+        await redis_io.call(("DEL", stream), self.client.delete(stream))
+        old = self.steps.pop((action.job_id, cmd.node), None)
+        if old is not None:
+            with contextlib.suppress(UnicornError, ProcessLookupError):
+                await old.stop(grace_s=5.0)
+        argv = agent_argv(
+            self.cfg.agent,
+            action.job_id,
+            cmd.node,
+            cmd.argv,
+            config_path=self.config_path,
+            launch_id=action.action_id,
+        )
+        self.steps[(action.job_id, cmd.node)] = await self.slurm.launch_step(
+            action.job_id,
+            [cmd.node],
+            logged(argv, agent_run_dir(self.keys.prefix, action.job_id, cmd.node)),
+            env=env,
+            capture=False,
+        )
 
     async def _notify(self, action: NotifyOperator) -> str:
         log.error("operator_needed", incident=action.incident_id, why=action.why)

@@ -177,7 +177,8 @@ def state_delta(written: Written | None, after: Snapshot) -> tuple[StateDelta, W
         old = _records(written.snapshot, kind) if written is not None else None
         if old is now and written is not None:  # the same mapping: nothing in it changed
             reset[kind], sets[kind], deletes[kind] = False, {}, []
-            new.positions[kind], new.next_position[kind] = written.positions[kind], written.next_position[kind]
+            new.positions[kind] = written.positions[kind]
+            new.next_position[kind] = written.next_position[kind]
             continue
         fresh = old is None or written is None or not _kept_order(old, now)
         positions: dict[str, int] = {} if fresh or written is None else dict(written.positions[kind])

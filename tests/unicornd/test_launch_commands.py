@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import pytest
 import redis
 
 from tests.fakes.slurm import FakeSlurm, idle_node, running_job
 from unicorn_core import redis_io
 from unicorn_core.config import load_config
+from unicorn_core.errors import CommandFailed
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import reset_logging
 from unicorn_core.protocol import AgentAction, AgentCommand, encode
+from unicorn_core.slurm.backend import StepHandle
 from unicornd.actions import LaunchAgents, NodeArgv
 from unicornd.daemon import Daemon
+from unicornd.executor import LAUNCH_CONCURRENCY
 
 PREFIX = "launchcmd"
 
@@ -76,3 +81,68 @@ async def test_a_launch_deletes_the_commands_queued_for_the_nodes_earlier_agents
         await client.aclose()
         sync.close()
         reset_logging()
+
+
+class _SlowSlurm(FakeSlurm):
+    """Each step takes a while to start (slurmctld's step creation); counts how many are
+    being started at once, and refuses to start one on ``bad``."""
+
+    def __init__(self, nodes: int, bad: str = "") -> None:
+        names = [f"n{i}" for i in range(1, nodes + 1)]
+        super().__init__([idle_node(n) for n in names], [running_job(7, names)], local_steps=True)
+        self.bad = bad
+        self.in_flight = 0
+        self.most = 0
+
+    async def launch_step(
+        self, job_id: int, nodes: Sequence[str], argv: Sequence[str], **kw: Any
+    ) -> StepHandle:
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            await asyncio.sleep(0.02)
+            if nodes[0] == self.bad:
+                raise CommandFailed(("srun",), 1, "", f"srun: error: {self.bad}: step creation failed")
+            return await super().launch_step(job_id, nodes, argv, **kw)
+        finally:
+            self.in_flight -= 1
+
+
+async def _launch_on(slurm: _SlowSlurm, redis_url: str, nodes: int) -> None:
+    cfg = load_config(
+        None,
+        env={
+            "UNICORN_REDIS__URL": redis_url,
+            "UNICORN_REDIS__KEY_PREFIX": PREFIX,
+            "UNICORN_REDIS__AGENT_ACL": "0",
+        },
+    )
+    client = redis_io.connect(cfg.redis, client_name="test-unicornd")
+    daemon = Daemon(cfg, slurm, client)
+    running = asyncio.create_task(daemon.run())
+    try:
+        await _until(lambda: daemon.snapshot is not None)
+        commands = tuple(NodeArgv(f"n{i}", ("true",)) for i in range(1, nodes + 1))
+        await daemon.executor._launch(LaunchAgents("plan-3/t/launch", "t", 7, commands))
+    finally:
+        for step in slurm.steps:
+            if step.process.returncode is None:
+                step.process.kill()
+            await step.process.wait()
+        daemon._stop.set()
+        await asyncio.wait_for(running, 30)
+
+
+async def test_a_large_launch_starts_its_agents_a_bounded_number_at_a_time(redis_url: str) -> None:
+    slurm = _SlowSlurm(40)
+    await _launch_on(slurm, redis_url, 40)
+    started = sorted(c[2][0] for c in slurm.calls if c[0] == "launch_step")
+    assert started == sorted(f"n{i}" for i in range(1, 41))
+    assert slurm.most == LAUNCH_CONCURRENCY  # overlapped, never more than the bound
+
+
+async def test_a_node_whose_launch_fails_fails_the_action_but_not_the_other_nodes(redis_url: str) -> None:
+    slurm = _SlowSlurm(6, bad="n3")
+    with pytest.raises(CommandFailed, match="n3: step creation failed"):
+        await _launch_on(slurm, redis_url, 6)
+    assert sorted(s.nodes[0] for s in slurm.steps) == ["n1", "n2", "n4", "n5", "n6"]
