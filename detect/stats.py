@@ -53,7 +53,9 @@ import bisect
 import enum
 import math
 import statistics
+from array import array
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -130,11 +132,45 @@ class HangVerdict:
         )
 
 
+class Samples:
+    """The last ``capacity`` floats, oldest first, in one ``array('d')``: 8 bytes a sample
+    where a deque holds a 24-byte float object and a pointer. There is one per rank: at
+    4,096 nodes x 8 ranks and a 256-sample window, 67 MiB instead of 268
+    (``scripts/bench/scale.py``'s long run)."""
+
+    __slots__ = ("_buf", "_start", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise InvalidArgument(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._buf = array("d")
+        self._start = 0
+
+    def append(self, value: float) -> None:
+        if len(self._buf) < self.capacity:
+            self._buf.append(value)
+        else:  # full: overwrite the oldest
+            self._buf[self._start] = value
+            self._start = (self._start + 1) % self.capacity
+
+    def __len__(self) -> int:
+        return len(self._buf)
+
+    def __iter__(self) -> Iterator[float]:
+        yield from self._buf[self._start :]
+        yield from self._buf[: self._start]
+
+    def last(self, n: int) -> list[float]:
+        """The newest ``n`` (all when fewer), oldest first."""
+        return list(self)[-n:] if n > 0 else []
+
+
 @dataclass
 class _Rank:
     last_iteration: int
     last_seen_s: float
-    durations: deque[float]
+    durations: Samples
     train_count: int = 0
     announced: tuple[int, IterationPhase] | None = None
     """(iteration, phase): that iteration is a slow step; cleared once it is reported."""
@@ -346,7 +382,7 @@ class IterationMonitor:
         return max((now_s - state.last_seen_s for state in self._ranks.values()), default=0.0)
 
     def _new_rank(self, iteration: int, now_s: float) -> _Rank:
-        return _Rank(last_iteration=iteration, last_seen_s=now_s, durations=deque(maxlen=self.window))
+        return _Rank(last_iteration=iteration, last_seen_s=now_s, durations=Samples(self.window))
 
     def forget(self, rank: int) -> None:
         """Stop watching ``rank`` (its process ended on purpose)."""
@@ -456,7 +492,7 @@ class IterationMonitor:
         history: dict[int, float] = {}
         for rank, state in self._ranks.items():
             if len(state.durations) >= self.min_samples:
-                tail = list(state.durations)[-self.recent :]
+                tail = state.durations.last(self.recent)
                 recent[rank] = statistics.median(tail)
                 history[rank] = statistics.median(state.durations)
         if reference is StragglerReference.BEST_RANK:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detect.stats import HangVerdict, IterationMonitor, StragglerReference
+from detect.stats import HangVerdict, IterationMonitor, Samples, StragglerReference
 from detect.statuses import ErrorStatus, Severity
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.protocol import IterationPhase
@@ -411,3 +412,18 @@ def test_a_source_that_restarts_or_is_forgotten_starts_afresh() -> None:
         m.observe_cpu_wait("n1", math.inf, t + 3.0)
     with pytest.raises(InvalidArgument):
         m.observe_cpu_wait("n1", 1.0, t + 2.0)  # the clock went back
+
+
+@given(st.integers(1, 9), st.lists(st.floats(allow_nan=False), max_size=40), st.integers(0, 12))
+def test_samples_keep_the_newest_like_a_bounded_deque(capacity: int, values: list[float], n: int) -> None:
+    ring, reference = Samples(capacity), deque[float](maxlen=capacity)
+    for v in values:
+        ring.append(v)
+        reference.append(v)
+        assert list(ring) == list(reference) and len(ring) == len(reference)
+    assert ring.last(n) == (list(reference)[-n:] if n else [])
+
+
+def test_samples_need_room_for_one() -> None:
+    with pytest.raises(InvalidArgument, match="capacity"):
+        Samples(0)
