@@ -32,7 +32,7 @@ import msgspec
 
 from unicorn_core.errors import InvalidArgument, ProtocolError
 from unicorn_core.protocol import AgentAction, AgentCommand
-from unicornd.state import Calibration, Incident, NodeRecord, Snapshot, TaskRecord
+from unicornd.state import Calibration, Incident, NodeRecord, PlanBasis, Snapshot, TaskRecord
 
 
 @dataclass(frozen=True)
@@ -310,6 +310,7 @@ class Decision:
     plan_generation: int | None = None
     cancels: tuple[str, ...] = ()
     calibration: Calibration | None = None
+    plan_basis: PlanBasis | None = None
 
     def __post_init__(self) -> None:
         ids = [a.action_id for a in self.actions]
@@ -326,6 +327,7 @@ class Decision:
             or self.incidents
             or self.cancels
             or self.calibration is not None
+            or self.plan_basis is not None
         )
 
     def then(self, later: Decision) -> Decision:
@@ -348,6 +350,7 @@ class Decision:
             else self.plan_generation,
             cancels=(*self.cancels, *later.cancels),
             calibration=later.calibration if later.calibration is not None else self.calibration,
+            plan_basis=later.plan_basis if later.plan_basis is not None else self.plan_basis,
         )
 
     def action_ids(self) -> tuple[str, ...]:
@@ -361,6 +364,7 @@ class Decision:
             incidents=self.incidents,
             plan_generation=self.plan_generation,
             calibration=self.calibration,
+            plan_basis=self.plan_basis,
         )
 
 

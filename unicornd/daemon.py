@@ -15,7 +15,9 @@ and the process exits non-zero, so systemd restarts it):
   code that changes Slurm or writes agent commands; their outcomes are inputs;
 - ``liveness``: the TTL key ``unicornctl status --check`` looks at;
 - ``alerts``: delivers alerts that follow commits;
-- ``lease``: renews the leader's lease; ends (and with it this unicornd) once it is lost.
+- ``lease``: renews the leader's lease; ends (and with it this unicornd) once it is lost;
+- ``lookup``: solves the plans of single-node failures ahead, in a worker process, on
+  large clusters (:mod:`unicornd.lookup`).
 
 Every decision is a pure function of the snapshot, an input and the clock; its records
 and actions are committed together (:class:`unicornd.core.Core`) before the input is
@@ -65,6 +67,7 @@ from unicornd.ingest import StreamIngest
 from unicornd.inputs import AgentInputs, SlurmWatch, Ticker, observe
 from unicornd.leader import Lease
 from unicornd.ledgerstore import read_ledger
+from unicornd.lookup import Lookup
 from unicornd.metrics import SnapshotMetrics, start_metrics_server
 from unicornd.replan import PlanContext
 from unicornd.requests import Requests
@@ -113,6 +116,7 @@ class Daemon:
         self.executor = Executor(
             cfg, self.core, slurm, client, self.agent_users, config_path=config_path, lease=self.lease
         )
+        self.lookup = Lookup(self.core, min_nodes=cfg.plan.lookup_min_nodes)
         self.scope = Scope()
         self._stop = asyncio.Event()
         self._drain_only = False
@@ -135,6 +139,7 @@ class Daemon:
         self.alerts.submit(alerts_for(before, after, time.time()))
         self.metrics.update(after)
         self.metrics.update_ledger(self.core.ledger)
+        self.lookup.follow(before, after, decision)
 
     async def _load_ledger(self) -> None:
         """The stored goodput ledger, or a new one; one that does not decode is left as it is
@@ -255,6 +260,7 @@ class Daemon:
             "liveness": self._liveness(),
             "alerts": self.alerts.run(),
             "lease": self.lease.keep(),
+            "lookup": self.lookup.run(),
         }
         server = start_metrics_server(self.cfg.metrics, self.metrics)
         if server is not None:

@@ -484,4 +484,5 @@ class Ticker:
             if now - last_tick >= 1.0:
                 last_tick = now
                 await self.core.decide(now, partial(decide.on_tick, now_s=now))
+                await self.core.decide(now, partial(decide.on_basis_due, now_s=now))
                 await self.core.flush()

@@ -20,10 +20,11 @@ requeue (:func:`unicornd.decide.on_outcome`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Final
+from typing import Final, NamedTuple
 
+from plan.calibration import Efficiency
 from plan.hardware import GpuSpec, gpu_spec
 from plan.objective import FailureModel
 from plan.perf import PerfAssumptions
@@ -32,10 +33,21 @@ from unicorn_core.config import Config, PlanConfig
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.layout import Layout
 from unicorn_core.protocol import AgentAction
+from unicorn_core.taskspec import TaskSpec
 from unicornd.actions import Action, Decision, Grow, LaunchAgents, NodeArgv, Requeue, SendCommand, Shrink
 from unicornd.calibrate import planner_inputs
 from unicornd.launch import Render, renderer
-from unicornd.state import Incident, LadderStage, NodeHealth, RequeueWait, Snapshot, TaskRecord, TaskState
+from unicornd.solvecache import SolveCache
+from unicornd.state import (
+    Incident,
+    LadderStage,
+    NodeHealth,
+    PlanBasis,
+    RequeueWait,
+    Snapshot,
+    TaskRecord,
+    TaskState,
+)
 
 REQUEUE_TIMEOUT_S: Final = 120.0
 """How long a requeued job may take to run again before its rung fails (Slurm holds a
@@ -56,6 +68,7 @@ class PlanContext:
     render_for: Callable[[int, int], Render]
     assume: PerfAssumptions = field(default_factory=PerfAssumptions)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    solves: SolveCache = field(default_factory=SolveCache, compare=False, repr=False)
 
     @classmethod
     def from_config(cls, cfg: Config) -> PlanContext:
@@ -77,6 +90,80 @@ def planned_tasks(snapshot: Snapshot) -> list[TaskRecord]:
     return sorted((t for t in snapshot.tasks.values() if t.state in PLANNED_STATES), key=lambda t: t.task_id)
 
 
+class SolveKey(NamedTuple):
+    """A calibrated solve's inputs besides its plan basis (see :func:`solve_inputs`)."""
+
+    specs: tuple[TaskSpec, ...]
+    ids: tuple[str, ...]
+    nodes_known: int
+    cluster: Cluster
+    current: tuple[int, ...]
+    faulted: frozenset[str]
+
+    def one_node_lost(self, task_name: str | None) -> SolveKey:
+        """The key of the snapshot one plannable node less leaves, with ``task_name``'s task
+        faulted (None: a spare node's): what :func:`solve_inputs` gives for
+        :func:`unicornd.lookup.one_step_snapshots`' snapshots, made without them."""
+        faulted = self.faulted if task_name is None else self.faulted | {task_name}
+        return self._replace(cluster=replace(self.cluster, nodes=self.cluster.nodes - 1), faulted=faulted)
+
+
+@dataclass(frozen=True)
+class SolveInputs:
+    """Everything one solve reads, gathered from a snapshot (cheap: no curves, no solve).
+    ``key`` identifies the solve in a :class:`~unicornd.solvecache.SolveCache` together with ``basis``."""
+
+    specs: tuple[TaskSpec, ...]
+    cluster: Cluster
+    request: PlanRequest
+    calibrated: bool
+    efficiency: Mapping[str, Efficiency] | None
+    basis: PlanBasis | None
+    key: Hashable
+
+
+def solve_inputs(
+    snapshot: Snapshot, ctx: PlanContext, now_s: float, *, calibrated: bool = True
+) -> SolveInputs | None:
+    """What :func:`plan_for` solves (None: no task is planned). Calibrated inputs come from
+    the snapshot's :class:`PlanBasis` when it has one (at the basis's time), else from its
+    live calibration at ``now_s``; the cache key holds them only when they come from a
+    basis or from configuration (live ones change with every report: never cached)."""
+    tasks = planned_tasks(snapshot)
+    if not tasks:
+        return None
+    cluster = Cluster(len(snapshot.plannable()), snapshot.gpus_per_node, ctx.gpu, Granularity.NODE)
+    current = tuple(len(t.nodes) for t in tasks)
+    faulted = frozenset(t.name for t in tasks if snapshot.open_incident(t.task_id) is not None)
+    specs = tuple(t.spec() for t in tasks)
+    if not (calibrated and ctx.plan.calibrate):
+        request = PlanRequest(current=current, faulted=faulted, failure=ctx.failure)
+        return SolveInputs(specs, cluster, request, False, None, None, (specs, cluster, current, faulted))
+    basis = snapshot.plan_basis
+    source, at_s = snapshot, now_s
+    if basis is not None:
+        source, at_s = replace(snapshot, calibration=basis.calibration, check=False), basis.t_s
+    inputs = planner_inputs(
+        source, tasks, gpu=ctx.gpu, assume=ctx.assume, prior=ctx.failure, plan=ctx.plan, now_s=at_s
+    )
+    request = PlanRequest(current, faulted, inputs.failure, inputs.transition)
+    # planner_inputs also reads the task ids (measured transitions) and the node count
+    # (node-hours), besides the basis.
+    ids = tuple(t.task_id for t in tasks)
+    key = SolveKey(specs, ids, len(snapshot.nodes), cluster, current, faulted) if basis is not None else None
+    return SolveInputs(specs, cluster, request, True, inputs.efficiency, basis, key)
+
+
+def solve(inputs: SolveInputs, ctx: PlanContext) -> Plan:
+    """The solve itself: every task's curve up to one node more than the cluster, then the
+    planner (:func:`plan.planner.plan_cluster`)."""
+    cluster = inputs.cluster
+    curves = task_curves(
+        inputs.specs, cluster, cluster.workers + 1, ctx.assume, calibration=inputs.efficiency
+    )
+    return plan_cluster(curves, cluster, inputs.request)
+
+
 def plan_for(snapshot: Snapshot, ctx: PlanContext, now_s: float, *, calibrated: bool = True) -> Plan | None:
     """The planner's allocation for ``snapshot``: the call every replan of unicornd makes.
 
@@ -85,27 +172,25 @@ def plan_for(snapshot: Snapshot, ctx: PlanContext, now_s: float, *, calibrated: 
     are the faulted ones. None when no task is planned. ``unicornctl plan --what-if-fail`` calls
     it on a hypothetical snapshot, so both always agree. The planner's inputs are
     calibrated by the snapshot's measurements (:func:`unicornd.calibrate.planner_inputs`:
-    iteration times, transition times, node MTBF at ``now_s``); ``calibrated=False``, or
-    ``[plan] calibrate = false``, plans with the analytic model and the configured
-    constants instead (``plan --explain`` shows both).
+    iteration times, transition times, node MTBF), as of its plan basis when it has one
+    (:class:`unicornd.state.PlanBasis`); ``calibrated=False``, or ``[plan] calibrate =
+    false``, plans with the analytic model and the configured constants instead (``plan
+    --explain`` shows both). A plan solved before for the same inputs is taken from
+    ``ctx.solves`` (the same plan: see :class:`~unicornd.solvecache.SolveCache`).
     """
-    tasks = planned_tasks(snapshot)
-    if not tasks:
-        return None
-    cluster = Cluster(len(snapshot.plannable()), snapshot.gpus_per_node, ctx.gpu, Granularity.NODE)
-    current = tuple(len(t.nodes) for t in tasks)
-    faulted = frozenset(t.name for t in tasks if snapshot.open_incident(t.task_id) is not None)
-    specs = [t.spec() for t in tasks]
-    if not (calibrated and ctx.plan.calibrate):
-        curves = task_curves(specs, cluster, cluster.workers + 1, ctx.assume)
-        request = PlanRequest(current=current, faulted=faulted, failure=ctx.failure)
-        return plan_cluster(curves, cluster, request)
-    inputs = planner_inputs(
-        snapshot, tasks, gpu=ctx.gpu, assume=ctx.assume, prior=ctx.failure, plan=ctx.plan, now_s=now_s
-    )
-    curves = task_curves(specs, cluster, cluster.workers + 1, ctx.assume, calibration=inputs.efficiency)
-    request = PlanRequest(current, faulted, inputs.failure, inputs.transition)
-    return plan_cluster(curves, cluster, request)
+    with ctx.solves.measure() as took:
+        inputs = solve_inputs(snapshot, ctx, now_s, calibrated=calibrated)
+        if inputs is None:
+            return None
+        if inputs.key is None:
+            return solve(inputs, ctx)
+        cached = ctx.solves.get(inputs.key, inputs.basis)
+        took.hit = cached is not None
+        if cached is not None:
+            return cached
+        plan = solve(inputs, ctx)
+        ctx.solves.put(inputs.key, inputs.basis, plan)
+        return plan
 
 
 def replan_decision(snapshot: Snapshot, ctx: PlanContext, now_s: float) -> tuple[Plan | None, Decision]:

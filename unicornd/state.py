@@ -602,6 +602,29 @@ class Calibration(_Record):
         return None
 
 
+@dataclass(frozen=True)
+class PlanBasis(_Record):
+    """The planner's measured inputs as one plan took them: the calibration at ``t_s``.
+
+    Plans use it instead of the live calibration, so the planner's inputs change at known
+    moments (:data:`PLAN_BASIS_REFRESH_S`), not with every iteration report, and a plan
+    solved ahead for the next failure (:mod:`unicornd.lookup`) is still the plan that
+    failure gets."""
+
+    calibration: Calibration
+    t_s: float
+
+    def __post_init__(self) -> None:
+        _finite(self.t_s, "plan basis: t_s")
+
+
+PLAN_BASIS_REFRESH_S: Final = 300.0
+"""A plan basis is renewed this often while the calibration moves
+(:func:`unicornd.decide.on_basis_due`): the planner sees measurements at most this late (a
+measured speed moves plans by percents; a failure's plan solved in advance is worth more
+than inputs seconds fresher)."""
+
+
 # --- policy and snapshot -------------------------------------------------------------
 
 
@@ -617,7 +640,8 @@ class Snapshot:
     ``incidents`` holds open incidents and recently closed ones (kept so a redelivered
     finding is recognised). ``plan_generation`` numbers applied plans (action ids of a
     transition derive from it). ``calibration``: the planner's measured inputs (a restarted
-    or standby unicornd plans with them too). Treat the mappings as read-only;
+    or standby unicornd plans with them too); ``plan_basis``: the calibration the last plan
+    that took one used (:class:`PlanBasis`; None before the first). Treat the mappings as read-only;
     :meth:`apply` returns a new snapshot.
     """
 
@@ -628,6 +652,7 @@ class Snapshot:
     plan_generation: int = 0
     policy: Policy = field(default_factory=Policy)
     calibration: Calibration = field(default_factory=Calibration)
+    plan_basis: PlanBasis | None = None
     check: InitVar[bool] = True
     """False: the mappings are known to hold each record under its own key (:meth:`apply`
     builds them so), and are not checked again (O(records) on every decision at scale)."""
@@ -706,6 +731,7 @@ class Snapshot:
         incidents: Iterable[Incident] = (),
         plan_generation: int | None = None,
         calibration: Calibration | None = None,
+        plan_basis: PlanBasis | None = None,
     ) -> Snapshot:
         """A copy with these records upserted (what unicornd persists after a decision).
         A mapping nothing is upserted into is the same object as before (readers that
@@ -722,5 +748,6 @@ class Snapshot:
             ),
             plan_generation=self.plan_generation if plan_generation is None else plan_generation,
             calibration=self.calibration if calibration is None else calibration,
+            plan_basis=self.plan_basis if plan_basis is None else plan_basis,
             check=False,
         )

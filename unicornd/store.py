@@ -38,7 +38,7 @@ from unicorn_core.errors import ProtocolError, RedisCallError, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
 from unicornd.actions import Action, action_from_dict, action_to_dict
-from unicornd.state import Calibration, Incident, NodeRecord, Policy, Snapshot, TaskRecord
+from unicornd.state import Calibration, Incident, NodeRecord, PlanBasis, Policy, Snapshot, TaskRecord
 
 log = get_logger(__name__)
 
@@ -68,6 +68,7 @@ def snapshot_to_json(snap: Snapshot) -> str:
             "nodes": list(snap.nodes.values()),
             "incidents": list(snap.incidents.values()),
             "calibration": snap.calibration,
+            "plan_basis": snap.plan_basis,
         }
     ).decode()
 
@@ -95,6 +96,7 @@ def snapshot_from_json(text: str | bytes, policy: Policy) -> Snapshot:
     nodes = [NodeRecord.from_dict(n) for n in doc.get("nodes", [])]
     incidents = [Incident.from_dict(i) for i in doc.get("incidents", [])]
     calibration = Calibration.from_dict(doc["calibration"]) if "calibration" in doc else Calibration()
+    basis = doc.get("plan_basis")
     return Snapshot(
         tasks={t.task_id: t for t in tasks},
         nodes={n.name: n for n in nodes},
@@ -103,6 +105,7 @@ def snapshot_from_json(text: str | bytes, policy: Policy) -> Snapshot:
         plan_generation=int(doc.get("plan_generation", 0)),
         policy=policy,
         calibration=calibration,
+        plan_basis=PlanBasis.from_dict(basis) if basis is not None else None,
     )
 
 
@@ -113,6 +116,7 @@ def _meta_json(snap: Snapshot) -> bytes:
             "gpus_per_node": snap.gpus_per_node,
             "plan_generation": snap.plan_generation,
             "calibration": snap.calibration,
+            "plan_basis": snap.plan_basis,
         }
     )
 
@@ -166,6 +170,10 @@ def state_delta(written: Written | None, after: Snapshot) -> tuple[StateDelta, W
         or (
             written.snapshot.calibration is not after.calibration
             and written.snapshot.calibration != after.calibration
+        )
+        or (
+            written.snapshot.plan_basis is not after.plan_basis
+            and written.snapshot.plan_basis != after.plan_basis
         )
     )
     new = Written(after)
@@ -259,6 +267,7 @@ def snapshot_from_state(
             plan_generation=int(doc.get("plan_generation", 0)),
             policy=policy,
             calibration=Calibration.from_dict(doc.get("calibration", {})),
+            plan_basis=PlanBasis.from_dict(doc["plan_basis"]) if doc.get("plan_basis") is not None else None,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError("invalid", f"state meta: {e}") from e

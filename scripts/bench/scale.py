@@ -58,11 +58,14 @@ fault's message written to Redis; for a dead node, its last heartbeat plus
 ``detect.heartbeat_timeout_s``) to the commit of the decision that opened its incident
 (``fault_to_decision``) and to the first side effect of that incident's actions (an agent
 command written, or a Slurm call: ``fault_to_first_action``); ``*_from_injection`` adds the
-detection delay. Plan latency: unicornd does not time its replans, so ``plan_full_solve_ms``
-times the function every replan calls (:func:`unicornd.replan.replan_decision`) in this
-process after the run, on unicornd's last committed snapshot with one node drained. The
-one-step lookup table (``plan/lookup.py``) is not on unicornd's failure path today, so its
-hit latency and hit rate are ``null``.
+detection delay. Plan latency: ``plan_full_solve_ms`` times the function every replan
+calls (:func:`unicornd.replan.replan_decision`) in this process after the run, on
+unicornd's last committed snapshot with one node drained. unicornd counts its own replans
+(:class:`unicornd.replan.SolveCache`): those whose plan its one-step lookup had solved
+ahead (:mod:`unicornd.lookup`, ``replans_cached``, ``plan_lookup_hit_ms``) and those it
+solved (``replans_solved``, ``plan_solve_in_unicornd_ms``); ``lookup_hit_rate`` is the
+first share, over the whole run (a rack lost at once is one step the table does not
+foresee: its replans are solved).
 
 Run (2 cores: the generator, Redis and unicornd share them; run it niced; the rows give
 the load average, and ``unicornd_runqueue_wait_share`` how much of it unicornd felt):
@@ -112,6 +115,7 @@ from unicorn_core.errors import RedisCallError  # noqa: E402
 from unicorn_core.keys import RedisKeys  # noqa: E402
 from unicorn_core.taskspec import load_task_file  # noqa: E402
 from unicornd.replan import PlanContext, replan_decision  # noqa: E402
+from unicornd.solvecache import SolveCache  # noqa: E402
 from unicornd.state import NodeHealth, NodeRecord, Snapshot, TaskRecord, TaskState  # noqa: E402
 from unicornd.store import Store, read_snapshot  # noqa: E402
 
@@ -348,8 +352,10 @@ def stop(p: subprocess.Popen[bytes], sig: int = signal.SIGTERM, wait_s: float = 
     return p.returncode
 
 
-def child_env(port: int) -> dict[str, str]:
+def child_env(port: int, lookup_min_nodes: int | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNICORN_")}
+    if lookup_min_nodes is not None:
+        env["UNICORN_PLAN__LOOKUP_MIN_NODES"] = str(lookup_min_nodes)
     env.update(
         {
             "UNICORN_REDIS__URL": f"redis://127.0.0.1:{port}/0",
@@ -444,13 +450,15 @@ def failure_snapshot(snap: Snapshot) -> Snapshot:
 
 
 def time_full_solve(snap: Snapshot, ctx: PlanContext, repeats: int = 5) -> list[float]:
-    """Milliseconds of :func:`unicornd.replan.replan_decision` (after one warm-up call)."""
+    """Milliseconds of :func:`unicornd.replan.replan_decision` solving (after one warm-up
+    call; each with an empty solve cache, so every call solves)."""
     failed = failure_snapshot(snap)
-    replan_decision(failed, ctx, time.time())
+    replan_decision(failed, replace(ctx, solves=SolveCache()), time.time())
     out = []
     for _ in range(repeats):
+        fresh = replace(ctx, solves=SolveCache())
         t = time.perf_counter()
-        replan_decision(failed, ctx, time.time())
+        replan_decision(failed, fresh, time.time())
         out.append((time.perf_counter() - t) * 1000)
     return out
 
@@ -522,9 +530,13 @@ def logged_errors(path: Path) -> dict[str, int]:
             counts["(not json)"] += 1
             continue
         if isinstance(doc, dict) and doc.get("level") in ("error", "critical"):
+            if sum(counts.values()) < 5:  # the first few in full, on the bench's stderr
+                log(f"unicornd logged: {line[:1500]}")
             what = str(doc.get("event", "?")).split("\n", 1)[0][:80]
             if what == "root_task_ended":  # why unicornd ended: worth its words
                 what = f"{what}: {doc.get('task')}: {str(doc.get('error'))[:160]}"
+            elif what == "shutdown_stuck":
+                what = f"{what}: {doc.get('tasks')}"
             counts[what] += 1
     return dict(counts)
 
@@ -562,7 +574,7 @@ def run_size(n_nodes: int, args: argparse.Namespace, folder: Path) -> dict[str, 
     redis_proc, port = start_redis(folder / "redis")
     daemon: subprocess.Popen[bytes] | None = None
     try:
-        env = child_env(port)
+        env = child_env(port, args.lookup_min_nodes)
         cfg = load_config(None, env=env)
         ctx = PlanContext.from_config(cfg)
         cluster = build_cluster(n_nodes, jobs_for(n_nodes, args.jobs), cfg, ctx, time.time())
@@ -596,8 +608,6 @@ def run_size(n_nodes: int, args: argparse.Namespace, folder: Path) -> dict[str, 
         solve = time_full_solve(final, ctx) if final is not None else []
         row["plan_full_solve_ms"] = _r(statistics.median(solve)) if solve else None
         row["plan_full_solve_ms_max"] = _r(max(solve)) if solve else None
-        row["plan_lookup_hit_ms"] = None
-        row["lookup_hit_rate"] = None
         row["unicornd_errors"] = logged_errors(folder / "unicornd.log")
         return row
     finally:
@@ -819,6 +829,30 @@ def _analyse(
         "generator_errors": dict(fleet.errors),
         "unicornd_exit_status": status,
         "unicornd_failure": dump.get("error") or None,
+        **_lookup(dump),
+    }
+
+
+def _lookup(dump: Mapping[str, Any]) -> dict[str, Any]:
+    """The one-step lookup (:mod:`unicornd.lookup`) as unicornd counted it over the whole
+    run: replans whose plan was in the cache (a hit) or solved then (a miss), their plan
+    times, and the table's builds (in unicornd's worker process)."""
+    solves = dump.get("solves") or {}
+    table = dump.get("lookup") or {}
+    hits, misses = int(solves.get("hits", 0)), int(solves.get("misses", 0))
+    hit_ms = [s * 1000 for s in solves.get("hit_s", [])]
+    miss_ms = [s * 1000 for s in solves.get("miss_s", [])]
+    builds = [float(s) for s in table.get("build_s", [])]
+    return {
+        "replans_cached": hits,
+        "replans_solved": misses,
+        "lookup_hit_rate": _r(hits / (hits + misses)) if hits + misses else None,
+        "plan_lookup_hit_ms": _r(percentile(hit_ms, 0.5)),
+        "plan_solve_in_unicornd_ms": _r(percentile(miss_ms, 0.5)),
+        "lookup_builds": len(builds),
+        "lookup_build_s_p50": _r(percentile(builds, 0.5)),
+        "lookup_plans_solved_ahead": table.get("solved"),
+        "lookup_failures": table.get("failures"),
     }
 
 
@@ -844,6 +878,7 @@ def summary(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> dict[st
             "rack_bursts": args.burst,
             "rack_size": args.rack_size,
             "seed": args.seed,
+            "lookup_min_nodes": args.lookup_min_nodes,
             "slurm_timings_s": dataclasses.asdict(SlurmTimings()),
             "agent_timings_s": dataclasses.asdict(AgentTimings()),
         },
@@ -854,9 +889,11 @@ def summary(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> dict[st
             "config": "ssh probe off, agent_acl off, recovery breakers opened, leader lease 30 s",
         },
         "plan": {
-            "lookup_on_failure_path": False,
-            "lookup_note": "plan/lookup.py is built and benchmarked but unicornd never calls it: every "
-            "SEV1 replan is a full solve (plan_full_solve_ms, timed offline on unicornd's last snapshot)",
+            "lookup_on_failure_path": True,
+            "lookup_note": "unicornd.lookup solves every single-node failure's plan ahead in a worker "
+            "process (clusters of 512 nodes or more); a replan takes a cached plan when its inputs "
+            "match (lookup_hit_rate, plan_lookup_hit_ms), else solves (plan_solve_in_unicornd_ms); "
+            "plan_full_solve_ms is timed offline on unicornd's last snapshot",
         },
         "curves": curves,
         "growth_exponents": exponents,
@@ -884,6 +921,12 @@ def main() -> None:
     ap.add_argument("--burst", type=int, default=1, help="whole racks lost at once, per size's window")
     ap.add_argument("--rack-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--lookup-min-nodes",
+        type=int,
+        default=None,
+        help="unicornd's [plan] lookup_min_nodes (default: its default, 512; a huge value: no lookup)",
+    )
     ap.add_argument("--quick", action="store_true", help="N = 64 and 256 only, 20 s each (a smoke run)")
     ap.add_argument("--plot", type=Path, default=None, help="also draw the curves (log-log) into this PNG")
     ap.add_argument(

@@ -148,6 +148,18 @@ async def main(spec: dict[str, Any]) -> int:
         "commits": rec.commits,
         "incidents": rec.incidents,
         "slurm_calls": [e.to_dict() for e in slurm.calls],
+        "solves": {
+            "hits": daemon.core.ctx.solves.hits,
+            "misses": daemon.core.ctx.solves.misses,
+            "hit_s": list(daemon.core.ctx.solves.hit_s),
+            "miss_s": list(daemon.core.ctx.solves.miss_s),
+        },
+        "lookup": {
+            "builds": daemon.lookup.builds,
+            "build_s": daemon.lookup.build_s,
+            "solved": daemon.lookup.solved,
+            "failures": daemon.lookup.failures,
+        },
     }
     await asyncio.to_thread(Path(spec["out"]).write_text, json.dumps(out))
     for t in helpers:

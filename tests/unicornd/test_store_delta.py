@@ -15,8 +15,16 @@ from detect.statuses import ErrorStatus, Severity
 from tests.unicornd.coord_world import task, world
 from unicorn_core.errors import ProtocolError
 from unicorn_core.keys import RedisKeys
-from unicornd.state import Incident, NodeHealth, NodeRecord, Policy, Snapshot
-from unicornd.store import KINDS, CommitCost, Store, read_snapshot, snapshot_to_json, state_delta
+from unicornd.state import Incident, NodeHealth, NodeRecord, PlanBasis, Policy, Snapshot
+from unicornd.store import (
+    KINDS,
+    CommitCost,
+    Store,
+    read_snapshot,
+    snapshot_from_json,
+    snapshot_to_json,
+    state_delta,
+)
 
 KEYS = RedisKeys("deltatest")
 
@@ -153,5 +161,22 @@ def test_a_record_that_does_not_decode_is_refused(redis_url: str, value: bytes) 
         await client.hset(KEYS.state_records("nodes"), "n1", value)
         with pytest.raises(ProtocolError):
             await read_snapshot(client, KEYS, Policy())
+
+    run(redis_url, body)
+
+
+def test_the_plan_basis_round_trips_and_a_new_one_rewrites_only_the_meta(redis_url: str) -> None:
+    async def body(client: aioredis.Redis) -> None:
+        costs: list[CommitCost] = []
+        store = Store(client, KEYS, Policy())
+        store.on_commit = costs.append
+        snap = big()
+        based = snap.apply(plan_basis=PlanBasis(replace(snap.calibration, node_failures=3), 123.0))
+        await store.commit(snap)
+        await store.commit(based)
+        back = await read_snapshot(client, KEYS, Policy())
+        assert back is not None and back.plan_basis == based.plan_basis
+        assert costs[1].state_bytes < 400, "only the meta document"
+        assert snapshot_from_json(snapshot_to_json(based), Policy()).plan_basis == based.plan_basis
 
     run(redis_url, body)

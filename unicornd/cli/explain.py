@@ -23,7 +23,7 @@ from unicorn_core.errors import UnicornError
 from unicornd.calibrate import Compared, Explanation, explain
 from unicornd.cli.common import config_of, snapshot_of
 from unicornd.replan import PlanContext, plan_for, planned_tasks
-from unicornd.state import Snapshot
+from unicornd.state import PLAN_BASIS_REFRESH_S, Snapshot
 
 
 def explanation(
@@ -120,12 +120,21 @@ def explain_command(ctx: click.Context, *, as_json: bool) -> None:
         expl, calibrated, analytic = explanation(snap, PlanContext.from_config(cfg), time.time())
     except UnicornError as e:
         raise click.ClickException(f"cannot plan: {e}") from None
+    basis = snap.plan_basis
     if as_json:
         doc = explanation_json(expl, calibrated, analytic)
-        click.echo(json.dumps({**doc, "unicornd_plans_with": _plans_with(cfg.plan.calibrate)}, indent=2))
+        doc["unicornd_plans_with"] = _plans_with(cfg.plan.calibrate)
+        doc["plan_basis_t_s"] = basis.t_s if basis is not None else None
+        click.echo(json.dumps(doc, indent=2))
     else:
         click.echo(render_explanation(expl, calibrated, analytic))
         click.echo(f"unicornd plans with the {_plans_with(cfg.plan.calibrate)} inputs ([plan] calibrate)")
+        if basis is not None:
+            age = max(0.0, time.time() - basis.t_s)
+            click.echo(
+                f"the plan uses the measurements as of {age:.0f} s ago (its plan basis, renewed "
+                f"every {PLAN_BASIS_REFRESH_S:g} s while they move); the rows above are today's"
+            )
 
 
 def _plans_with(calibrate: bool) -> str:

@@ -43,11 +43,13 @@ The package, by input:
   requeued job runs again;
 - :mod:`.outcomes`: what became of each action (:func:`on_outcome`);
 - :mod:`.stragglers`: a node slower than its peers, replaced or reported (:func:`on_straggler`);
+- :mod:`.basis`: when the planner takes a new plan basis (:func:`on_basis_due`);
 - :mod:`.resolve`: a decision's replan and agent restarts made concrete before commit.
 """
 
 from __future__ import annotations
 
+from unicornd.decide.basis import on_basis_due
 from unicornd.decide.common import (
     AGENT_LOST,
     AGENT_RULES,
@@ -94,6 +96,7 @@ __all__ = [
     "ClassificationLike",
     "Finding",
     "StragglerFinding",
+    "on_basis_due",
     "on_finding",
     "on_job_running",
     "on_node_check",

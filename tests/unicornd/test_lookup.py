@@ -1,0 +1,172 @@
+"""The plan basis and the one-step lookup: a failure's plan solved ahead is the plan the
+failure gets, found in the cache instead of solved; nothing decides differently."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import cast
+
+from detect.statuses import ErrorStatus
+from plan.calibration import Running, model_key
+from plan.hardware import gpu_spec
+from plan.objective import FailureModel
+from tests.unicornd.coord_world import apply, finding, layout_for, render, task, world
+from unicornd.actions import Decision
+from unicornd.core import Core
+from unicornd.decide import on_basis_due, on_finding, resolve
+from unicornd.lookup import SPARE, Lookup, one_step_snapshots, structure, warm
+from unicornd.replan import PLANNED_STATES, PlanContext, SolveKey, plan_for, solve_inputs
+from unicornd.state import (
+    PLAN_BASIS_REFRESH_S,
+    Calibration,
+    MeasuredLayout,
+    NodeHealth,
+    PlanBasis,
+    Policy,
+    Snapshot,
+    TaskState,
+)
+
+T0 = 1_700_000_000.0
+
+
+def ctx() -> PlanContext:
+    return PlanContext(gpu_spec("a100-80g"), FailureModel(24.0), lambda _gpn, _gen: render)
+
+
+def cluster() -> Snapshot:
+    """Three tasks on 2, 3 and 2 of 9 nodes (n8, n9 spare), with a plan basis."""
+    snap = world(
+        9,
+        [task("a", 1, ["n1", "n2"]), task("b", 2, ["n3", "n4", "n5"]), task("c", 3, ["n6", "n7"])],
+        Policy(max_drain_fraction=1.0),
+    )
+    return snap.apply(plan_basis=PlanBasis(snap.calibration, T0 - 10))
+
+
+def measured(gpu: str, iteration_s: float) -> Calibration:
+    """A calibration that measured task a's model twice as slow as the model says (or not)."""
+    t = cluster().tasks["a"]
+    run = Running(mean=iteration_s, samples=50.0, count=50)
+    return Calibration(layouts=(MeasuredLayout(gpu, model_key(t.model), layout_for(2), run, T0),))
+
+
+def test_a_basis_is_taken_first_then_renewed_only_when_due_and_the_calibration_moved() -> None:
+    snap = cluster()
+    bare = replace(snap, plan_basis=None)
+    first = on_basis_due(bare, T0)
+    assert first.plan_basis == PlanBasis(bare.calibration, T0)
+    assert on_basis_due(snap, T0 + PLAN_BASIS_REFRESH_S).empty, "due, but nothing measured since"
+    moved = replace(snap, calibration=replace(snap.calibration, node_failures=1))
+    assert on_basis_due(moved, T0 - 10 + PLAN_BASIS_REFRESH_S - 1).empty, "not due yet"
+    renewed = on_basis_due(moved, T0 - 10 + PLAN_BASIS_REFRESH_S)
+    assert renewed.plan_basis is not None and renewed.plan_basis.calibration is moved.calibration
+    idle = replace(bare, tasks={k: t.with_state(TaskState.STOPPED) for k, t in bare.tasks.items()})
+    assert not any(t.state in PLANNED_STATES for t in idle.tasks.values())
+    assert on_basis_due(idle, T0).empty, "nothing planned: no basis"
+
+
+def test_the_planner_reads_the_basis_not_the_live_calibration() -> None:
+    gpu = gpu_spec("a100-80g").name
+    snap = cluster()
+    slow = measured(gpu, 50.0)
+    live_slow = replace(snap, calibration=slow)  # measured after the basis was taken
+    basis_slow = live_slow.apply(plan_basis=PlanBasis(slow, T0))
+    assert plan_for(live_slow, ctx(), T0) == plan_for(snap, ctx(), T0), "the basis still holds"
+    assert plan_for(basis_slow, ctx(), T0) == plan_for(replace(basis_slow, plan_basis=None), ctx(), T0)
+
+
+def test_each_task_and_a_spare_get_a_one_step_snapshot_with_a_node_out_and_the_task_faulted() -> None:
+    snap = cluster()
+    steps = dict(one_step_snapshots(snap))
+    assert sorted(steps) == sorted(["a", "b", "c", SPARE])
+    b = steps["b"]
+    assert len(b.plannable()) == len(snap.plannable()) - 1
+    assert b.nodes["n5"].health is NodeHealth.DRAINING and b.open_incident("b") is not None
+    assert b.open_incident("a") is None and b.tasks == snap.tasks
+    assert steps[SPARE].open_incident("b") is None and len(steps[SPARE].plannable()) == 8
+
+
+def test_the_one_step_keys_are_made_from_the_base_key_as_the_solve_would_make_them() -> None:
+    snap = cluster()
+    base = solve_inputs(snap, ctx(), T0)
+    assert base is not None and isinstance(base.key, SolveKey)
+    for tid, hyp in one_step_snapshots(snap):
+        made = base.key.one_node_lost(None if tid == SPARE else snap.tasks[tid].name)
+        solved = solve_inputs(hyp, ctx(), T0 + 99)
+        assert solved is not None and solved.key == made, tid
+
+
+def test_a_failure_solved_ahead_gets_the_same_decision_from_the_cache() -> None:
+    snap = cluster()
+    warmed = ctx()
+    assert warm(snap, warmed, T0) == 4
+    fault = finding("f1", 2, "n4", ErrorStatus.ECC_ERROR)  # b loses n4 (not its last node)
+    decided = on_finding(snap, fault, T0 + 5)
+    from_cache = resolve(snap, decided, warmed, T0 + 5)
+    assert warmed.solves.hits == 1 and warmed.solves.misses == 0
+    cold = ctx()
+    solved = resolve(snap, decided, cold, T0 + 5)
+    assert cold.solves.hits == 0 and cold.solves.misses == 1
+    assert from_cache == solved
+    assert from_cache.plan_generation == snap.plan_generation + 1 and from_cache.actions
+
+
+def test_a_failure_the_table_did_not_foresee_is_solved() -> None:
+    snap = cluster()
+    warmed = ctx()
+    warm(snap, warmed, T0)
+    later = apply(snap, on_finding(snap, finding("f1", 1, "n1", ErrorStatus.ECC_ERROR), T0 + 1))
+    # a second failure while a's incident waits: not one step from the table's snapshot
+    decided = on_finding(later, finding("f2", 3, "n6", ErrorStatus.ECC_ERROR), T0 + 2)
+    resolve(later, decided, warmed, T0 + 2)
+    assert warmed.solves.misses >= 1
+
+
+async def test_the_lookup_builds_the_table_in_a_worker_process() -> None:
+    snap = cluster()
+    context = ctx()
+    lookup = Lookup(cast(Core, SimpleNamespace(ctx=context, committed=snap)), min_nodes=0)
+    try:
+        await lookup._build(snap, structure(snap))
+    finally:
+        assert lookup._pool is not None
+        lookup._pool.shutdown(wait=True)
+    assert lookup.builds == 1 and lookup.solved == 4 and len(context.solves) == 4
+    decided = on_finding(snap, finding("f1", 3, "n7", ErrorStatus.ECC_ERROR), T0 + 5)
+    assert resolve(snap, decided, context, T0 + 5) == resolve(snap, decided, ctx(), T0 + 5)
+    assert context.solves.hits == 1
+
+
+async def test_the_lookup_builds_after_a_change_and_leaves_no_worker_when_cancelled() -> None:
+    snap = cluster()
+    context = ctx()
+    lookup = Lookup(cast(Core, SimpleNamespace(ctx=context, committed=snap)), min_nodes=0)
+    running = asyncio.create_task(lookup.run())
+    lookup.follow(snap, snap, Decision())
+    deadline = time.monotonic() + 60
+    while lookup.builds == 0:
+        assert time.monotonic() < deadline and not running.done(), "no build"
+        await asyncio.sleep(0.05)
+    assert lookup._pool is not None
+    workers = [p.pid for p in (lookup._pool._processes or {}).values()]
+    lookup.follow(snap, snap, Decision())  # the same inputs: nothing to build again
+    await asyncio.sleep(1.0)
+    assert lookup.builds == 1
+    running.cancel()
+    await asyncio.wait_for(asyncio.gather(running, return_exceptions=True), 5)
+    while any(_alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, f"worker(s) {workers} still running"
+        await asyncio.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,80 @@
+"""The planner's memory of its solves (:class:`SolveCache`), apart from :mod:`unicornd.replan`
+because it keeps time and a lock, which decision modules never touch."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+from typing import Final
+
+from plan.planner import Plan
+from unicornd.state import PlanBasis
+
+
+@dataclass
+class Took:
+    """One timed lookup: ``hit`` True (cached), False (solved), None (not cacheable)."""
+
+    hit: bool | None = None
+
+
+SOLVES_KEPT: Final = 256
+"""Solves a :class:`SolveCache` keeps: a one-step table is one per planned task, and a plan
+of 200 tasks holds ~74 KB (the table of 4,096 nodes and 200 tasks: ~15 MB)."""
+
+
+class SolveCache:
+    """Plans solved before, by their exact inputs: a cached plan is the plan the solve would
+    give, so using one changes no decision (a restarted unicornd that solves afresh decides
+    the same). :mod:`unicornd.lookup` fills it ahead of failures. Thread-safe (replans run
+    in worker threads). ``hits``/``misses`` count :func:`plan_for` calls that could use it;
+    ``hit_s``/``miss_s`` are their durations (the newest 1,000)."""
+
+    def __init__(self, kept: int = SOLVES_KEPT) -> None:
+        self.kept = kept
+        self._plans: OrderedDict[Hashable, tuple[PlanBasis | None, Plan]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.hit_s: deque[float] = deque(maxlen=1000)
+        self.miss_s: deque[float] = deque(maxlen=1000)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, key: Hashable, basis: PlanBasis | None) -> Plan | None:
+        """The plan solved for ``key`` with this very basis (the same object: a basis is
+        made once per refresh; equal contents from another refresh do not count)."""
+        with self._lock:
+            found = self._plans.get(key)
+            if found is None or found[0] is not basis:
+                return None
+            self._plans.move_to_end(key)
+            return found[1]
+
+    def put(self, key: Hashable, basis: PlanBasis | None, plan: Plan) -> None:
+        with self._lock:
+            self._plans[key] = (basis, plan)
+            self._plans.move_to_end(key)
+            while len(self._plans) > self.kept:
+                self._plans.popitem(last=False)
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[Took]:
+        """Time a lookup: the caller sets ``hit`` (left None: not counted)."""
+        took = Took()
+        started = time.perf_counter()
+        yield took
+        if took.hit is None:
+            return
+        with self._lock:
+            if took.hit:
+                self.hits += 1
+                self.hit_s.append(time.perf_counter() - started)
+            else:
+                self.misses += 1
+                self.miss_s.append(time.perf_counter() - started)
