@@ -135,8 +135,8 @@ class HangVerdict:
 class Samples:
     """The last ``capacity`` floats, oldest first, in one ``array('d')``: 8 bytes a sample
     where a deque holds a 24-byte float object and a pointer. There is one per rank: at
-    4,096 nodes x 8 ranks and a 256-sample window, 67 MiB instead of 268
-    (``scripts/bench/scale.py``'s long run)."""
+    4,096 nodes x 8 ranks and a 256-sample window, 71 MiB instead of 282 (tracemalloc;
+    ``scripts/bench/scale.py``'s long run found the growth)."""
 
     __slots__ = ("_buf", "_start", "capacity")
 
