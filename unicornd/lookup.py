@@ -25,7 +25,7 @@ import concurrent.futures
 import multiprocessing
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
@@ -71,12 +71,13 @@ def _incident(task: TaskRecord, node: str) -> Incident:
     )
 
 
-def one_step_snapshots(snap: Snapshot) -> list[tuple[str, Snapshot]]:
+def one_step_snapshots(snap: Snapshot, only: Collection[str] | None = None) -> list[tuple[str, Snapshot]]:
     """(task id, snapshot) for each planned task holding a plannable node: the snapshot its
     replan sees after one of its nodes failed (the node draining, the task with an open
     incident, as the ladder's isolate rung leaves them); and (:data:`SPARE`, the snapshot
     after a plannable node no task holds failed), if there is one. Which of a task's nodes
-    fails does not matter to the planner (it counts nodes)."""
+    fails does not matter to the planner (it counts nodes). ``only``: just these ids (each
+    snapshot copies the node mapping: a worker's chunk builds its own, not all)."""
     plannable = snap.plannable()
     usable = set(plannable)
     out: list[tuple[str, Snapshot]] = []
@@ -84,7 +85,7 @@ def one_step_snapshots(snap: Snapshot) -> list[tuple[str, Snapshot]]:
     for task in planned_tasks(snap):
         held.update(task.nodes)
         nodes = [n for n in task.nodes if n in usable]
-        if not nodes:
+        if not nodes or (only is not None and task.task_id not in only):
             continue
         node = snap.node(nodes[-1]).with_health(NodeHealth.DRAINING, "lookup: solved ahead")
         faulted = snap.open_incident(task.task_id) is not None
@@ -95,7 +96,7 @@ def one_step_snapshots(snap: Snapshot) -> list[tuple[str, Snapshot]]:
             )
         )
     spare = next((n for n in plannable if n not in held), None)
-    if spare is not None:
+    if spare is not None and (only is None or SPARE in only):
         node = snap.node(spare).with_health(NodeHealth.DRAINING, "lookup: solved ahead")
         out.append((SPARE, snap.apply(nodes=[node])))
     return out
@@ -132,18 +133,15 @@ def _no_render(_gpus: int, _generation: int) -> Render:
 
 
 def solve_ahead(
-    snap: Snapshot, parts: SolveParts, now_s: float, tasks: Sequence[str]
+    snap: Snapshot, parts: SolveParts, now_s: float, tasks: Sequence[str] | None
 ) -> list[tuple[str, Plan]]:
-    """(task id or :data:`SPARE`, plan) of the one-step snapshots of ``tasks`` whose inputs
-    can be cached. Pure; runs in the worker process. Only plans travel back (their keys
+    """(task id or :data:`SPARE`, plan) of the one-step snapshots of ``tasks`` (None: all)
+    whose inputs can be cached. Pure; runs in the worker process. Only plans travel back (their keys
     are made where they are stored, :meth:`~unicornd.replan.SolveKey.one_node_lost`: a key
     holds every task's spec, and unpickling them holds the parent's GIL)."""
     ctx = parts.context()
-    wanted = set(tasks)
     out: list[tuple[str, Plan]] = []
-    for tid, hyp in one_step_snapshots(snap):
-        if tid not in wanted:
-            continue
+    for tid, hyp in one_step_snapshots(snap, None if tasks is None else set(tasks)):
         inputs = solve_inputs(hyp, ctx, now_s)
         if inputs is not None and inputs.key is not None:
             out.append((tid, solve(inputs, ctx)))
@@ -253,7 +251,6 @@ def warm(snap: Snapshot, ctx: PlanContext, now_s: float) -> int:
     base = solve_inputs(snap, ctx, now_s)
     if base is None or not isinstance(base.key, SolveKey):
         return 0
-    ids = [tid for tid, _ in one_step_snapshots(snap)]
-    plans = solve_ahead(snap, SolveParts.of(ctx), now_s, ids)
+    plans = solve_ahead(snap, SolveParts.of(ctx), now_s, None)
     store(snap, base.key, plans, ctx.solves)
     return len(plans)

@@ -116,7 +116,6 @@ class SolveInputs:
     specs: tuple[TaskSpec, ...]
     cluster: Cluster
     request: PlanRequest
-    calibrated: bool
     efficiency: Mapping[str, Efficiency] | None
     basis: PlanBasis | None
     key: Hashable
@@ -138,7 +137,7 @@ def solve_inputs(
     specs = tuple(t.spec() for t in tasks)
     if not (calibrated and ctx.plan.calibrate):
         request = PlanRequest(current=current, faulted=faulted, failure=ctx.failure)
-        return SolveInputs(specs, cluster, request, False, None, None, (specs, cluster, current, faulted))
+        return SolveInputs(specs, cluster, request, None, None, (specs, cluster, current, faulted))
     basis = snapshot.plan_basis
     source, at_s = snapshot, now_s
     if basis is not None:
@@ -151,7 +150,7 @@ def solve_inputs(
     # (node-hours), besides the basis.
     ids = tuple(t.task_id for t in tasks)
     key = SolveKey(specs, ids, len(snapshot.nodes), cluster, current, faulted) if basis is not None else None
-    return SolveInputs(specs, cluster, request, True, inputs.efficiency, basis, key)
+    return SolveInputs(specs, cluster, request, inputs.efficiency, basis, key)
 
 
 def solve(inputs: SolveInputs, ctx: PlanContext) -> Plan:

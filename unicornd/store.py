@@ -95,7 +95,18 @@ def snapshot_from_json(text: str | bytes, policy: Policy) -> Snapshot:
     tasks = [TaskRecord.from_dict(t) for t in doc.get("tasks", [])]
     nodes = [NodeRecord.from_dict(n) for n in doc.get("nodes", [])]
     incidents = [Incident.from_dict(i) for i in doc.get("incidents", [])]
-    calibration = Calibration.from_dict(doc["calibration"]) if "calibration" in doc else Calibration()
+    return _snapshot_of(doc, tasks, nodes, incidents, policy)
+
+
+def _snapshot_of(
+    doc: Mapping[str, Any],
+    tasks: Sequence[TaskRecord],
+    nodes: Sequence[NodeRecord],
+    incidents: Sequence[Incident],
+    policy: Policy,
+) -> Snapshot:
+    """The snapshot of these records and ``doc``'s scalars (either form's: a document
+    without ``calibration``, written before it existed, reads as nothing measured)."""
     basis = doc.get("plan_basis")
     return Snapshot(
         tasks={t.task_id: t for t in tasks},
@@ -104,7 +115,7 @@ def snapshot_from_json(text: str | bytes, policy: Policy) -> Snapshot:
         incidents={i.incident_id: i for i in incidents},
         plan_generation=int(doc.get("plan_generation", 0)),
         policy=policy,
-        calibration=calibration,
+        calibration=Calibration.from_dict(doc.get("calibration", {})),
         plan_basis=PlanBasis.from_dict(basis) if basis is not None else None,
     )
 
@@ -182,33 +193,31 @@ def state_delta(written: Written | None, after: Snapshot) -> tuple[StateDelta, W
     deletes: dict[str, list[str]] = {}
     for kind in KINDS:
         now = _records(after, kind)
-        old = _records(written.snapshot, kind) if written is not None else None
-        if old is now and written is not None:  # the same mapping: nothing in it changed
+        if written is not None and _records(written.snapshot, kind) is now:
+            # The same mapping: nothing in it changed.
             reset[kind], sets[kind], deletes[kind] = False, {}, []
             new.positions[kind] = written.positions[kind]
             new.next_position[kind] = written.next_position[kind]
             continue
-        fresh = old is None or written is None or not _kept_order(old, now)
-        positions: dict[str, int] = {} if fresh or written is None else dict(written.positions[kind])
-        nxt = 0 if fresh or written is None else written.next_position[kind]
+        old = _records(written.snapshot, kind) if written is not None else {}
+        # What is written of this kind, when its order holds (else the hash is written afresh).
+        kept = written if written is not None and _kept_order(old, now) else None
+        positions = dict(kept.positions[kind]) if kept is not None else {}
+        nxt = kept.next_position[kind] if kept is not None else 0
+        gone = [key for key in old if key not in now] if kept is not None else []
+        for key in gone:
+            del positions[key]
         changed: dict[str, bytes] = {}
-        gone: list[str] = []
-        if not fresh and old is not None:
-            for key in old:
-                if key not in now:
-                    gone.append(key)
-                    del positions[key]
         for key, record in now.items():
-            if not fresh and old is not None:
-                before = old.get(key, None)
-                if before is record or (before is not None and before == record):
-                    continue
+            before = old.get(key) if kept is not None else None
+            if before is not None and (before is record or before == record):
+                continue
             pos = positions.get(key)
             if pos is None:
                 pos = positions[key] = nxt
                 nxt += 1
             changed[key] = b'{"o":%d,"r":%s}' % (pos, msgspec.json.encode(record))
-        reset[kind], sets[kind], deletes[kind] = fresh, changed, gone
+        reset[kind], sets[kind], deletes[kind] = kept is None, changed, gone
         new.positions[kind], new.next_position[kind] = positions, nxt
     return StateDelta(_meta_json(after) if meta_changed else None, reset, sets, deletes), new
 
@@ -259,16 +268,7 @@ def snapshot_from_state(
     nodes = [cast(NodeRecord, r) for _, r in stored["nodes"]]
     incidents = [cast(Incident, r) for _, r in stored["incidents"]]
     try:
-        snap = Snapshot(
-            tasks={t.task_id: t for t in tasks},
-            nodes={n.name: n for n in nodes},
-            gpus_per_node=int(doc["gpus_per_node"]),
-            incidents={i.incident_id: i for i in incidents},
-            plan_generation=int(doc.get("plan_generation", 0)),
-            policy=policy,
-            calibration=Calibration.from_dict(doc.get("calibration", {})),
-            plan_basis=PlanBasis.from_dict(doc["plan_basis"]) if doc.get("plan_basis") is not None else None,
-        )
+        snap = _snapshot_of(doc, tasks, nodes, incidents, policy)
     except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError("invalid", f"state meta: {e}") from e
     written = Written(snap)

@@ -52,6 +52,20 @@ async def test_a_launch_deletes_the_commands_queued_for_the_nodes_earlier_agents
     )
     sync.xadd(keys.agent_commands(7, "n1"), {PAYLOAD_FIELD: encode(stale)})
     sync.xadd(keys.agent_commands(7, "n2"), {PAYLOAD_FIELD: encode(stale)})  # another node: kept
+    slurm = FakeSlurm([idle_node("n1"), idle_node("n2")], [running_job(7, ["n1", "n2"])], local_steps=True)
+    try:
+        launch = LaunchAgents("plan-3/t/requeue/launch", "t", 7, (NodeArgv("n1", ("true",)),))
+        await _launch_on(slurm, redis_url, launch)
+        assert sync.xlen(keys.agent_commands(7, "n1")) == 0
+        assert sync.xlen(keys.agent_commands(7, "n2")) == 1
+        assert [c[0] for c in slurm.calls if c[0] == "launch_step"] == ["launch_step"]
+    finally:
+        sync.close()
+
+
+async def _launch_on(slurm: FakeSlurm, redis_url: str, launch: LaunchAgents) -> None:
+    """Run a real unicornd on ``slurm`` and have its executor perform ``launch``; the steps
+    it started are killed and unicornd stopped after."""
     cfg = load_config(
         None,
         env={
@@ -60,17 +74,12 @@ async def test_a_launch_deletes_the_commands_queued_for_the_nodes_earlier_agents
             "UNICORN_REDIS__AGENT_ACL": "0",
         },
     )
-    slurm = FakeSlurm([idle_node("n1"), idle_node("n2")], [running_job(7, ["n1", "n2"])], local_steps=True)
     client = redis_io.connect(cfg.redis, client_name="test-unicornd")
     daemon = Daemon(cfg, slurm, client)
     running = asyncio.create_task(daemon.run())
     try:
         await _until(lambda: daemon.snapshot is not None)
-        launch = LaunchAgents("plan-3/t/requeue/launch", "t", 7, (NodeArgv("n1", ("true",)),))
         await daemon.executor._launch(launch)
-        assert sync.xlen(keys.agent_commands(7, "n1")) == 0
-        assert sync.xlen(keys.agent_commands(7, "n2")) == 1
-        assert [c[0] for c in slurm.calls if c[0] == "launch_step"] == ["launch_step"]
     finally:
         for step in slurm.steps:
             if step.process.returncode is None:
@@ -79,7 +88,6 @@ async def test_a_launch_deletes_the_commands_queued_for_the_nodes_earlier_agents
         daemon._stop.set()
         await asyncio.wait_for(running, 30)
         await client.aclose()
-        sync.close()
         reset_logging()
 
 
@@ -108,34 +116,15 @@ class _SlowSlurm(FakeSlurm):
             self.in_flight -= 1
 
 
-async def _launch_on(slurm: _SlowSlurm, redis_url: str, nodes: int) -> None:
-    cfg = load_config(
-        None,
-        env={
-            "UNICORN_REDIS__URL": redis_url,
-            "UNICORN_REDIS__KEY_PREFIX": PREFIX,
-            "UNICORN_REDIS__AGENT_ACL": "0",
-        },
+def _on_nodes(count: int) -> LaunchAgents:
+    return LaunchAgents(
+        "plan-3/t/launch", "t", 7, tuple(NodeArgv(f"n{i}", ("true",)) for i in range(1, count + 1))
     )
-    client = redis_io.connect(cfg.redis, client_name="test-unicornd")
-    daemon = Daemon(cfg, slurm, client)
-    running = asyncio.create_task(daemon.run())
-    try:
-        await _until(lambda: daemon.snapshot is not None)
-        commands = tuple(NodeArgv(f"n{i}", ("true",)) for i in range(1, nodes + 1))
-        await daemon.executor._launch(LaunchAgents("plan-3/t/launch", "t", 7, commands))
-    finally:
-        for step in slurm.steps:
-            if step.process.returncode is None:
-                step.process.kill()
-            await step.process.wait()
-        daemon._stop.set()
-        await asyncio.wait_for(running, 30)
 
 
 async def test_a_large_launch_starts_its_agents_a_bounded_number_at_a_time(redis_url: str) -> None:
     slurm = _SlowSlurm(40)
-    await _launch_on(slurm, redis_url, 40)
+    await _launch_on(slurm, redis_url, _on_nodes(40))
     started = sorted(c[2][0] for c in slurm.calls if c[0] == "launch_step")
     assert started == sorted(f"n{i}" for i in range(1, 41))
     assert slurm.most == LAUNCH_CONCURRENCY  # overlapped, never more than the bound
@@ -144,5 +133,5 @@ async def test_a_large_launch_starts_its_agents_a_bounded_number_at_a_time(redis
 async def test_a_node_whose_launch_fails_fails_the_action_but_not_the_other_nodes(redis_url: str) -> None:
     slurm = _SlowSlurm(6, bad="n3")
     with pytest.raises(CommandFailed, match="n3: step creation failed"):
-        await _launch_on(slurm, redis_url, 6)
+        await _launch_on(slurm, redis_url, _on_nodes(6))
     assert sorted(s.nodes[0] for s in slurm.steps) == ["n1", "n2", "n4", "n5", "n6"]

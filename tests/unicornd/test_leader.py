@@ -11,32 +11,15 @@ import redis.asyncio as aioredis
 
 from tests.conftest import free_port
 from tests.unicornd.coord_world import task, world
+from tests.unicornd.redis_world import run, stored
 from unicorn_core.config import LeaderConfig
 from unicorn_core.keys import RedisKeys
 from unicornd.leader import Lease, LeaseLost, election
 from unicornd.state import Policy
-from unicornd.store import Fenced, Store, read_snapshot, snapshot_to_json
+from unicornd.store import Fenced, Store, snapshot_to_json
 
 KEYS = RedisKeys("leadtest")
 CFG = LeaderConfig(lease_s=0.3)
-
-
-def run(redis_url: str, body):  # type: ignore[no-untyped-def]
-    async def main() -> None:
-        client = aioredis.Redis.from_url(redis_url)
-        try:
-            await body(client)
-        finally:
-            await client.aclose()
-
-    asyncio.run(main())
-
-
-async def stored(client: aioredis.Redis) -> str:
-    """The committed snapshot as one document (records in their committed order)."""
-    snap = await read_snapshot(client, KEYS, Policy())
-    assert snap is not None
-    return snapshot_to_json(snap)
 
 
 def test_one_leader_and_a_standby_that_takes_over_with_a_newer_token(redis_url: str) -> None:
@@ -71,7 +54,7 @@ def test_a_deposed_leaders_commit_is_refused_and_changes_nothing(redis_url: str)
         await new.commit(moved)
         with pytest.raises(Fenced, match="another unicornd leads"):
             await old.commit(snap)  # a resumes and tries to commit what it decided
-        assert await stored(client) == snapshot_to_json(moved)
+        assert await stored(client, KEYS) == snapshot_to_json(moved)
         assert await client.hgetall(KEYS.commits()) == {b"1": b"1", b"2": b"1"}  # the refused one uncounted
         assert await old.owed() == []
 
@@ -106,7 +89,7 @@ def test_a_second_leader_with_the_same_token_is_told_apart_by_the_lease(redis_ur
         await new.commit(snap)
         with pytest.raises(Fenced, match="lease held by 1:head-b"):
             await old.commit(snap.apply(plan_generation=9))
-        assert await stored(client) == snapshot_to_json(snap)
+        assert await stored(client, KEYS) == snapshot_to_json(snap)
         with pytest.raises(LeaseLost, match="the lease is"):
             await a.check()
         await b.check()

@@ -4,8 +4,6 @@ and the version-2 document is read and replaced."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import pytest
@@ -13,6 +11,7 @@ import redis.asyncio as aioredis
 
 from detect.statuses import ErrorStatus, Severity
 from tests.unicornd.coord_world import task, world
+from tests.unicornd.redis_world import run, stored
 from unicorn_core.errors import ProtocolError
 from unicorn_core.keys import RedisKeys
 from unicornd.state import Incident, NodeHealth, NodeRecord, PlanBasis, Policy, Snapshot
@@ -29,17 +28,6 @@ from unicornd.store import (
 KEYS = RedisKeys("deltatest")
 
 
-def run(redis_url: str, body: Callable[[aioredis.Redis], Awaitable[None]]) -> None:
-    async def main() -> None:
-        client = aioredis.Redis.from_url(redis_url)
-        try:
-            await body(client)
-        finally:
-            await client.aclose()
-
-    asyncio.run(main())
-
-
 def incident(iid: str, node: str) -> Incident:
     return Incident(
         incident_id=iid, task_id="a", node=node, rank=0, status=ErrorStatus.LOST_CONNECTION,
@@ -49,12 +37,6 @@ def incident(iid: str, node: str) -> Incident:
 
 def big() -> Snapshot:
     return world(64, [task("a", 1, ["n1", "n2"]), task("b", 2, ["n3"])])
-
-
-async def stored(client: aioredis.Redis) -> str:
-    snap = await read_snapshot(client, KEYS, Policy())
-    assert snap is not None
-    return snapshot_to_json(snap)
 
 
 def test_a_commit_writes_only_the_records_a_decision_changed() -> None:
@@ -87,7 +69,7 @@ def test_the_state_read_back_is_the_state_committed_in_its_order(redis_url: str)
         store.on_commit = costs.append
         snap = big().apply(incidents=[incident("a.1", "n1"), incident("a.2", "n2"), incident("a.3", "n1")])
         await store.commit(snap)
-        assert await stored(client) == snapshot_to_json(snap)
+        assert await stored(client, KEYS) == snapshot_to_json(snap)
         # Drop an incident in the middle, change a node, add a task and an incident.
         gone = replace(snap, incidents={k: v for k, v in snap.incidents.items() if k != "a.2"})
         moved = gone.apply(
@@ -97,7 +79,7 @@ def test_the_state_read_back_is_the_state_committed_in_its_order(redis_url: str)
             plan_generation=5,
         )
         await store.commit(moved)
-        assert await stored(client) == snapshot_to_json(moved)
+        assert await stored(client, KEYS) == snapshot_to_json(moved)
         assert costs[1].state_bytes < costs[0].state_bytes / 5  # 4 records and the meta of 69
         assert await client.hlen(KEYS.state_records("incidents")) == 3
         # A new leader loads it, then commits a new record: it goes after the others.
@@ -106,7 +88,7 @@ def test_the_state_read_back_is_the_state_committed_in_its_order(redis_url: str)
         assert snapshot_to_json(loaded) == snapshot_to_json(moved)
         later = loaded.apply(incidents=[incident("a.5", "n9")])
         await again.commit(later)
-        assert await stored(client) == snapshot_to_json(later)
+        assert await stored(client, KEYS) == snapshot_to_json(later)
         assert list((await read_snapshot(client, KEYS, Policy()) or later).incidents) == [
             "a.1", "a.3", "a.4", "a.5"
         ]  # fmt: skip
@@ -118,13 +100,13 @@ def test_the_version_2_document_is_read_then_replaced(redis_url: str) -> None:
     async def body(client: aioredis.Redis) -> None:
         snap = big()
         await client.set(KEYS.state(), snapshot_to_json(snap))
-        assert await stored(client) == snapshot_to_json(snap)
+        assert await stored(client, KEYS) == snapshot_to_json(snap)
         store = Store(client, KEYS, Policy())
         loaded = await store.load(8)
         assert loaded == snap
         await store.commit(loaded.apply(plan_generation=2))
         assert not await client.exists(KEYS.state())
-        assert await stored(client) == snapshot_to_json(snap.apply(plan_generation=2))
+        assert await stored(client, KEYS) == snapshot_to_json(snap.apply(plan_generation=2))
 
     run(redis_url, body)
 
@@ -140,7 +122,7 @@ def test_after_a_failed_commit_the_next_writes_everything(redis_url: str) -> Non
             await store.commit(snap.apply(tasks=[replace(snap.tasks["a"], last_iteration=11)]))
         await client.delete(KEYS.state_records("tasks"))
         await store.commit(snap.apply(plan_generation=4))
-        assert await stored(client) == snapshot_to_json(snap.apply(plan_generation=4))
+        assert await stored(client, KEYS) == snapshot_to_json(snap.apply(plan_generation=4))
 
     run(redis_url, body)
 
