@@ -440,17 +440,24 @@ class IterationMonitor:
 
     # --- decisions --------------------------------------------------------------------
 
-    def check(self, now_s: float) -> HangVerdict | None:
-        """A verdict while some rank is silent past its deadline, else None (level-triggered)."""
+    def check(self, now_s: float, heard_until_s: float | None = None) -> HangVerdict | None:
+        """A verdict while some rank is silent past its deadline, else None (level-triggered).
+
+        ``heard_until_s``: every report sent before it has been observed (the reader had
+        read its streams to the end). Silence is measured up to it when it is earlier than
+        ``now_s``: reports the reader has not read yet (it fell behind, or its process
+        paused) are no silence of the ranks. None: up to ``now_s``.
+        """
         _check_clock(now_s, self._clock)
         self._clock = now_s
+        until_s = now_s if heard_until_s is None else min(now_s, heard_until_s)
         base = self.deadline_s()
         stalled: list[tuple[int, _Rank, float, float, float]] = []
         for rank, state in self._ranks.items():
             limit = self._limit(state, base)
             if limit is None:
                 continue
-            wait = now_s - state.last_seen_s
+            wait = until_s - state.last_seen_s
             if wait <= limit:
                 # The silence never exceeds the wait (every source's samples are at or
                 # before now_s, and at most the wait is excused): no need to weigh CPU

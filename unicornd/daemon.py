@@ -243,6 +243,7 @@ class Daemon:
             self.consumer,
             self.agents.on_message,
             acks=self.core,
+            on_caught_up=self.detector.heard_until,
         )
         control = StreamIngest(
             self.client,

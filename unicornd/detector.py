@@ -115,6 +115,10 @@ class Detector:
     """Per job: its nodes with an open straggler report in the committed snapshot; a new
     statistic clears them once they are no longer slow."""
 
+    _heard_until_s: float | None = field(init=False, default=None)
+    """Every agent event written before this (monotonic) time has been handled
+    (:meth:`heard_until`); None: trust the clock (no reader reports its progress)."""
+
     def __post_init__(self) -> None:
         self.liveness = HeartbeatTracker(
             timeout_s=self.detect_cfg.heartbeat_timeout_s,
@@ -226,9 +230,28 @@ class Detector:
         for job_id, node in expected_agents(snapshot):
             self.expect_agent(job_id, node, now_s)
 
+    def heard_until(self, t_s: float) -> None:
+        """Every agent event written before monotonic ``t_s`` has been handled: the events
+        reader read each of its streams to the end in a read sent at ``t_s``.
+
+        From the first call on, silence (a lost heartbeat, a stalled iteration) is measured
+        up to the latest such time, not up to the clock. Found at 4,096 nodes: after a pause
+        of unicornd's loop (a full garbage collection, a long decision) the ticker woke
+        before the reader had caught up, and the reports waiting in Redis counted as the
+        ranks' silence. A silence unicornd has not finished listening to harms a healthy
+        job (a restart); detection waits for the reader instead (at most one read behind
+        while it keeps up). Only moves forward.
+        """
+        if self._heard_until_s is None or t_s > self._heard_until_s:
+            self._heard_until_s = t_s
+
+    def _until(self, now_s: float) -> float:
+        return now_s if self._heard_until_s is None else min(now_s, self._heard_until_s)
+
     def silent(self, job_id: int, node: str, now_s: float) -> bool:
-        """The agent of ``job_id`` on ``node`` is silent past its heartbeat timeout at ``now_s``."""
-        return self.liveness.state(job_id, node, now_s) is Liveness.EXPIRED
+        """The agent of ``job_id`` on ``node`` is silent past its heartbeat timeout at
+        ``now_s`` (as far as the reader has read: :meth:`heard_until`)."""
+        return self.liveness.state(job_id, node, self._until(now_s)) is Liveness.EXPIRED
 
     def last_iteration(self, job_id: int) -> int | None:
         state = self._jobs.get(job_id)
@@ -393,9 +416,11 @@ class Detector:
         return Classification(status, severity, msg.rule, msg.evidence[:1000], secondary)
 
     def check(self, now_s: float) -> list[JobEvidence]:
-        """Findings from silence at ``now_s``: lost agents, and tasks whose iterations stopped."""
+        """Findings from silence at ``now_s`` (as far as the reader has read:
+        :meth:`heard_until`): lost agents, and tasks whose iterations stopped."""
         out: list[JobEvidence] = []
-        for exp in self.liveness.expired(now_s):
+        until_s = self._until(now_s)
+        for exp in self.liveness.expired(until_s):
             key = (exp.job_id, exp.node)
             if key in self._lost:
                 continue
@@ -404,7 +429,7 @@ class Detector:
                 JobEvidence(exp.job_id, Evidence(exp.node, None, now_s, exp.classification(), "heartbeat"))
             )
         for job_id, job in self._jobs.items():
-            verdict = job.monitor.check(now_s)
+            verdict = job.monitor.check(now_s, until_s)
             if verdict is None:
                 job.hang_reported = None
                 continue

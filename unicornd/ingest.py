@@ -89,6 +89,7 @@ class StreamIngest:
         *,
         raw_handler: RawHandler | None = None,
         acks: AckPolicy | None = None,
+        on_caught_up: Callable[[float], None] | None = None,
     ) -> None:
         if (handler is None) == (raw_handler is None):
             raise ValueError("give exactly one of handler and raw_handler")
@@ -98,6 +99,11 @@ class StreamIngest:
         self.handler = handler
         self.raw_handler = raw_handler
         self.acks: AckPolicy = acks or _AckAtOnce()
+        self.on_caught_up = on_caught_up
+        """Called, after a read's entries are handled, with a monotonic time before which
+        every entry of the streams read was handled: the read's send time when no stream
+        filled ``READ_COUNT`` (Redis served every entry it held), or its timeout when it
+        blocked and found nothing."""
         self.decoder = SafeDecoder()
         self.handled = 0
         self._ready: set[str] = set()
@@ -166,17 +172,29 @@ class StreamIngest:
                 await self._open(stream)
         self._ready.intersection_update(streams)
         await self.ack_ready()
+        sent = time.monotonic()
         if not streams:
             await asyncio.sleep((block_ms or 0) / 1000)
+            self._caught_up(sent)
             return 0
         try:
-            return await self._handle(await self._read(dict.fromkeys(streams, ">"), block_ms))
+            entries = await self._read(dict.fromkeys(streams, ">"), block_ms)
+            n = await self._handle(entries)
+            if not entries:  # Redis answered at the timeout: it held nothing until then
+                self._caught_up(min(time.monotonic(), sent + (block_ms or 0) / 1000))
+            elif all(len(items) < READ_COUNT for _, items in entries):
+                self._caught_up(sent)
+            return n
         except RedisCallError as e:
             gone = ("NOGROUP", "UNBLOCKED")  # a stream was deleted before or while we waited on it
             if isinstance(e.__cause__, redis.exceptions.ResponseError) and any(g in str(e) for g in gone):
                 self._ready.clear()  # reopen what is still listed
                 return 0
             raise
+
+    def _caught_up(self, t_s: float) -> None:
+        if self.on_caught_up is not None:
+            self.on_caught_up(t_s)
 
     async def run(self, block_ms: int = 200) -> None:
         """Replay pending entries, then handle new ones forever."""

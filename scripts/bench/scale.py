@@ -128,6 +128,8 @@ PREFIX: Final = "scale"
 MODELS: Final = ("gpt3-1.3b", "gpt3-7b", "gpt3-13b")
 """The jobs' models, in turn (``etc/tasks``)."""
 DAEMON_START_S: Final = 240.0
+REDIS_LATENCY_THRESHOLD_MS: Final = 100
+"""Redis's latency monitor records its stalls from this long (``LATENCY LATEST``)."""
 LEASE_S: Final = 30.0
 """``[leader] lease_s`` here (default 3 s): one unicornd, no takeover measured, and with the
 default a loop stall over ~2 s (seen at start with 4,096 nodes) loses the lease and ends
@@ -644,6 +646,7 @@ async def _drive(
     )
     loops = [
         asyncio.create_task(fleet.tick_loop(), name="ticks"),
+        asyncio.create_task(fleet.write_loop(), name="writes"),
         asyncio.create_task(fleet.commands_loop(), name="commands"),
         asyncio.create_task(fleet.slurm_loop(), name="slurm-events"),
     ]
@@ -684,6 +687,10 @@ async def _measure(
         await asyncio.sleep(0.2)
     startup_s = time.monotonic() - started
     log(f"N={n_nodes}: unicornd up after {startup_s:.1f} s; warm-up {args.warmup_s:g} s")
+    # Redis records its own stalls of 100 ms or more (fork, AOF write and fsync, slow commands).
+    await redis_io.call(
+        ("CONFIG", "SET"), client.config_set("latency-monitor-threshold", REDIS_LATENCY_THRESHOLD_MS)
+    )
     await asyncio.sleep(args.warmup_s)
     t0 = time.time() + 0.2
     await redis_io.call(("SET",), client.set(t0_key(PREFIX), repr(t0)))
@@ -706,6 +713,7 @@ async def _measure(
         await asyncio.sleep(1.0)
         proc += [s for s in [daemon_sample(daemon.pid)] if s is not None]
     last = await _sample(client, fleet, streams)
+    latency = await redis_io.call(("LATENCY", "LATEST"), client.execute_command("LATENCY", "LATEST"))
     log(f"N={n_nodes}: window over; tail {args.tail_s:g} s")
     await asyncio.sleep(args.tail_s)  # decisions on the last faults
     faults.cancel()
@@ -734,6 +742,7 @@ async def _measure(
         "iterations_per_s": _r((last.iterations - first.iterations) / span, 2),
         "generator_cpu_core_share": _r((last.self_cpu_s - first.self_cpu_s) / span),
         "generator_late_tick_share": _r(fleet.counters.late_ticks / max(1, fleet.counters.ticks)),
+        "generator_write_delay_max_ms": _r(fleet.counters.write_delay_max_s * 1000, 1),
         "unicornd_cpu_core_share": _r((proc[-1][1] - proc[0][1]) / p_span) if proc else None,
         "unicornd_runqueue_wait_share": _r((proc[-1][2] - proc[0][2]) / p_span) if proc else None,
         "unicornd_died_in_window_s": _r(died_s, 1),
@@ -753,6 +762,13 @@ async def _measure(
             )
             / span
         ),
+        "redis_aof_rewrites": int(rf.get("aof_rewrites", 0)) - int(ri.get("aof_rewrites", 0)),
+        "redis_aof_delayed_fsync": int(rf.get("aof_delayed_fsync", 0)) - int(ri.get("aof_delayed_fsync", 0)),
+        "redis_latest_fork_ms": _r(int(rf.get("latest_fork_usec", 0)) / 1000, 1),
+        "redis_latency_max_ms": {
+            (e.decode() if isinstance(e, bytes) else str(e)): int(worst)
+            for e, _at, _latest, worst, *_ in cast(list[list[Any]], latency or [])
+        },
         "load_avg_1m": _r(os.getloadavg()[0], 2),
     }
 
@@ -815,6 +831,22 @@ def _analyse(
         "faults_without_decision": len(on_jobs) - len(decided),
         "spurious_incidents": len(in_window),
         "spurious_rules": sorted({str(i["rule"]) for i in in_window}),
+        "spurious_examples": [
+            {
+                "t_s": _r(float(i["t"]) - w0, 1),
+                "task": i["task"],
+                "rule": i["rule"],
+                "evidence": i.get("evidence", ""),
+                "loop_lag_max_ms_5s_before": _r(
+                    max(
+                        (v * 1000 for t, v in dump.get("lag", []) if float(i["t"]) - 5 <= t <= float(i["t"])),
+                        default=None,
+                    ),
+                    1,
+                ),
+            }
+            for i in in_window[:12]
+        ],
         "fault_to_decision_p50_s": _r(percentile(since(decided, "decided_wall", "evidence"), 0.5)),
         "fault_to_decision_p95_s": _r(percentile(since(decided, "decided_wall", "evidence"), 0.95)),
         "fault_to_decision_from_injection_p95_s": _r(

@@ -205,6 +205,9 @@ class FleetCounters:
     ticks: int = 0
     late_ticks: int = 0
     """Ticks that started more than one tick late (the generator could not keep up)."""
+    write_delay_max_s: float = 0.0
+    """The longest a tick's messages waited to be written (Redis stalled, or the generator
+    fell behind)."""
 
 
 class Fleet:
@@ -246,6 +249,11 @@ class Fleet:
         """(stream, message): written with the next tick."""
         self._deletes: list[str] = []
         """Heartbeat keys of agents that stopped cleanly (deleted with the next tick)."""
+        self._queued: list[
+            tuple[float, list[tuple[str, Message]], list[str], list[tuple[InjectedFault, Message]]]
+        ] = []
+        """Ticks not written yet: (tick time, messages, deletes, fault marks)."""
+        self._queued_event = asyncio.Event()
         self._fault_marks: list[tuple[InjectedFault, Message]] = []
         """Faults whose message goes out with the next tick: its XADD's entry id (Redis's
         clock) is when unicornd could first know of the fault."""
@@ -534,7 +542,12 @@ class Fleet:
         return out
 
     async def tick_loop(self) -> None:
-        """Every :data:`TICK_S`: the due heartbeats, iterations, answers and faults in one pipeline."""
+        """Every :data:`TICK_S`: the due heartbeats, iterations, answers and faults, handed
+        to :meth:`write_loop`. A tick never waits for Redis: real agents are separate
+        processes, each with its report sent (or queued in its socket) when it is due; when
+        Redis stalls (an AOF rewrite's fork and disk writes), theirs reach it in the order
+        sent, all before a reader's next read. A tick that waited for the previous tick's
+        write would instead make the reports of a stall's duration late."""
         next_at = time.monotonic()
         while True:
             now = time.monotonic()
@@ -545,10 +558,26 @@ class Fleet:
             marks, deletes = self._fault_marks, self._deletes
             self._out, self._fault_marks, self._deletes = [], [], []
             if batch or deletes:
-                await self._write(batch, deletes, marks)
+                self._queued.append((now, batch, deletes, marks))
+                self._queued_event.set()
             self.counters.ticks += 1
             next_at += TICK_S
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+    async def write_loop(self) -> None:
+        """Write the ticks' messages in tick order, everything queued in one pipeline."""
+        while True:
+            await self._queued_event.wait()
+            self._queued_event.clear()
+            queued, self._queued = self._queued, []
+            if not queued:
+                continue
+            batch = [m for q in queued for m in q[1]]
+            deletes = [k for q in queued for k in q[2]]
+            marks = [m for q in queued for m in q[3]]
+            await self._write(batch, deletes, marks)
+            delay = time.monotonic() - queued[0][0]
+            self.counters.write_delay_max_s = max(self.counters.write_delay_max_s, delay)
 
     async def _write(
         self,

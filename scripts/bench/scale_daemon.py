@@ -79,6 +79,7 @@ class Recorder:
                     "task": inc.task_id,
                     "node": inc.node,
                     "rule": inc.rule,
+                    "evidence": inc.evidence[:300],
                     "new": old is None,
                     "findings": [f for f in inc.finding_ids if f not in seen],
                 }

@@ -159,6 +159,22 @@ def test_lagging_rank_is_named_alone() -> None:
     assert verdict.waited_s == pytest.approx(2.5)
 
 
+def test_silence_counts_only_as_far_as_the_reader_has_heard() -> None:
+    """Reports the reader has not read yet (it fell behind, or its process paused) are no
+    silence: a rank is judged up to ``heard_until_s`` when that is earlier than the clock."""
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3)
+    t = 0.0
+    for i in range(10):
+        t += 1.0
+        for rank in range(2):
+            m.observe(rank, i, 1.0, now_s=t)
+    assert m.check(t + 5.0, heard_until_s=t + 1.5) is None  # 1.5 s heard of silence: < 2 s
+    verdict = m.check(t + 6.0, heard_until_s=t + 2.5)
+    assert verdict is not None and verdict.waited_s == pytest.approx(2.5)
+    assert m.check(t + 7.0, heard_until_s=t + 9.0) is not None  # a horizon past the clock: the clock
+    assert m.check(t + 7.0, heard_until_s=t - 3.0) is None  # heard nothing since: no silence at all
+
+
 def test_nothing_before_learning_unless_an_initial_deadline() -> None:
     m = IterationMonitor(hang_factor=2.0, warmup_iterations=2, min_samples=5)
     m.register(0, now_s=0.0)

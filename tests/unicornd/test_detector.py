@@ -63,6 +63,27 @@ def test_a_hang_names_the_node_of_the_stopped_rank() -> None:
     assert found[0].evidence.rank == 1 and found[0].evidence.node == "n2", found
 
 
+def test_silence_is_measured_up_to_what_the_reader_has_heard() -> None:
+    """Found at 4,096 nodes: after a pause of unicornd's loop the ticker woke before the
+    reader had caught up, and reports waiting in Redis counted as the ranks' silence. Once
+    a reader reports its progress (heard_until), neither a lost heartbeat nor a stalled
+    iteration is found past it, and the horizon never moves back."""
+    cfg = DetectConfig(warmup_iterations=1, heartbeat_timeout_s=5.0)
+    d = Detector(cfg, AgentConfig(), load_classifier(None))
+    now = 10.0
+    for it in range(1, 30):
+        now += 0.1
+        d.on_message(timing(0, it), now)
+        d.on_message(beat("n1", None), now)
+    d.heard_until(now)
+    later = now + 60.0  # the clock ran on, the reader did not
+    assert d.check(later) == [] and not d.silent(4, "n1", later)
+    d.heard_until(now - 5.0)  # an older horizon changes nothing
+    d.heard_until(now + 6.0)  # read to the end 6 s on: nothing came, so the agent is lost
+    found = {f.evidence.source for f in d.check(later)}
+    assert found == {"heartbeat", "hang"} and d.silent(4, "n1", later)
+
+
 def beat(node: str, cpu_wait_s: float | None) -> Heartbeat:
     return Heartbeat(
         job_id=4,

@@ -73,3 +73,32 @@ async def test_streams_come_and_go_and_unacked_entries_are_replayed(redis_url: s
     streams.clear()
     assert await asyncio.wait_for(again.step(10), 5) == 0
     await client.aclose()
+
+
+async def test_caught_up_reports_how_far_the_reader_has_read(redis_url: str) -> None:
+    """The reader says it has read everything only when it has: a read that filled
+    ``READ_COUNT`` entries of a stream leaves more behind; one that did not, or that timed
+    out empty, read to the end (the detector measures silence up to that time)."""
+    from unicornd import ingest as ingest_mod
+
+    client = aioredis.Redis.from_url(redis_url)
+    stream = KEYS.events(7)
+    horizons: list[float] = []
+
+    async def handler(_msg: Message, _now: float, _eid: str, _stream: str) -> None:
+        return None
+
+    reader = StreamIngest(client, stream, "c1", handler, on_caught_up=horizons.append)
+    n = ingest_mod.READ_COUNT + 3
+    for seq in range(n):
+        await client.xadd(stream, {PAYLOAD_FIELD: _hb(7, seq)})
+    await ingest_mod.ensure_group(client, stream)
+    before = asyncio.get_running_loop().time()
+    assert await reader.step(10) == ingest_mod.READ_COUNT  # a full batch: more are waiting
+    assert horizons == []
+    assert await reader.step(10) == 3  # the rest: read to the end as of the read's sending
+    assert len(horizons) == 1 and horizons[0] >= before
+    sent = asyncio.get_running_loop().time()
+    assert await reader.step(100) == 0  # nothing until the timeout: heard until then
+    assert len(horizons) == 2 and sent + 0.09 <= horizons[1] <= asyncio.get_running_loop().time()
+    await client.aclose()
