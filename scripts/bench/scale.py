@@ -812,12 +812,17 @@ def _analyse(
             "decision_from_injection_p95_s": _r(percentile(since(ms, "decided_wall", "injection"), 0.95)),
         }
     in_window = [i for i in unexplained if w0 <= float(i["t"]) <= w1 + tail_s]
+    full_gcs = [g for g in dump.get("gcs", []) if w0 <= g[0] <= w1 and g[1] == 2]
     return {
         "loop_lag_p50_ms": _r(percentile(lag, 0.5), 2),
         "loop_lag_p99_ms": _r(percentile(lag, 0.99), 2),
         "loop_lag_max_ms": _r(max(lag) if lag else None, 1),
         "startup_loop_lag_max_ms": _r(max(before) if before else None, 1),
         "lease_kept_at_default": stall_max < DEFAULT_LEASE_STALL_MS,
+        "gc_full_per_min": _r(len(full_gcs) / max(1e-9, w1 - w0) * 60, 2),
+        "gc_full_ms_p50": _r(percentile([g[2] * 1000 for g in full_gcs], 0.5), 1),
+        "gc_full_ms_max": _r(max((g[2] * 1000 for g in full_gcs), default=None), 1),
+        "gc_full_share_of_window": _r(sum(g[2] for g in full_gcs) / max(1e-9, w1 - w0), 4),
         "commits_per_s": _r(len(commits) / max(1e-9, w1 - w0), 2),
         "commit_bytes_p50": percentile([c[1] for c in commits], 0.5),
         "commit_bytes_max": max((c[1] for c in commits), default=None),

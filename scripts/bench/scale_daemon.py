@@ -10,7 +10,8 @@ the process measures itself:
 - event-loop lag: a task that sleeps :data:`LAG_PERIOD_S` and records how late it woke;
 - every commit's cost (:attr:`unicornd.store.Store.on_commit`);
 - every commit that opened or changed an incident, with its wall time, the findings it
-  took in and its actions (a :class:`unicornd.core.Core` follower).
+  took in and its actions (a :class:`unicornd.core.Core` follower);
+- Python's full garbage collections (``gc.callbacks``): when, how long they held the loop.
 
 Configuration comes from the environment (``UNICORN_*``), as for unicornd. The node deaths
 of the fault schedule are scripted relative to the measurement window's start, which the
@@ -21,6 +22,7 @@ stops (as unicornd does) and this process writes what it measured to ``spec["out
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import sys
 import time
@@ -43,6 +45,7 @@ from unicornd.state import Snapshot  # noqa: E402
 from unicornd.store import CommitCost  # noqa: E402
 
 LAG_PERIOD_S: Final = 0.05
+GC_RECORD_S: Final = 0.01
 
 
 def slurm_stream(prefix: str) -> str:
@@ -62,6 +65,10 @@ class Recorder:
         self.lag: list[tuple[float, float]] = []
         self.commits: list[tuple[float, int, float, float]] = []
         self.incidents: list[dict[str, Any]] = []
+        self.gcs: list[tuple[float, int, float, int]] = []
+        """(wall start, generation, seconds, objects collected): full collections, and
+        any other of :data:`GC_RECORD_S` or more."""
+        self._gc_start: float | None = None
 
     def commit(self, cost: CommitCost) -> None:
         self.commits.append((time.time(), cost.state_bytes, cost.serialise_s, cost.total_s))
@@ -90,6 +97,17 @@ class Recorder:
                 for a in decision.actions
             ]
             self.incidents.append({"t": time.time(), "incidents": changed, "actions": actions})
+
+    def gc_phase(self, phase: str, info: dict[str, int]) -> None:
+        """``gc.callbacks``: each collection's generation, wall start and duration, and what
+        it collected (a full collection holds the loop for the whole heap's scan)."""
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            took = time.perf_counter() - self._gc_start
+            self._gc_start = None
+            if info["generation"] == 2 or took >= GC_RECORD_S:
+                self.gcs.append((time.time() - took, info["generation"], took, info["collected"]))
 
     async def sample_lag(self) -> None:
         loop = asyncio.get_running_loop()
@@ -132,6 +150,7 @@ async def main(spec: dict[str, Any]) -> int:
                 return
             await asyncio.sleep(0.1)
 
+    gc.callbacks.append(rec.gc_phase)
     helpers = [asyncio.create_task(rec.sample_lag()), asyncio.create_task(deaths_at_t0())]
     error = ""
     try:
@@ -148,6 +167,7 @@ async def main(spec: dict[str, Any]) -> int:
         "lag": rec.lag,
         "commits": rec.commits,
         "incidents": rec.incidents,
+        "gcs": rec.gcs,
         "slurm_calls": [e.to_dict() for e in slurm.calls],
         "solves": {
             "hits": daemon.core.ctx.solves.hits,
