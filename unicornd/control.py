@@ -29,6 +29,7 @@ from unicorn_core import munge, redis_io
 from unicorn_core.errors import InvalidArgument, ProtocolError, RedisCallError, UnicornError
 from unicorn_core.jobenv import JobEnvironment
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys, check_name
+from unicorn_core.slurm.hostlist import expand
 from unicornd.state import TaskRecord
 
 # --- errors ---------------------------------------------------------------------------------
@@ -120,13 +121,25 @@ class Stop(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="o
 
 
 class Drain(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op", tag="drain"):
-    """An operator takes ``node`` out of service (drained in Slurm, held, tasks replanned)."""
+    """An operator takes ``node`` out of service (drained in Slurm, held, tasks replanned).
+
+    ``node``: a node, or a Slurm hostlist of nodes (``n[1-16]``, ``n1,n3``) drained with
+    one reason, one replan and one Slurm call."""
 
     node: str
     reason: str
 
     def __post_init__(self) -> None:
-        _named(self.node, "node")
+        if not self.node:
+            raise InvalidRequest("node must not be empty")
+        try:
+            nodes = expand(self.node)
+        except InvalidArgument as e:
+            raise InvalidRequest(f"node: {e}") from None
+        if not nodes:
+            raise InvalidRequest("node must not be empty")
+        for n in nodes:
+            _named(n, "node")
         _filled(self.reason, "reason")
 
 

@@ -20,8 +20,9 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Final, cast
 
 import redis.asyncio as aioredis
 
@@ -34,6 +35,7 @@ from unicorn_core.logs import get_logger
 from unicorn_core.paths import CKPT_RING_ENV, agent_run_dir
 from unicorn_core.slurm.backend import ResizeUnsupported, SlurmBackend, StepHandle
 from unicornd.actions import (
+    ALLOCATION,
     Action,
     CheckNode,
     CloseIncident,
@@ -68,11 +70,11 @@ IDLE_WAIT_S: Final = 1.0
 NODE_CHECK_VERDICT: Final = "unhealthy:"
 """How ``unicorn-node-check`` starts the line that names what failed (its verdict)."""
 PAIRED_CHECK_TIMEOUT_S: Final = 60.0
+"""Per test of the paired check (each test: an all-gather and a matmul on 2-3 nodes)."""
 LAUNCH_CONCURRENCY: Final = 16
 """Agents' srun steps started at once by one launch: each is a slurmctld RPC (step
 creation, 27 ms on the dev cluster) plus a job lookup; a few in flight overlap their
 latencies without flooding slurmctld's RPC queue."""
-"""Per test of the paired check (each test: an all-gather and a matmul on 2-3 nodes)."""
 
 
 class CheckFailed(UnicornError):
@@ -82,6 +84,31 @@ class CheckFailed(UnicornError):
     def __init__(self, nodes: tuple[str, ...], detail: str) -> None:
         super().__init__(detail)
         self.nodes = nodes
+
+
+def _drain_group(owed: Sequence[Owed], i: int, running: Mapping[str, object], busy: set[str]) -> list[Owed]:
+    """``owed[i]`` and, if it is a drain, the drains of the same reason and kind committed
+    right after it, on other nodes free now and none of them running: they may go to Slurm
+    in one call. Only adjacent ones, so commit order between a drain and any other change
+    of the allocation holds."""
+    first = owed[i].action
+    group = [owed[i]]
+    if not isinstance(first, DrainNode) or first.action_id in running:
+        return group
+    nodes = {first.node}
+    for nxt in owed[i + 1 :]:
+        a = nxt.action
+        if (
+            not isinstance(a, DrainNode)
+            or (a.reason, a.down) != (first.reason, first.down)
+            or a.action_id in running
+            or a.node in nodes
+            or (resources(a) - {ALLOCATION}) & busy
+        ):
+            break
+        group.append(nxt)
+        nodes.add(a.node)
+    return group
 
 
 class Executor:
@@ -135,11 +162,15 @@ class Executor:
                 return
             self.core.wake.clear()
             busy: set[str] = set()
-            for owed in await self.core.store.owed():
-                needs = resources(owed.action)
-                if owed.action.action_id not in self._running and not needs & busy:
-                    self._start(owed)
+            owed_now = await self.core.store.owed()
+            i = 0
+            while i < len(owed_now):
+                group = _drain_group(owed_now, i, self._running, busy)
+                needs = frozenset().union(*(resources(o.action) for o in group))
+                if group[0].action.action_id not in self._running and not needs & busy:
+                    self._start(group)
                 busy |= needs
+                i += len(group)
             waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.core.wake.wait())]
             waits += self._running.values()
             done, _ = await asyncio.wait(waits, timeout=IDLE_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
@@ -152,11 +183,45 @@ class Executor:
         """The actions being performed now (cancelled when unicornd stops)."""
         return list(self._running.values())
 
-    def _start(self, owed: Owed) -> None:
-        aid = owed.action.action_id
-        task = asyncio.create_task(self._perform(owed), name=f"action:{aid}")
-        self._running[aid] = task
-        task.add_done_callback(lambda _t: self._running.pop(aid, None))
+    def _start(self, group: list[Owed]) -> None:
+        """Perform ``group``: one action, or drains done in one Slurm call (:func:`_drain_group`)."""
+        ids = [o.action.action_id for o in group]
+        coro = self._perform(group[0]) if len(group) == 1 else self._perform_drains(group)
+        task = asyncio.create_task(coro, name=f"action:{ids[0]}")
+        for aid in ids:
+            self._running[aid] = task
+        task.add_done_callback(lambda _t: [self._running.pop(aid, None) for aid in ids])
+
+    async def _perform_drains(self, group: list[Owed]) -> None:
+        """Drains of one reason, committed one after the other, in one ``scontrol`` call
+        (a rack's drains: one slurmctld RPC instead of one each); each action's outcome
+        is the call's. If the call fails for good, each drain is performed alone, so each
+        gets its own outcome (slurmctld updates a list node by node, so some of it may
+        have been done; a drain done twice is harmless)."""
+        if self.lease is not None:
+            await self.lease.check()
+        todo: list[Owed] = []
+        for owed in group:
+            if await self.core.store.done(owed.action.action_id):
+                await self._perform(owed)  # reported as run before a restart
+            else:
+                todo.append(owed)
+        if not todo:
+            return
+        drains = [cast(DrainNode, o.action) for o in todo]
+        if len(todo) == 1:
+            await self._perform(todo[0])
+            return
+        t0 = time.monotonic()
+        outcome = await self._attempt(drains[0], run=lambda: self._drain_nodes(drains))
+        self.actions_run += 1
+        if outcome.status is OutcomeStatus.FAILED:
+            log.warning("drains_one_by_one", actions=[d.action_id for d in drains], error=outcome.detail)
+            for owed in todo:
+                await self._perform(owed)
+            return
+        for owed, drain in zip(todo, drains, strict=True):
+            await self._report(owed, replace(outcome, action_id=drain.action_id, node=drain.node), t0)
 
     async def _perform(self, owed: Owed) -> None:
         action = owed.action
@@ -168,6 +233,10 @@ class Executor:
         else:
             outcome = await self._attempt(action)
             self.actions_run += 1
+        await self._report(owed, outcome, t0)
+
+    async def _report(self, owed: Owed, outcome: Outcome, t0: float) -> None:
+        action = owed.action
         if not outcome.ok:
             await self._incident_log(
                 {
@@ -187,13 +256,14 @@ class Executor:
             s=round(time.monotonic() - t0, 3),
         )
 
-    async def _attempt(self, action: Action) -> Outcome:
-        """Perform ``action`` (retrying temporary errors) and say how it ended."""
+    async def _attempt(self, action: Action, run: Callable[[], Awaitable[str]] | None = None) -> Outcome:
+        """Perform ``action`` (``run``: what performs it, default its handler), retrying
+        temporary errors, and say how it ended."""
         backoff, deadline = 0.2, time.monotonic() + RETRY_FOR_S
         node = getattr(action, "node", "")
         while True:
             try:
-                detail = await self._execute(action)
+                detail = await (run() if run is not None else self._execute(action))
                 return Outcome(action.action_id, action.kind, OutcomeStatus.DONE, detail, node)
             except ResizeUnsupported as e:
                 return Outcome(action.action_id, action.kind, OutcomeStatus.UNSUPPORTED, str(e), node)
@@ -230,6 +300,16 @@ class Executor:
             await self.slurm.down(action.node, action.reason)
         await self.slurm.drain(action.node, action.reason)
         return "down+drain" if action.down else "drain"
+
+    async def _drain_nodes(self, drains: Sequence[DrainNode]) -> str:
+        """Drains of one reason and kind (:func:`_drain_group`) in one call."""
+        nodes = [d.node for d in drains]
+        for node in nodes:
+            self._managed(node, "drained")
+        if drains[0].down:
+            await self.slurm.down_nodes(nodes, drains[0].reason)
+        await self.slurm.drain_nodes(nodes, drains[0].reason)
+        return f"{'down+drain' if drains[0].down else 'drain'} ({len(nodes)} nodes in one call)"
 
     async def _resume_node(self, action: ResumeNode) -> str:
         self._managed(action.node, "resumed")

@@ -368,20 +368,30 @@ class ScriptedSlurm:
     # ------------------------------------------------------------------ nodes
 
     async def drain(self, node: str, reason: str) -> None:
-        rec = self._node(node)
+        await self.drain_nodes([node], reason)
+
+    async def drain_nodes(self, nodes: Sequence[str], reason: str) -> None:
+        """One command for all of ``nodes`` (scontrol takes a hostlist): one latency."""
+        recs = [self._node(n) for n in nodes]
         await self.sleep(self.timings.command_s)
-        rec.drained, rec.reason = True, check_reason(reason)
-        await self._emit("drain", None, (node,))
+        for rec in recs:
+            rec.drained, rec.reason = True, check_reason(reason)
+        await self._emit("drain", None, tuple(nodes))
 
     async def down(self, node: str, reason: str) -> None:
-        """DOWN; a ``--no-kill`` job that held the node loses it (its step there dies)."""
-        rec = self._node(node)
+        await self.down_nodes([node], reason)
+
+    async def down_nodes(self, nodes: Sequence[str], reason: str) -> None:
+        """DOWN; a ``--no-kill`` job that held a node loses it (its step there dies)."""
+        recs = [self._node(n) for n in nodes]
         await self.sleep(self.timings.command_s)
-        rec.down, rec.reason = True, check_reason(reason)
+        for rec in recs:
+            rec.down, rec.reason = True, check_reason(reason)
+        gone = set(nodes)
         for job in self.jobs.values():
-            if node in job.nodes and job.state is JobState.RUNNING:
-                job.nodes = tuple(n for n in job.nodes if n != node)
-        await self._emit("down", None, (node,))
+            if gone & set(job.nodes) and job.state is JobState.RUNNING:
+                job.nodes = tuple(n for n in job.nodes if n not in gone)
+        await self._emit("down", None, tuple(nodes))
 
     async def resume(self, node: str) -> None:
         rec = self._node(node)

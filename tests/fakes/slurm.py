@@ -189,6 +189,17 @@ class FakeSlurm:
         info = self._node(node)
         self.nodes[node] = dataclasses.replace(info, flags=info.flags | {"DRAIN"}, reason=reason)
 
+    async def drain_nodes(self, nodes: Sequence[str], reason: str) -> None:
+        self._act("drain_nodes", tuple(nodes), reason)
+        for n in nodes:  # node by node, as slurmctld: the known ones before an unknown one change
+            info = self._node(n)
+            self.nodes[n] = dataclasses.replace(info, flags=info.flags | {"DRAIN"}, reason=reason)
+
+    async def down_nodes(self, nodes: Sequence[str], reason: str) -> None:
+        self._act("down_nodes", tuple(nodes), reason)
+        for n in nodes:
+            self.nodes[n] = dataclasses.replace(self._node(n), state=NodeState.DOWN, reason=reason)
+
     async def down(self, node: str, reason: str) -> None:
         self._act("down", node, reason)
         self.nodes[node] = dataclasses.replace(self._node(node), state=NodeState.DOWN, reason=reason)

@@ -79,6 +79,37 @@ async def test_drain_reason_visible_in_sinfo_then_resume(slurm: CliSlurm, cluste
     assert cluster.slurm("sinfo", "-h", "-n", "n4", "-o", "%T").stdout.strip() == "idle"
 
 
+async def test_nodes_are_drained_in_one_call_and_an_unknown_one_is_named(
+    slurm: CliSlurm, cluster: DevCluster
+) -> None:
+    """One ``scontrol update nodename=n[3-4]`` drains both. slurmctld updates a list node
+    by node: with an unknown name in it, the known ones are drained all the same, and the
+    error names the unknown one."""
+
+    def sinfo(node: str) -> str:
+        return cluster.slurm("sinfo", "-h", "-n", node, "-o", "%T|%E").stdout.strip()
+
+    async def quiet() -> bool:
+        return all(sinfo(n).split("|")[0] == "idle" for n in ("n3", "n4"))
+
+    await eventually(quiet, 30, "n3, n4 idle before the drain")
+    try:
+        await slurm.drain_nodes(["n3", "n4"], "unicorn: operator: rack 7")
+        assert sinfo("n3") == sinfo("n4") == "drained|unicorn: operator: rack 7"
+        with pytest.raises(UnknownNode) as ei:
+            await slurm.drain_nodes(["n4", "n99"], "unicorn: again")
+        assert str(ei.value).startswith("unknown node 'n99'")
+        assert sinfo("n4") == "drained|unicorn: again"
+    finally:
+        for n in ("n3", "n4"):
+            await slurm.resume(n)
+
+    async def usable() -> bool:
+        return all([(await slurm.get_node(n)).usable for n in ("n3", "n4")])
+
+    await eventually(usable, 15, "n3, n4 usable after resume")
+
+
 async def test_unknown_or_invalid_node_changes_nothing(slurm: CliSlurm) -> None:
     before = await slurm.list_nodes()
     with pytest.raises(UnknownNode) as ei:

@@ -65,6 +65,23 @@ async def test_invalid_arguments_run_nothing(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+async def test_a_rack_is_drained_in_one_scontrol_call(tmp_path: Path) -> None:
+    args = tmp_path / "args"
+    tool(tmp_path, "scontrol", f'echo "$@" >> {args}')
+    slurm = CliSlurm(timeout_s=5, bin_dir=tmp_path)
+    await slurm.drain_nodes(["n1", "n2", "n3", "n7"], "unicorn: operator: rack 7")
+    await slurm.down_nodes(["n1", "n2"], "dead")
+    assert args.read_text().splitlines() == [
+        "update nodename=n[1-3,7] state=drain reason=unicorn: operator: rack 7",
+        "update nodename=n[1-2] state=down reason=dead",
+    ]
+    with pytest.raises(InvalidArgument):
+        await slurm.drain_nodes([], "x")
+    with pytest.raises(InvalidArgument):
+        await slurm.drain_nodes(["n1", "bad name"], "x")
+    assert len(args.read_text().splitlines()) == 2
+
+
 def test_client_env_strips_slurm_job_variables() -> None:
     env = client_env(
         {"PATH": "/bin", "SLURM_JOB_ID": "5", "SBATCH_PARTITION": "x", "SLURM_CONF": "/a", "HOME": "/root"},

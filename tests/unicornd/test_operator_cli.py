@@ -110,10 +110,31 @@ def test_operator_drain_of_a_node_already_out_only_holds_and_relabels() -> None:
     assert again.empty and again.notes
 
 
-@pytest.mark.parametrize(("node", "reason", "message"), [("n9", "x", "unknown node"), ("n1", "  ", "reason")])
+def test_operator_drain_of_a_hostlist_drains_each_node_with_one_reason_and_replans_once() -> None:
+    """A rack (``n[2-4]``): one decision, the drains adjacent with one reason (the executor
+    sends them to Slurm in one call), one replan; a node of it already out is relabelled."""
+    snap = two_tasks()
+    out = snap.nodes["n4"].with_health(NodeHealth.DRAINING).with_health(NodeHealth.DRAINED)
+    snap = snap.apply(nodes=[out])
+    d = on_operator_drain(snap, "n[2-4]", "rack 7 power", T0)
+    assert [a.kind for a in d.actions] == ["drain_node", "drain_node", "drain_node", "replan"]
+    drains = [a for a in d.actions if isinstance(a, DrainNode)]
+    assert [a.node for a in drains] == ["n2", "n3", "n4"]
+    assert {a.reason for a in drains} == {"unicorn: operator: rack 7 power"}
+    after = apply(snap, d)
+    assert all(after.nodes[n].held for n in ("n2", "n3", "n4"))
+    assert after.nodes["n2"].health is NodeHealth.DRAINING and after.nodes["n4"].health is NodeHealth.DRAINED
+    assert on_operator_drain(after, "n[2-4]", "rack 7 power", T0 + 1).actions == ()  # nothing new
+
+
+@pytest.mark.parametrize(
+    ("node", "reason", "message"),
+    [("n9", "x", "unknown node"), ("n1", "  ", "reason"), ("n[3-9]", "x", "unknown node 'n\\[5-9\\]'")],
+)
 def test_operator_drain_refuses_bad_input(node: str, reason: str, message: str) -> None:
+    snap = two_tasks()
     with pytest.raises(InvalidArgument, match=message):
-        on_operator_drain(two_tasks(), node, reason, T0)
+        on_operator_drain(snap, node, reason, T0)
 
 
 # --- what-if: the decision and the daemon's planner call, applied to nothing -----------------
@@ -363,7 +384,7 @@ async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> No
             "UNICORN_REDIS__KEY_PREFIX": PREFIX,
         },
     )
-    slurm = FakeSlurm(["n1", "n2"])
+    slurm = FakeSlurm(["n1", "n2", "n3", "n4"])
     client = redis_io.connect(cfg.redis, client_name="test-unicornd")
     daemon = Daemon(cfg, slurm, client)
     running = asyncio.create_task(daemon.run())
@@ -410,6 +431,13 @@ async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> No
         await _until(lambda: daemon.snap.nodes["n2"].health is NodeHealth.HEALTHY)
         assert [c[:2] for c in slurm.calls[1:]] == [("resume", "n2"), ("run_on_nodes", ("n2",))]
         assert not daemon.snap.nodes["n2"].held
+
+        # A rack: one request, one decision, its drains in one Slurm call.
+        before = len(slurm.calls)
+        code, out, err = await _ctl(redis_url, "drain", "n[3-4]", "--reason", "rack 7", "--yes")
+        assert code == 0, err
+        await _until(lambda: all(daemon.snap.nodes[n].health is NodeHealth.DRAINED for n in ("n3", "n4")))
+        assert slurm.calls[before:] == [("drain_nodes", ("n3", "n4"), "unicorn: operator: rack 7")]
     finally:
         daemon._stop.set()
         assert await asyncio.wait_for(running, 30) == 0

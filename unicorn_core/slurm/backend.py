@@ -73,7 +73,17 @@ class SlurmBackend(Protocol):
 
     async def drain(self, node: str, reason: str) -> None: ...
 
+    async def drain_nodes(self, nodes: Sequence[str], reason: str) -> None:
+        """Drain every node of ``nodes`` with one reason in one call (a rack: one slurmctld
+        RPC, not one per node). An unknown node: :class:`UnknownNode` naming it; the known
+        ones may be drained all the same (slurmctld updates node by node)."""
+        ...
+
     async def down(self, node: str, reason: str) -> None: ...
+
+    async def down_nodes(self, nodes: Sequence[str], reason: str) -> None:
+        """Set every node of ``nodes`` DOWN with one reason in one call (as :meth:`drain_nodes`)."""
+        ...
 
     async def resume(self, node: str) -> None: ...
 

@@ -28,7 +28,7 @@ from unicorn_core.errors import InvalidArgument, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.slurm import make_backend
 from unicorn_core.slurm.cli import client_env
-from unicorn_core.slurm.hostlist import compress
+from unicorn_core.slurm.hostlist import compress, expand
 from unicorn_core.slurm.scope import resolve_scope
 from unicornd.cli.common import (
     NoDaemonError,
@@ -230,16 +230,23 @@ async def outside_scope(cfg: Config, node: str) -> str | None:
 
 
 def _node(node: str, cfg: Config | None = None) -> Target:
+    """``node``: a node, or a Slurm hostlist (``n[1-16]``); unknown if any of it is."""
+
     def unknown(snap: Snapshot) -> str | None:
-        if node in snap.nodes:
+        try:
+            names = expand(node)
+        except InvalidArgument as e:
+            return f"unknown node {node!r}: {e}"
+        missing = [n for n in names if n not in snap.nodes] if names else [node]
+        if not missing:
             return None
         try:
-            outside = asyncio.run(outside_scope(cfg, node)) if cfg is not None else None
+            outside = asyncio.run(outside_scope(cfg, missing[0])) if cfg is not None else None
         except UnicornError as e:
-            outside = f"node {node!r}: cannot check [slurm] scope: {e}"
+            outside = f"node {missing[0]!r}: cannot check [slurm] scope: {e}"
         if outside is not None:
             return f"{outside}: outside unicorn's scope, so unicorn never drains, resumes or plans it"
-        return f"unknown node {node!r}; unicornd knows: {compress(sorted(snap.nodes)) or 'none'}"
+        return f"unknown node {compress(missing)!r}; unicornd knows: {compress(sorted(snap.nodes)) or 'none'}"
 
     return Target(f"node {node!r}", unknown)
 
@@ -284,7 +291,10 @@ _MUTATION_CODES = """
 @click.pass_context
 def drain(ctx: click.Context, node: str, reason: str, yes: bool) -> None:
     """Take NODE out of service through unicornd: it is drained in Slurm, held until an
-    operator resumes it, and every task is replanned without it (its task moves off it)."""
+    operator resumes it, and every task is replanned without it (its task moves off it).
+
+    NODE may be a Slurm hostlist (``n[1-16]``: a rack): one decision drains them all
+    with one reason, in one Slurm call, and replans once."""
 
     def preview(snap: Snapshot, cfg: Config, now_s: float) -> Outlook:
         return outlook(snap, on_operator_drain(snap, node, reason, now_s), cfg, now_s)

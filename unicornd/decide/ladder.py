@@ -13,6 +13,7 @@ from detect.isolation import CHECK_AT_ONCE, PAIRED_CHECK, Confirmation, Verdict
 from detect.statuses import ErrorStatus, Severity
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.protocol import AgentAction
+from unicorn_core.slurm.hostlist import compress, expand
 from unicornd.actions import (
     CheckNode,
     CloseIncident,
@@ -768,37 +769,58 @@ _IN_SERVICE: Final = frozenset({NodeHealth.HEALTHY, NodeHealth.SUSPECT, NodeHeal
 
 
 def on_operator_drain(snapshot: Snapshot, node: str, reason: str, now_s: float) -> Decision:
-    """An operator's drain (``unicornctl drain NODE --reason TEXT``): the node leaves every plan.
+    """An operator's drain (``unicornctl drain NODES --reason TEXT``): the nodes leave every plan.
 
-    The node is drained with ``unicorn: operator: <reason>`` and held, so only an
-    operator's resume brings it back (a resume straight in Slurm is drained again, see
-    :func:`on_node_join`); a replan moves its task off it. The drain limiter does not
-    apply (a person decided) and the drain is not counted against it. A node already
-    draining or drained is only held and given the new reason; the same request again
-    changes nothing. Unknown node (outside the scope, too), a node other users' jobs run
-    on, or an empty reason: InvalidArgument, nothing changed.
+    ``node``: a node, or a Slurm hostlist of nodes (``n[1-16]``: a rack). Each node is
+    drained with ``unicorn: operator: <reason>`` and held, so only an operator's resume
+    brings it back (a resume straight in Slurm is drained again, see
+    :func:`on_node_join`); one replan moves the tasks off them all. The drains are
+    adjacent actions of one reason, which the executor sends to Slurm in one call. The
+    drain limiter does not apply (a person decided) and the drains are not counted
+    against it. A node already draining or drained is only held and given the new reason;
+    the same request again changes nothing. An unknown node (outside the scope, too), a
+    node other users' jobs run on, a bad hostlist or an empty reason: InvalidArgument,
+    nothing changed.
     """
-    if node not in snapshot.nodes:
-        raise InvalidArgument(f"unknown node {node!r}; known: {', '.join(sorted(snapshot.nodes)) or 'none'}")
+    nodes = list(dict.fromkeys(expand(node)))
+    if not nodes:
+        raise InvalidArgument("an operator's drain needs a node")
+    unknown = [n for n in nodes if n not in snapshot.nodes]
+    if unknown:
+        raise InvalidArgument(
+            f"unknown node {compress(unknown)!r}; known: {compress(sorted(snapshot.nodes)) or 'none'}"
+        )
     if not reason.strip():
         raise InvalidArgument("an operator's drain needs a reason")
-    others = snapshot.foreign_jobs(node)
-    if others:
-        raise InvalidArgument(
-            f"node {node} runs other users' jobs {list(others)}, not unicorn's: unicorn does not "
-            f"drain it (scontrol update nodename={node} state=drain does, if that is meant)"
-        )
+    for n in nodes:
+        others = snapshot.foreign_jobs(n)
+        if others:
+            raise InvalidArgument(
+                f"node {n} runs other users' jobs {list(others)}, not unicorn's: unicorn does not "
+                f"drain it (scontrol update nodename={n} state=drain does, if that is meant)"
+            )
     draft = Draft(snapshot, now_s)
-    rec = snapshot.nodes[node]
     text = drain_reason(draft, "operator:", reason)
-    if rec.health not in _IN_SERVICE:
-        if rec.held and rec.reason == text:
-            return draft.note(f"node {node} is already {rec.health} for {text!r}")
-        draft.put(replace(rec, held=True, reason=text))
-        draft.act(DrainNode(f"operator-drain/{node}/{rec.joins}/{zlib.crc32(text.encode()):08x}", node, text))
-        return draft.note(f"node {node} is already {rec.health}: held, reason now {text!r}")
-    draft.put(replace(rec.with_health(NodeHealth.DRAINING, text), held=True))
-    base = f"operator-drain/{node}/{rec.joins}"
-    draft.act(DrainNode(f"{base}/drain", node, text))
-    draft.act(Replan(f"{base}/replan", f"operator drained {node}"))
-    return draft.note(f"node {node} drained by an operator ({text}), replan")
+    drained: list[str] = []
+    for n in nodes:
+        rec = snapshot.nodes[n]
+        if rec.health not in _IN_SERVICE:
+            if rec.held and rec.reason == text:
+                draft.notes.append(f"node {n} is already {rec.health} for {text!r}")
+                continue
+            draft.put(replace(rec, held=True, reason=text))
+            draft.act(DrainNode(f"operator-drain/{n}/{rec.joins}/{zlib.crc32(text.encode()):08x}", n, text))
+            draft.notes.append(f"node {n} is already {rec.health}: held, reason now {text!r}")
+            continue
+        draft.put(replace(rec.with_health(NodeHealth.DRAINING, text), held=True))
+        draft.act(DrainNode(f"operator-drain/{n}/{rec.joins}/drain", n, text))
+        drained.append(n)
+    if drained:
+        first = snapshot.nodes[drained[0]]
+        draft.act(
+            Replan(
+                f"operator-drain/{drained[0]}/{first.joins}/replan", f"operator drained {compress(drained)}"
+            )
+        )
+        draft.notes.append(f"node {compress(drained)} drained by an operator ({text}), replan")
+    return draft.decision()
