@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -96,8 +97,12 @@ class Daemon:
         consumer: str = "unicornd",
         config_path: str | None = None,
         ident: str | None = None,
+        freeze_gc: bool = False,
     ) -> None:
+        """``freeze_gc``: the process is this daemon's (the ``unicornd`` command): once the
+        state is loaded, what exists then leaves Python's full collections (:meth:`run`)."""
         self.cfg = cfg
+        self.freeze_gc = freeze_gc
         self.slurm = slurm
         self.client = client
         self.keys = RedisKeys(cfg.redis.key_prefix)
@@ -237,6 +242,11 @@ class Daemon:
         if self.cfg.redis.operator_password_file or self.cfg.redis.user_password_file:
             log.info("redis_roles", users=await acl.apply_roles(self.client, self.cfg.redis))
         await self._load()
+        if self.freeze_gc:
+            # What exists now lives as long as the process (modules, configuration, the
+            # loaded state): out of the full collections, which otherwise walk all of it
+            # every time. Refcounting still frees whatever of it is dropped.
+            gc.freeze()
         events = StreamIngest(
             self.client,
             lambda: self.agents.streams(self.agent_users.forgotten),
@@ -371,6 +381,6 @@ async def run_daemon(cfg: Config, *, config_path: str | None = None) -> int:
     slurm = await make_backend(cfg.slurm)
     client = redis_io.connect(cfg.redis, client_name="unicornd")
     try:
-        return await Daemon(cfg, slurm, client, config_path=config_path).run()
+        return await Daemon(cfg, slurm, client, config_path=config_path, freeze_gc=True).run()
     finally:
         await client.aclose()

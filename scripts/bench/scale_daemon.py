@@ -136,7 +136,7 @@ async def main(spec: dict[str, Any]) -> int:
         on_event=publish,
     )
     client: aioredis.Redis = redis_io.connect(cfg.redis, client_name="unicornd")
-    daemon = Daemon(cfg, slurm, client)
+    daemon = Daemon(cfg, slurm, client, freeze_gc=True)  # as the unicornd command
     rec = Recorder()
     daemon.store.on_commit = rec.commit
     daemon.core.followers.append(rec.follow)

@@ -171,10 +171,16 @@ def node_from_sinfo_json(d: Mapping[str, Any]) -> NodeInfo:
     )
 
 
-class _SinfoNode(msgspec.Struct):
+class _SinfoNode(msgspec.Struct, gc=False):
     """The fields of an ``sinfo --json`` node record that :func:`node_from_sinfo_json` reads;
     decoding skips the others (Slurm prints ~60 per node: at 4,096 nodes the 4 MB decode in
-    6 ms instead of 35, in one call that holds the GIL)."""
+    6 ms instead of 35, in one call that holds the GIL).
+
+    ``gc=False`` (decoded data holds no cycles): a poll's records are not tracked by
+    Python's collector. Tracked, a poll's thousands of objects were still alive when the
+    young collections ran, were promoted, and brought on full collections of unicornd's
+    whole heap every few seconds (``scripts/bench/scale.py``: 17 % of its samples were in
+    the collector at 4,096 nodes, most started while parsing a poll)."""
 
     name: Any = None
     state: Any = None
@@ -189,7 +195,7 @@ class _SinfoNode(msgspec.Struct):
     features: Any = None
 
 
-class _SinfoDoc(msgspec.Struct):
+class _SinfoDoc(msgspec.Struct, gc=False):
     nodes: list[_SinfoNode] | None = None
     errors: Any = None
 
@@ -270,8 +276,44 @@ def job_from_squeue_json(d: Mapping[str, Any]) -> JobInfo:
     )
 
 
+class _SqueueJob(msgspec.Struct, gc=False):
+    """The fields of an ``squeue --json`` job record that :func:`job_from_squeue_json`
+    reads; decoding skips the ~100 others, nested objects included (as :class:`_SinfoNode`)."""
+
+    job_id: Any = None
+    job_state: Any = None
+    name: Any = None
+    state_reason: Any = None
+    nodes: Any = None
+    node_count: Any = None
+    batch_flag: Any = None
+    restart_cnt: Any = None
+    user_name: Any = None
+
+
+class _SqueueDoc(msgspec.Struct, gc=False):
+    jobs: list[_SqueueJob] | None = None
+    errors: Any = None
+
+
+_SQUEUE: Final = msgspec.json.Decoder(_SqueueDoc)
+
+
 def jobs_from_squeue_json(text: str) -> list[JobInfo]:
-    return [job_from_squeue_json(j) for j in _records(text, "squeue", "jobs")]
+    try:
+        doc = _SQUEUE.decode(text)
+    except msgspec.ValidationError:
+        raise SlurmParseError("squeue --json output has no 'jobs' list of objects") from None
+    except msgspec.DecodeError as e:
+        raise SlurmParseError(f"squeue printed invalid JSON: {e}") from None
+    if doc.errors:
+        raise SlurmParseError(f"squeue reported errors: {doc.errors!r}")
+    if doc.jobs is None:
+        raise SlurmParseError("squeue --json output has no 'jobs' list of objects")
+    return [
+        job_from_squeue_json({k: v for k, v in msgspec.structs.asdict(j).items() if v is not None})
+        for j in doc.jobs
+    ]
 
 
 def job_from_scontrol(rec: Mapping[str, str]) -> JobInfo:
@@ -296,26 +338,3 @@ def job_from_scontrol(rec: Mapping[str, str]) -> JobInfo:
         restarts=_int(rec.get("Restarts")),
         user=rec.get("UserId", "").split("(")[0],
     )
-
-
-def _records(text: str, what: str, key: str) -> list[Mapping[str, Any]]:
-    """The list of record objects under ``key`` in ``<what> --json`` output."""
-    records = _load_json(text, what).get(key)
-    if not isinstance(records, list) or not all(isinstance(r, Mapping) for r in records):
-        raise SlurmParseError(f"{what} --json output has no '{key}' list of objects")
-    return records
-
-
-def _load_json(text: str, what: str) -> dict[str, Any]:
-    # msgspec, not json: ``sinfo --json`` of 4,096 nodes is 4 MB, and json.loads held the
-    # GIL for ~60 ms in one call (even in a worker thread, unicornd's loop waited for it).
-    try:
-        doc = msgspec.json.decode(text)
-    except msgspec.DecodeError as e:
-        raise SlurmParseError(f"{what} printed invalid JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise SlurmParseError(f"{what} JSON is not an object")
-    errors = doc.get("errors")
-    if errors:
-        raise SlurmParseError(f"{what} reported errors: {errors!r}")
-    return doc
