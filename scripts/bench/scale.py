@@ -105,7 +105,7 @@ sys.path.append(str(HERE))  # after the packages: scripts/bench/ckpt.py must not
 
 import redis.asyncio as aioredis  # noqa: E402
 from scale_agents import AgentTimings, Fault, Fleet, InjectedFault, Job, deaths, fault_schedule  # noqa: E402
-from scale_daemon import slurm_stream, t0_key  # noqa: E402
+from scale_daemon import LAG_PERIOD_S, slurm_stream, t0_key  # noqa: E402
 from scale_slurm import SlurmTimings  # noqa: E402
 
 from tests.conftest import free_port  # noqa: E402
@@ -129,6 +129,8 @@ MODELS: Final = ("gpt3-1.3b", "gpt3-7b", "gpt3-13b")
 """The jobs' models, in turn (``etc/tasks``)."""
 DAEMON_START_S: Final = 240.0
 REDIS_LATENCY_THRESHOLD_MS: Final = 100
+LATE_MS: Final = 100.0
+"""Loop-lag samples from this long are attributed to garbage collections that overlap them."""
 """Redis's latency monitor records its stalls from this long (``LATENCY LATEST``)."""
 LEASE_S: Final = 30.0
 """``[leader] lease_s`` here (default 3 s): one unicornd, no takeover measured, and with the
@@ -813,6 +815,10 @@ def _analyse(
         }
     in_window = [i for i in unexplained if w0 <= float(i["t"]) <= w1 + tail_s]
     full_gcs = [g for g in dump.get("gcs", []) if w0 <= g[0] <= w1 and g[1] == 2]
+    # A lag sample covers [t - period - lag, t]: a collection inside it held the loop then.
+    gc_spans = sorted((g[0], g[0] + g[2]) for g in dump.get("gcs", []) if w0 - 1 <= g[0] <= w1)
+    late = [(t, v) for t, v in dump.get("lag", []) if w0 <= t <= w1 and v * 1000 >= LATE_MS]
+    late_with_gc = sum(1 for t, v in late if any(a < t and b > t - LAG_PERIOD_S - v for a, b in gc_spans))
     return {
         "loop_lag_p50_ms": _r(percentile(lag, 0.5), 2),
         "loop_lag_p99_ms": _r(percentile(lag, 0.99), 2),
@@ -823,6 +829,8 @@ def _analyse(
         "gc_full_ms_p50": _r(percentile([g[2] * 1000 for g in full_gcs], 0.5), 1),
         "gc_full_ms_max": _r(max((g[2] * 1000 for g in full_gcs), default=None), 1),
         "gc_full_share_of_window": _r(sum(g[2] for g in full_gcs) / max(1e-9, w1 - w0), 4),
+        "loop_lag_samples_over_100ms": len(late),
+        "loop_lag_over_100ms_during_gc_share": _r(late_with_gc / len(late)) if late else None,
         "commits_per_s": _r(len(commits) / max(1e-9, w1 - w0), 2),
         "commit_bytes_p50": percentile([c[1] for c in commits], 0.5),
         "commit_bytes_max": max((c[1] for c in commits), default=None),
