@@ -148,15 +148,31 @@ def solve_ahead(
     return out
 
 
-def store(snap: Snapshot, base: SolveKey, plans: Sequence[tuple[str, Plan]], cache: SolveCache) -> None:
+def store(
+    snap: Snapshot,
+    base: SolveKey,
+    plans: Sequence[tuple[str, Plan]],
+    cache: SolveCache,
+    canon: dict[Assignment, Assignment] | None = None,
+) -> None:
     """Put the one-step plans of ``snap`` (whose key is ``base``) into ``cache``. Their
-    assignments are shared where equal (a table's plans differ in a few tasks each: 74 KB a
-    plan at 200 tasks otherwise)."""
-    canon: dict[Assignment, Assignment] = {}
+    assignments are shared where equal, through ``canon`` (one per plan basis: every
+    table's plans differ in a few tasks each; 74 KB a plan at 200 tasks otherwise)."""
+    canon = {} if canon is None else canon
     for tid, plan in plans:
-        name = None if tid == SPARE else snap.tasks[tid].name
         shared = replace(plan, assignments=tuple(canon.setdefault(a, a) for a in plan.assignments))
-        cache.put(base.one_node_lost(name), snap.plan_basis, shared)
+        cache.put(base.one_node_lost(_name(snap, tid)), snap.plan_basis, shared)
+
+
+def _name(snap: Snapshot, tid: str) -> str | None:
+    return None if tid == SPARE else snap.tasks[tid].name
+
+
+def missing(snap: Snapshot, base: SolveKey, ids: Sequence[str], cache: SolveCache) -> list[str]:
+    """The ids of ``ids`` whose one-step plan ``cache`` lacks. A table is often built again
+    for inputs seen before: a task's rank crash opens an incident (its task faulted, a new
+    table) and the task's recovery closes it (the table before it, whose plans are kept)."""
+    return [tid for tid in ids if cache.get(base.one_node_lost(_name(snap, tid)), snap.plan_basis) is None]
 
 
 def structure(snap: Snapshot) -> tuple[object, ...]:
@@ -180,10 +196,14 @@ class Lookup:
         self.builds = 0
         self.build_s: list[float] = []
         self.solved = 0
+        self.reused = 0
+        """One-step plans a build found cached already (for inputs seen before)."""
         self.failures = 0
         self._changed = asyncio.Event()
         self._built: tuple[object, ...] | None = None
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._canon: dict[Assignment, Assignment] = {}
+        self._canon_basis: object = None
 
     def follow(self, _before: Snapshot, after: Snapshot, _decision: Decision) -> None:
         if len(after.nodes) >= self.min_nodes and after.plan_basis is not None:
@@ -230,19 +250,24 @@ class Lookup:
         # The largest tasks first: a node that fails is most likely one of theirs.
         by_size = sorted(planned_tasks(snap), key=lambda t: (-len(t.nodes), t.task_id))
         ids = [t.task_id for t in by_size] + [SPARE]
+        todo = missing(snap, base.key, ids, ctx.solves)
+        reused = len(ids) - len(todo)
+        self.reused += reused
+        if self._canon_basis is not snap.plan_basis:  # assignments are shared within a basis
+            self._canon, self._canon_basis = {}, snap.plan_basis
         loop = asyncio.get_running_loop()
-        for i in range(0, len(ids), CHUNK):
+        for i in range(0, len(todo), CHUNK):
             now = self.core.committed
             if now is not snap and (now is None or structure(now) != shape):
                 return  # the inputs moved on: the next build starts from the newer snapshot
-            chunk = ids[i : i + CHUNK]
+            chunk = todo[i : i + CHUNK]
             plans = await loop.run_in_executor(self._pool, solve_ahead, snap, parts, time.time(), chunk)
-            store(snap, base.key, plans, ctx.solves)
+            store(snap, base.key, plans, ctx.solves, self._canon)
             self.solved += len(plans)
         self._built = shape
         self.builds += 1
         self.build_s.append(time.monotonic() - started)
-        log.info("lookup_built", tasks=len(ids) - 1, seconds=round(self.build_s[-1], 3))
+        log.info("lookup_built", solved=len(todo), reused=reused, seconds=round(self.build_s[-1], 3))
 
 
 def warm(snap: Snapshot, ctx: PlanContext, now_s: float) -> int:

@@ -22,9 +22,12 @@ class Took:
     hit: bool | None = None
 
 
-SOLVES_KEPT: Final = 256
-"""Solves a :class:`SolveCache` keeps: a one-step table is one per planned task, and a plan
-of 200 tasks holds ~74 KB (the table of 4,096 nodes and 200 tasks: ~15 MB)."""
+SOLVES_KEPT: Final = 1024
+"""Solves a :class:`SolveCache` keeps: a one-step table is one per planned task plus a spare
+(201 at 200 tasks), so about five tables, enough for the tables of a rank crash's incident
+and of the state before it. :mod:`unicornd.lookup` shares equal assignments across the
+tables of a plan basis, so a cached plan holds little besides its tuple of references
+(without sharing, a plan of 200 tasks held ~74 KB)."""
 
 
 class SolveCache:

@@ -897,6 +897,7 @@ def _lookup(dump: Mapping[str, Any]) -> dict[str, Any]:
         "lookup_builds": len(builds),
         "lookup_build_s_p50": _r(percentile(builds, 0.5)),
         "lookup_plans_solved_ahead": table.get("solved"),
+        "lookup_plans_reused": table.get("reused"),
         "lookup_failures": table.get("failures"),
     }
 

@@ -179,6 +179,7 @@ async def main(spec: dict[str, Any]) -> int:
             "builds": daemon.lookup.builds,
             "build_s": daemon.lookup.build_s,
             "solved": daemon.lookup.solved,
+            "reused": daemon.lookup.reused,
             "failures": daemon.lookup.failures,
         },
     }

@@ -10,7 +10,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import cast
 
-from detect.statuses import ErrorStatus
+from detect.statuses import ErrorStatus, Severity
 from plan.calibration import Running, model_key
 from plan.hardware import gpu_spec
 from plan.objective import FailureModel
@@ -23,6 +23,7 @@ from unicornd.replan import PLANNED_STATES, PlanContext, SolveKey, plan_for, sol
 from unicornd.state import (
     PLAN_BASIS_REFRESH_S,
     Calibration,
+    Incident,
     MeasuredLayout,
     NodeHealth,
     PlanBasis,
@@ -140,6 +141,44 @@ async def test_the_lookup_builds_the_table_in_a_worker_process() -> None:
     decided = on_finding(snap, finding("f1", 3, "n7", ErrorStatus.ECC_ERROR), T0 + 5)
     assert resolve(snap, decided, context, T0 + 5) == resolve(snap, decided, ctx(), T0 + 5)
     assert context.solves.hits == 1
+
+
+async def test_a_table_for_inputs_seen_before_is_not_solved_again() -> None:
+    """A task's rank crash faults it (a new table); its recovery brings back the inputs of
+    the table before, whose plans are still cached: that build solves nothing. Equal
+    assignments are one object across the tables of a basis."""
+    snap = cluster()
+    crashed = snap.apply(
+        incidents=[
+            Incident(
+                incident_id="i1",
+                task_id="b",
+                node="n4",
+                rank=3,
+                status=ErrorStatus.EXITED_ABNORMALLY,
+                severity=Severity.SEV2,
+                rule="exit",
+                evidence="rank 3 killed",
+                opened_s=T0,
+            )
+        ]
+    )
+    context = ctx()
+    lookup = Lookup(cast(Core, SimpleNamespace(ctx=context, committed=snap)), min_nodes=0)
+    try:
+        await lookup._build(snap, structure(snap))
+        lookup.core = cast(Core, SimpleNamespace(ctx=context, committed=crashed))
+        await lookup._build(crashed, structure(crashed))
+        lookup.core = cast(Core, SimpleNamespace(ctx=context, committed=snap))
+        await lookup._build(snap, structure(snap))  # recovered: the first table's inputs
+    finally:
+        assert lookup._pool is not None
+        lookup._pool.shutdown(wait=True)
+    # The crashed table: b's own failure and a spare's are the first table's b failure
+    # (b faulted, one node less), so 2 of its 4 were cached; the recovered table: all 4.
+    assert (lookup.builds, lookup.solved, lookup.reused) == (3, 4 + 2 + 0, 0 + 2 + 4)
+    assignments = [a for _key, (_basis, plan) in context.solves._plans.items() for a in plan.assignments]
+    assert len({id(a) for a in assignments}) == len(set(assignments))
 
 
 async def test_the_lookup_builds_after_a_change_and_leaves_no_worker_when_cancelled() -> None:
