@@ -214,6 +214,24 @@ def test_a_report_closes_when_the_node_recovers_and_the_cooldown_holds_off_a_new
     assert reported(later, snap).incident_id != inc_id
 
 
+def test_a_reported_straggler_is_replaced_once_a_spare_frees() -> None:
+    """No spare when found: reported. Repeats while nothing changed are noted; the repeat
+    after a node came free replaces it, and the report closes as superseded."""
+    snap = cluster(nodes=4)
+    snap = apply(snap, on_straggler(snap, found("e1", slow()), T0))
+    (report_id,) = snap.incidents
+    still = on_straggler(snap, found("e2", slow()), T0 + 60)
+    assert still.empty and "still not replaced: no healthy idle node" in still.notes[0]
+    freed = world(5, [task("a", 1, ["n1", "n2", "n3", "n4"])]).nodes["n5"]
+    snap = snap.apply(nodes=[freed])
+    d = on_straggler(snap, found("e3", slow()), T0 + 120)
+    assert [a.node for a in of_kind(d.actions, DrainNode)] == ["n2"]  # type: ignore[attr-defined]
+    after = apply(snap, d)
+    report = after.incidents[report_id]
+    assert report.stage is L.CLOSED and "superseded: replaced in a.1" in report.note
+    assert after.incidents["a.1"].status is ErrorStatus.STRAGGLER and after.incidents["a.1"].is_open
+
+
 def test_a_report_closes_once_its_node_runs_no_task() -> None:
     snap = cluster(nodes=4)
     snap = apply(snap, on_straggler(snap, found("e1", slow()), T0))

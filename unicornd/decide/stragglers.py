@@ -32,9 +32,14 @@ task's own ladder), left at ``detected``, whose note says how much slower and wh
 replaced, with the numbers. It closes when the node recovers (its ``recovered`` verdict) or
 no longer runs a task (:func:`unicornd.decide.on_tick`).
 
-Never twice: a node with an open report, or one replaced or reported within ``[recovery]
-straggler_cooldown_s``, is only noted. Pure: functions of the snapshot, the input and the
-clock.
+**Reported, then replaced**: the detector repeats its verdict while the node stays slow
+(every ``windows`` windows). A repeat re-decides a node with an open report: if it may be
+replaced now (a spare freed, the drain limiter's window passed), the report closes
+(``superseded``) and the node is replaced; otherwise it is only noted.
+
+Never twice otherwise: a node replaced or reported within ``[recovery]
+straggler_cooldown_s`` (a closed report, a replacement) is only noted. Pure: functions of
+the snapshot, the input and the clock.
 """
 
 from __future__ import annotations
@@ -127,7 +132,7 @@ def on_straggler(
 
     Ignored (notes only): evidence seen before, a job no task has, a task not running (an
     incident open, launching, requeued) or no longer on the node, and a node acted on within
-    the cooldown or already reported."""
+    the cooldown. A node with an open report is re-decided: replaced if it may be now."""
     draft = Draft(snapshot, now_s)
     s = found.straggler
     if s.recovered:
@@ -151,7 +156,13 @@ def on_straggler(
         rule=c.rule,
         evidence=f"task {task.task_id}: {s.describe()}",
     )
+    report = open_report(snapshot, s.node)
     if why_not:
+        if report is not None:  # a repeat of a reported straggler: still not replaceable
+            return draft.note(
+                f"straggler {s.node}: reported in {report.incident_id}; {s.describe()}; "
+                f"still not replaced: {'; '.join(why_not)}"
+            )
         why = f"{s.describe()}; {money.describe()}; not replaced: {'; '.join(why_not)}"
         _report(draft, task, finding, why)
         return draft.decision()
@@ -159,6 +170,10 @@ def on_straggler(
     inc = _new_incident(f"{task.task_id}.{number}", task.task_id, finding, now_s)
     why = f"{s.describe()}; {money.describe()}: replaced"
     inc = replace(inc, note=why)
+    if report is not None:  # reported before, replaceable now (e.g. a spare freed)
+        closed = report.moved(_L.CLOSED, now_s)
+        draft.put(replace(closed, note=f"{report.note[:900]}; superseded: replaced in {inc.incident_id}"))
+        draft.notes.append(f"{report.incident_id}: superseded by {inc.incident_id}")
     draft.put(replace(task, incidents_opened=number).with_state(TaskState.RECOVERING))
     detail = (
         f"{s.ratio:.2f}x its peers' compute time (rank {s.rank}); "
@@ -197,9 +212,8 @@ def _ignored(
         return (
             f"straggler {found.finding_id} on {s.node}: {inc.incident_id} of {task.task_id} is open; ignored"
         )
-    report = open_report(snapshot, s.node)
-    if report is not None:
-        return f"straggler {s.node}: reported in {report.incident_id} already; {s.describe()}"
+    if open_report(snapshot, s.node) is not None:
+        return None  # re-decided: replaced if it may be now, else noted (module doc)
     last = _last_act(snapshot, s.node, now_s)
     if last is not None:
         return (
