@@ -751,6 +751,11 @@ async def _measure(
         "unicornd_rss_mib": _r(rss[-1] if rss else None, 1),
         "unicornd_rss_max_mib": _r(max(rss) if rss else None, 1),
         "unicornd_rss_growth_mib_per_h": _r((rss[-1] - rss[0]) / p_span * 3600 if len(rss) > 1 else None, 1),
+        "unicornd_rss_growth_mib_per_h_second_half": _slope_per_h(
+            [(p[0], p[3]) for p in proc], proc[0][0], proc[-1][0]
+        )
+        if proc
+        else None,
         "redis_used_memory_mib": _r(redis_mem[-1] if redis_mem else None, 1),
         "redis_ops_per_s": _r(
             (int(rf["total_commands_processed"]) - int(ri["total_commands_processed"])) / span, 1
@@ -830,6 +835,8 @@ def _analyse(
         "gc_full_ms_max": _r(max((g[2] * 1000 for g in full_gcs), default=None), 1),
         "gc_full_share_of_window": _r(sum(g[2] for g in full_gcs) / max(1e-9, w1 - w0), 4),
         "loop_lag_samples_over_100ms": len(late),
+        "python_slope_per_h_per_h": _slope_per_h(dump.get("blocks", []), w0, w1),
+        "object_types": {str(when): dict(top[:15]) for when, top in dump.get("object_types", [])},
         "loop_lag_over_100ms_during_gc_share": _r(late_with_gc / len(late)) if late else None,
         "commits_per_s": _r(len(commits) / max(1e-9, w1 - w0), 2),
         "commit_bytes_p50": percentile([c[1] for c in commits], 0.5),
@@ -876,6 +883,19 @@ def _analyse(
         "unicornd_failure": dump.get("error") or None,
         **_lookup(dump),
     }
+
+
+def _slope_per_h(blocks: Sequence[Sequence[float]], w0: float, w1: float) -> float | None:
+    """The slope per hour of (time, value) samples over the window's second half (after the
+    per-rank windows filled), by least squares: Python's allocated blocks, or RSS."""
+    mid = (w0 + w1) / 2
+    pts = [(float(t), float(b)) for t, b in blocks if mid <= t <= w1]
+    if len(pts) < 3:
+        return None
+    mt = statistics.fmean(t for t, _ in pts)
+    mb = statistics.fmean(b for _, b in pts)
+    var = sum((t - mt) ** 2 for t, _ in pts)
+    return _r(sum((t - mt) * (b - mb) for t, b in pts) / var * 3600, 0) if var > 0 else None
 
 
 def _lookup(dump: Mapping[str, Any]) -> dict[str, Any]:

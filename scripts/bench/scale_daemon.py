@@ -26,6 +26,7 @@ import gc
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Final
 
@@ -46,6 +47,8 @@ from unicornd.store import CommitCost  # noqa: E402
 
 LAG_PERIOD_S: Final = 0.05
 GC_RECORD_S: Final = 0.01
+BLOCKS_EVERY: Final = 600
+"""Lag samples between two readings of Python's allocated blocks (30 s)."""
 
 
 def slurm_stream(prefix: str) -> str:
@@ -69,6 +72,10 @@ class Recorder:
         """(wall start, generation, seconds, objects collected): full collections, and
         any other of :data:`GC_RECORD_S` or more."""
         self._gc_start: float | None = None
+        self.blocks: list[tuple[float, int]] = []
+        """(wall time, ``sys.getallocatedblocks()``) every :data:`BLOCKS_EVERY` lag samples:
+        whether RSS growth is Python objects or the allocator's own."""
+        self.types_at: list[tuple[str, list[tuple[str, int]]]] = []
 
     def commit(self, cost: CommitCost) -> None:
         self.commits.append((time.time(), cost.state_bytes, cost.serialise_s, cost.total_s))
@@ -111,10 +118,20 @@ class Recorder:
 
     async def sample_lag(self) -> None:
         loop = asyncio.get_running_loop()
+        n = 0
         while True:
             t = loop.time()
             await asyncio.sleep(LAG_PERIOD_S)
             self.lag.append((time.time(), loop.time() - t - LAG_PERIOD_S))
+            n += 1
+            if n % BLOCKS_EVERY == 0:  # Python's allocated blocks: O(1) to read
+                self.blocks.append((time.time(), sys.getallocatedblocks()))
+
+    def object_types(self, top: int = 25) -> list[tuple[str, int]]:
+        """The most numerous types among the objects the collector tracks (a walk of the
+        whole heap: taken at the window's edges, outside the measurement)."""
+        counts: Counter[str] = Counter(type(o).__qualname__ for o in gc.get_objects())
+        return counts.most_common(top)
 
 
 async def main(spec: dict[str, Any]) -> int:
@@ -147,6 +164,7 @@ async def main(spec: dict[str, Any]) -> int:
             if raw is not None:
                 t0 = float(raw)
                 slurm.schedule_deaths({n: t0 + float(s) for n, s in spec["deaths"].items()})
+                rec.types_at.append(("window_start", rec.object_types()))
                 return
             await asyncio.sleep(0.1)
 
@@ -159,6 +177,7 @@ async def main(spec: dict[str, Any]) -> int:
         error = repr(e)[:500]
         print(f"unicornd failed: {error}", file=sys.stderr)
         status = 1
+    rec.types_at.append(("end", rec.object_types()))
     # Written before anything else can hang: a unicornd whose root tasks did not end
     # within its shutdown time ("shutdown_stuck") may never finish asyncio's own cleanup.
     out = {
@@ -168,6 +187,8 @@ async def main(spec: dict[str, Any]) -> int:
         "commits": rec.commits,
         "incidents": rec.incidents,
         "gcs": rec.gcs,
+        "blocks": rec.blocks,
+        "object_types": rec.types_at,
         "slurm_calls": [e.to_dict() for e in slurm.calls],
         "solves": {
             "hits": daemon.core.ctx.solves.hits,
