@@ -745,6 +745,7 @@ async def _measure(
         "generator_cpu_core_share": _r((last.self_cpu_s - first.self_cpu_s) / span),
         "generator_late_tick_share": _r(fleet.counters.late_ticks / max(1, fleet.counters.ticks)),
         "generator_write_delay_max_ms": _r(fleet.counters.write_delay_max_s * 1000, 1),
+        "generator_tick_late_max_ms": _r(max((v for _t, v in fleet.counters.late), default=0.0) * 1000, 1),
         "unicornd_cpu_core_share": _r((proc[-1][1] - proc[0][1]) / p_span) if proc else None,
         "unicornd_runqueue_wait_share": _r((proc[-1][2] - proc[0][2]) / p_span) if proc else None,
         "unicornd_died_in_window_s": _r(died_s, 1),
@@ -857,6 +858,13 @@ def _analyse(
                 "task": i["task"],
                 "rule": i["rule"],
                 "evidence": i.get("evidence", ""),
+                "generator_late_max_ms_5s_before": _r(
+                    max(
+                        (v * 1000 for t, v in fleet.counters.late if float(i["t"]) - 5 <= t <= float(i["t"])),
+                        default=0.0,
+                    ),
+                    1,
+                ),
                 "loop_lag_max_ms_5s_before": _r(
                     max(
                         (v * 1000 for t, v in dump.get("lag", []) if float(i["t"]) - 5 <= t <= float(i["t"])),

@@ -62,6 +62,7 @@ STREAM_MAXLEN: Final = 100_000
 """:data:`launcher.outbox.STREAM_MAXLEN` (not imported: the bench process needs no torch)."""
 SINGLE_KINDS: Final = ("rank_crash", "gpu_ecc", "node_loss")
 TICK_S: Final = 0.05
+LATE_TICK_RECORD_S: Final = 0.2
 COMMAND_BLOCK_MS: Final = 200
 SILENT_KINDS: Final = frozenset({"node_loss", "rack"})
 """Faults that unicornd only sees as silence (no message)."""
@@ -205,6 +206,9 @@ class FleetCounters:
     ticks: int = 0
     late_ticks: int = 0
     """Ticks that started more than one tick late (the generator could not keep up)."""
+    late: list[tuple[float, float]] = field(default_factory=list)
+    """(wall time, seconds late) of ticks :data:`LATE_TICK_RECORD_S` or more late: the
+    generator itself stalled, so its agents' reports really were late."""
     write_delay_max_s: float = 0.0
     """The longest a tick's messages waited to be written (Redis stalled, or the generator
     fell behind)."""
@@ -553,6 +557,8 @@ class Fleet:
             now = time.monotonic()
             if now - next_at > TICK_S:
                 self.counters.late_ticks += 1
+                if now - next_at >= LATE_TICK_RECORD_S:
+                    self.counters.late.append((time.time(), now - next_at))
             wall = time.time()
             batch = self._tick_messages(now, wall) + self._out
             marks, deletes = self._fault_marks, self._deletes
