@@ -820,6 +820,7 @@ def _analyse(
             "decision_from_injection_p95_s": _r(percentile(since(ms, "decided_wall", "injection"), 0.95)),
         }
     in_window = [i for i in unexplained if w0 <= float(i["t"]) <= w1 + tail_s]
+    cluster_jobs = {job.task_id: job.job_id for job in fleet.jobs.values()}
     full_gcs = [g for g in dump.get("gcs", []) if w0 <= g[0] <= w1 and g[1] == 2]
     # A lag sample covers [t - period - lag, t]: a collection inside it held the loop then.
     gc_spans = sorted((g[0], g[0] + g[2]) for g in dump.get("gcs", []) if w0 - 1 <= g[0] <= w1)
@@ -856,6 +857,7 @@ def _analyse(
             {
                 "t_s": _r(float(i["t"]) - w0, 1),
                 "task": i["task"],
+                "job_before_10s": _job_history(fleet, cluster_jobs.get(str(i["task"])), float(i["t"])),
                 "rule": i["rule"],
                 "evidence": i.get("evidence", ""),
                 "generator_late_max_ms_5s_before": _r(
@@ -891,6 +893,16 @@ def _analyse(
         "unicornd_failure": dump.get("error") or None,
         **_lookup(dump),
     }
+
+
+def _job_history(fleet: Fleet, job_id: int | None, t: float) -> list[str]:
+    """What the job's agents were told and what Slurm did to it in the 10 s before ``t``
+    (seconds before ``t``): whether a spurious incident followed a planned change."""
+    if job_id is None:
+        return []
+    seen = [(c["t"], f"{c['action']} {c['node']}") for c in fleet.commands if c["job"] == job_id]
+    seen += [(w, f"slurm {op} ({n} nodes)") for w, j, op, n in fleet.slurm_events if j == job_id]
+    return [f"-{t - w:.1f}s {what}" for w, what in sorted(seen) if t - 10 <= w <= t][:20]
 
 
 def _slope_per_h(blocks: Sequence[Sequence[float]], w0: float, w1: float) -> float | None:

@@ -245,6 +245,8 @@ class Fleet:
         self.faults: list[InjectedFault] = []
         self.commands: list[dict[str, Any]] = []
         """Commands received: entry time (Redis's, wall), job, node, action, id."""
+        self.slurm_events: list[tuple[float, int, str, int]] = []
+        """What Slurm did to a job, as this fleet followed it: (wall time, job, op, nodes)."""
         self.errors: Counter[str] = Counter()
         self._pids = itertools.count(10_000)
         self._heap: list[tuple[float, int, Agent]] = []
@@ -287,6 +289,8 @@ class Fleet:
         """Follow what Slurm did: steps start agents, requeues and shrinks end them."""
         now = time.monotonic()
         job = self.jobs.get(ev.job_id) if ev.job_id is not None else None
+        if ev.job_id is not None:
+            self.slurm_events.append((time.time(), ev.job_id, ev.op, len(ev.nodes)))
         if ev.op == "launch" and job is not None and ev.job_id is not None:
             for node in ev.nodes:
                 if node in self.dead_nodes:
