@@ -203,22 +203,27 @@ class _SinfoDoc(msgspec.Struct, gc=False):
 _SINFO: Final = msgspec.json.Decoder(_SinfoDoc)
 
 
-def nodes_from_sinfo_json(text: str) -> list[NodeInfo]:
+def _typed_records(
+    decoder: msgspec.json.Decoder[Any], text: str, what: str, key: str
+) -> list[dict[str, Any]]:
+    """The records under ``key`` of ``<what> --json`` output, decoded by ``decoder`` (a
+    typed schema of the fields read), each as a dict of the fields it has."""
     try:
-        doc = _SINFO.decode(text)
+        doc = decoder.decode(text)
     except msgspec.ValidationError:
-        raise SlurmParseError("sinfo --json output has no 'nodes' list of objects") from None
+        raise SlurmParseError(f"{what} --json output has no '{key}' list of objects") from None
     except msgspec.DecodeError as e:
-        raise SlurmParseError(f"sinfo printed invalid JSON: {e}") from None
+        raise SlurmParseError(f"{what} printed invalid JSON: {e}") from None
     if doc.errors:
-        raise SlurmParseError(f"sinfo reported errors: {doc.errors!r}")
-    if doc.nodes is None:
-        raise SlurmParseError("sinfo --json output has no 'nodes' list of objects")
-    out = []
-    for n in doc.nodes:
-        fields = {k: v for k, v in msgspec.structs.asdict(n).items() if v is not None}
-        out.append(node_from_sinfo_json(fields))
-    return out
+        raise SlurmParseError(f"{what} reported errors: {doc.errors!r}")
+    records = getattr(doc, key)
+    if records is None:
+        raise SlurmParseError(f"{what} --json output has no '{key}' list of objects")
+    return [{k: v for k, v in msgspec.structs.asdict(r).items() if v is not None} for r in records]
+
+
+def nodes_from_sinfo_json(text: str) -> list[NodeInfo]:
+    return [node_from_sinfo_json(n) for n in _typed_records(_SINFO, text, "sinfo", "nodes")]
 
 
 def node_from_scontrol(rec: Mapping[str, str]) -> NodeInfo:
@@ -300,20 +305,7 @@ _SQUEUE: Final = msgspec.json.Decoder(_SqueueDoc)
 
 
 def jobs_from_squeue_json(text: str) -> list[JobInfo]:
-    try:
-        doc = _SQUEUE.decode(text)
-    except msgspec.ValidationError:
-        raise SlurmParseError("squeue --json output has no 'jobs' list of objects") from None
-    except msgspec.DecodeError as e:
-        raise SlurmParseError(f"squeue printed invalid JSON: {e}") from None
-    if doc.errors:
-        raise SlurmParseError(f"squeue reported errors: {doc.errors!r}")
-    if doc.jobs is None:
-        raise SlurmParseError("squeue --json output has no 'jobs' list of objects")
-    return [
-        job_from_squeue_json({k: v for k, v in msgspec.structs.asdict(j).items() if v is not None})
-        for j in doc.jobs
-    ]
+    return [job_from_squeue_json(j) for j in _typed_records(_SQUEUE, text, "squeue", "jobs")]
 
 
 def job_from_scontrol(rec: Mapping[str, str]) -> JobInfo:
