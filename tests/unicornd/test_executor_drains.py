@@ -4,18 +4,13 @@ call falls back to one call per drain, so each drain gets its own outcome."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
 from functools import partial
 
 from tests.fakes.slurm import FakeSlurm
-from unicorn_core import redis_io
-from unicorn_core.config import load_config
+from tests.unicornd.redis_world import running_daemon, until
 from unicorn_core.errors import CommandFailed
-from unicorn_core.logs import reset_logging
 from unicornd.actions import Action, CheckNode, DrainNode, Replan
-from unicornd.daemon import Daemon
 from unicornd.decide import on_operator_drain
 from unicornd.executor import _drain_group
 from unicornd.state import NodeHealth
@@ -55,39 +50,14 @@ def test_a_group_stops_at_another_reason_kind_node_or_busy_or_running_drain() ->
     assert len(_drain_group(owed(check, drain("n1")), 0, {}, set())) == 1
 
 
-async def _until(what: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not what():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
-
-
-async def _drain_rack(slurm: FakeSlurm, redis_url: str, nodes: tuple[str, ...]) -> Daemon:
-    cfg = load_config(
-        None,
-        env={
-            "UNICORN_REDIS__URL": redis_url,
-            "UNICORN_REDIS__KEY_PREFIX": PREFIX,
-            "UNICORN_REDIS__AGENT_ACL": "0",
-        },
-    )
-    client = redis_io.connect(cfg.redis, client_name="test-unicornd")
-    daemon = Daemon(cfg, slurm, client)
-    running = asyncio.create_task(daemon.run())
-    try:
-        await _until(lambda: daemon.snapshot is not None)
+async def _drain_rack(slurm: FakeSlurm, redis_url: str, nodes: tuple[str, ...]) -> None:
+    async with running_daemon(slurm, redis_url, PREFIX) as daemon:
         now = time.time()
         await daemon.core.decide(
             now, partial(on_operator_drain, node=",".join(nodes), reason="rack 7", now_s=now)
         )
-        await _until(lambda: all(daemon.snap.nodes[n].health is NodeHealth.DRAINED for n in nodes))
-        await _until(lambda: not daemon.executor.in_flight())
-        return daemon
-    finally:
-        daemon._stop.set()
-        assert await asyncio.wait_for(running, 30) == 0
-        await client.aclose()
-        reset_logging()
+        await until(lambda: all(daemon.snap.nodes[n].health is NodeHealth.DRAINED for n in nodes))
+        await until(lambda: not daemon.executor.in_flight())
 
 
 async def test_a_rack_is_drained_in_one_slurm_call(redis_url: str) -> None:

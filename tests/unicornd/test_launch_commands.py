@@ -11,32 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import redis
 
 from tests.fakes.slurm import FakeSlurm, idle_node, running_job
-from unicorn_core import redis_io
-from unicorn_core.config import load_config
+from tests.unicornd.redis_world import running_daemon
 from unicorn_core.errors import CommandFailed
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
-from unicorn_core.logs import reset_logging
 from unicorn_core.protocol import AgentAction, AgentCommand, encode
 from unicorn_core.slurm.backend import StepHandle
 from unicornd.actions import LaunchAgents, NodeArgv
-from unicornd.daemon import Daemon
 from unicornd.executor import LAUNCH_CONCURRENCY
 
 PREFIX = "launchcmd"
-
-
-async def _until(what: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not what():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
 
 
 async def test_a_launch_deletes_the_commands_queued_for_the_nodes_earlier_agents(redis_url: str) -> None:
@@ -66,29 +56,14 @@ async def test_a_launch_deletes_the_commands_queued_for_the_nodes_earlier_agents
 async def _launch_on(slurm: FakeSlurm, redis_url: str, launch: LaunchAgents) -> None:
     """Run a real unicornd on ``slurm`` and have its executor perform ``launch``; the steps
     it started are killed and unicornd stopped after."""
-    cfg = load_config(
-        None,
-        env={
-            "UNICORN_REDIS__URL": redis_url,
-            "UNICORN_REDIS__KEY_PREFIX": PREFIX,
-            "UNICORN_REDIS__AGENT_ACL": "0",
-        },
-    )
-    client = redis_io.connect(cfg.redis, client_name="test-unicornd")
-    daemon = Daemon(cfg, slurm, client)
-    running = asyncio.create_task(daemon.run())
-    try:
-        await _until(lambda: daemon.snapshot is not None)
-        await daemon.executor._launch(launch)
-    finally:
-        for step in slurm.steps:
-            if step.process.returncode is None:
-                step.process.kill()
-            await step.process.wait()
-        daemon._stop.set()
-        await asyncio.wait_for(running, 30)
-        await client.aclose()
-        reset_logging()
+    async with running_daemon(slurm, redis_url, PREFIX, exits_cleanly=False) as daemon:
+        try:
+            await daemon.executor._launch(launch)
+        finally:
+            for step in slurm.steps:
+                if step.process.returncode is None:
+                    step.process.kill()
+                await step.process.wait()
 
 
 class _SlowSlurm(FakeSlurm):

@@ -16,8 +16,7 @@ import os
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import cast
@@ -30,6 +29,7 @@ from click.testing import CliRunner
 from detect.statuses import ErrorStatus
 from tests.fakes.slurm import FakeSlurm
 from tests.unicornd.coord_world import apply, finding, of_kind, task, world
+from tests.unicornd.redis_world import until
 from unicorn_core import acl, redis_io
 from unicorn_core.config import Config, load_config
 from unicorn_core.errors import InvalidArgument
@@ -352,13 +352,6 @@ def test_incidents_confirm_answers_the_drain_limiter_for_operators_only(
     assert r.xlen(keys.control()) == 0
 
 
-async def _until(what: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not what():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
-
-
 async def _ctl(url: str, *args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         str(UNICORNCTL),
@@ -390,7 +383,7 @@ async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> No
     running = asyncio.create_task(daemon.run())
     keys = RedisKeys(PREFIX)
     try:
-        await _until(lambda: daemon.snapshot is not None)
+        await until(lambda: daemon.snapshot is not None)
         code, out, err = await _ctl(redis_url, "drain", "n2", "--reason", "fan failing")
         assert code == EXIT_NOT_CONFIRMED, err
         assert "drain_node node=n2 reason='unicorn: operator: fan failing'" in out and "--yes" in err
@@ -417,7 +410,7 @@ async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> No
 
         code, out, err = await _ctl(redis_url, "drain", "n2", "--reason", "fan failing", "--yes")
         assert code == 0, err
-        await _until(lambda: daemon.snap.nodes["n2"].health is NodeHealth.DRAINED)
+        await until(lambda: daemon.snap.nodes["n2"].health is NodeHealth.DRAINED)
         assert slurm.calls == [("drain", "n2", "unicorn: operator: fan failing")]
         persisted = await read_snapshot(client, keys, daemon.store.policy)
         assert persisted is not None and persisted.nodes["n2"].held
@@ -428,7 +421,7 @@ async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> No
 
         code, out, err = await _ctl(redis_url, "resume", "n2", "--yes")
         assert code == 0, err
-        await _until(lambda: daemon.snap.nodes["n2"].health is NodeHealth.HEALTHY)
+        await until(lambda: daemon.snap.nodes["n2"].health is NodeHealth.HEALTHY)
         assert [c[:2] for c in slurm.calls[1:]] == [("resume", "n2"), ("run_on_nodes", ("n2",))]
         assert not daemon.snap.nodes["n2"].held
 
@@ -436,7 +429,7 @@ async def test_drain_and_resume_go_through_a_live_unicornd(redis_url: str) -> No
         before = len(slurm.calls)
         code, out, err = await _ctl(redis_url, "drain", "n[3-4]", "--reason", "rack 7", "--yes")
         assert code == 0, err
-        await _until(lambda: all(daemon.snap.nodes[n].health is NodeHealth.DRAINED for n in ("n3", "n4")))
+        await until(lambda: all(daemon.snap.nodes[n].health is NodeHealth.DRAINED for n in ("n3", "n4")))
         assert slurm.calls[before:] == [("drain_nodes", ("n3", "n4"), "unicorn: operator: rack 7")]
     finally:
         daemon._stop.set()

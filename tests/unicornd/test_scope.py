@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from plan.hardware import gpu_spec
 from plan.objective import FailureModel
 from tests.fakes.slurm import FakeSlurm, idle_node, running_job
 from tests.unicornd.coord_world import apply, finding, of_kind, plan, render, task, world
+from tests.unicornd.redis_world import until
 from unicorn_core import redis_io
 from unicorn_core.config import RedisConfig, load_config
 from unicorn_core.errors import InvalidArgument
@@ -157,13 +157,6 @@ async def test_observe_lets_only_nodes_in_scope_through_with_their_jobs() -> Non
 # --- unicornd on a real Redis ----------------------------------------------------------
 
 
-async def _until(what: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not what():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
-
-
 def _cfg(url: str, **extra: str) -> Any:
     return load_config(None, env={"UNICORN_REDIS__URL": url, "UNICORN_REDIS__KEY_PREFIX": PREFIX, **extra})
 
@@ -179,7 +172,7 @@ async def test_unicornd_keeps_only_nodes_in_scope_and_follows_other_users_jobs(r
     daemon = Daemon(cfg, slurm, client)
     running = asyncio.create_task(daemon.run())
     try:
-        await _until(lambda: daemon.snapshot is not None)
+        await until(lambda: daemon.snapshot is not None)
         assert sorted(daemon.snap.nodes) == ["g1", "g2", "g3"]
         assert daemon.snap.foreign_jobs("g2") == (99,) and "g2" not in daemon.snap.plannable()
         # The executor never acts on a node outside the scope.
@@ -191,7 +184,7 @@ async def test_unicornd_keeps_only_nodes_in_scope_and_follows_other_users_jobs(r
         await daemon.requests._in_scope(task("t", 98, ["g1", "g2"]))
         # Job 99 ends: g2 is free, and plannable again at the next poll.
         await slurm.cancel(99)
-        await _until(lambda: daemon.snap.nodes["g2"].jobs == ())
+        await until(lambda: daemon.snap.nodes["g2"].jobs == ())
         assert "g2" in daemon.snap.plannable()
         assert not slurm.calls[1:]  # the cancel above was the only change to Slurm
     finally:
