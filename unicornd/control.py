@@ -130,8 +130,6 @@ class Drain(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="
     reason: str
 
     def __post_init__(self) -> None:
-        if not self.node:
-            raise InvalidRequest("node must not be empty")
         try:
             nodes = expand(self.node)
         except InvalidArgument as e:

@@ -235,12 +235,13 @@ class Detector:
         reader read each of its streams to the end in a read sent at ``t_s``.
 
         From the first call on, silence (a lost heartbeat, a stalled iteration) is measured
-        up to the latest such time, not up to the clock. Found at 4,096 nodes: after a pause
-        of unicornd's loop (a full garbage collection, a long decision) the ticker woke
-        before the reader had caught up, and the reports waiting in Redis counted as the
-        ranks' silence. A silence unicornd has not finished listening to harms a healthy
-        job (a restart); detection waits for the reader instead (at most one read behind
-        while it keeps up). Only moves forward.
+        up to the latest such time, not up to the clock: after a pause of unicornd's loop
+        (a full garbage collection, a long decision) or of Redis, the ticker may wake before
+        the reader has caught up, and reports waiting in Redis would count as the ranks'
+        silence. A silence unicornd has not finished listening to is no evidence against a
+        healthy job; detection waits for the reader instead (at most one read behind while
+        it keeps up). Only moves forward. (It was the first suspect for the scale bench's
+        unexplained stalls at 4,096 nodes, and did not remove them: BENCHMARKS.md.)
         """
         if self._heard_until_s is None or t_s > self._heard_until_s:
             self._heard_until_s = t_s

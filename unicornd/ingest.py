@@ -152,14 +152,10 @@ class StreamIngest:
         ready = self.acks.ackable()
         if not ready:
             return
-        if len(ready) == 1:
-            ((stream, ids),) = ready.items()
-            await redis_io.call(("XACK", stream), self.client.xack(stream, COORDINATOR_GROUP, *ids))
-            return
         pipe = self.client.pipeline(transaction=False)
         for stream, ids in ready.items():
             pipe.xack(stream, COORDINATOR_GROUP, *ids)
-        await redis_io.call(("XACK", f"{len(ready)} streams"), pipe.execute())
+        await redis_io.call(("XACK", *ready), pipe.execute())
 
     async def _open(self, stream: str) -> None:
         """Create the group on a stream seen for the first time, then replay its pending entries."""
