@@ -132,12 +132,25 @@ class PluginInstall:
     skipped: tuple[str, ...]
 
 
-def find_plugin_dir() -> Path | None:
-    """Slurm's plugin directory (the one holding job_submit_lua.so), or None."""
+def find_plugin_dir(root: Path = Path("/")) -> Path | None:
+    """Slurm's plugin directory (the one holding job_submit_lua.so) under the file system
+    root ``root`` (a chroot's Slurm, or the host's), or None."""
     for pattern in PLUGIN_DIR_GLOBS:
-        for candidate in sorted(Path("/").glob(pattern.lstrip("/"))):
+        for candidate in sorted(root.glob(pattern.lstrip("/"))):
             if (candidate / "job_submit_lua.so").exists():
                 return candidate
+    return None
+
+
+def which_in(name: str, root: Path) -> str | None:
+    """``name``'s path as seen from inside ``root``: PATH's answer on the host (root
+    ``/``), else the first of /usr/bin and /bin under ``root`` that has it (a chroot's
+    slurmd runs the health check and the epilog there, with its own scontrol)."""
+    if root == Path("/"):
+        return shutil.which(name)
+    for folder in ("/usr/bin", "/bin"):
+        if os.access(root / folder.lstrip("/") / name, os.X_OK):
+            return f"{folder}/{name}"
     return None
 
 
@@ -161,9 +174,13 @@ def build_spank(dest: Path, *, cc: str = "gcc", header: Path = SPANK_HEADER) -> 
     fd, tmp_name = tempfile.mkstemp(prefix=".unicorn_spank.", suffix=".so", dir=dest)
     os.close(fd)
     tmp = Path(tmp_name)
+    # Only Slurm's headers come from ``header``'s tree (another release's, in a chroot);
+    # the C library's stay the compiler's own, which the plugin is linked for.
+    include = Path(tempfile.mkdtemp(prefix=".unicorn_spank_include.", dir=dest))
+    (include / "slurm").symlink_to(header.parent)
     try:
         res = subprocess.run(
-            [compiler, *CFLAGS, f"-I{header.parent.parent}", "-o", str(tmp), str(SPANK_SOURCE)],
+            [compiler, *CFLAGS, f"-I{include}", "-o", str(tmp), str(SPANK_SOURCE)],
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_S,
@@ -175,6 +192,7 @@ def build_spank(dest: Path, *, cc: str = "gcc", header: Path = SPANK_HEADER) -> 
         tmp.replace(out)
     finally:
         tmp.unlink(missing_ok=True)
+        shutil.rmtree(include, ignore_errors=True)
     stamp.write_text(key)
     return out
 
@@ -231,12 +249,18 @@ def install_plugins(
     dest: Path,
     health: HealthCheckSettings | None,
     epilog: EpilogSettings | None = None,
+    *,
+    slurm_root: Path = Path("/"),
 ) -> PluginInstall:
     """Build and place every plugin whose prerequisites exist; see the module docstring.
 
     ``conf_dir`` is slurm.conf's folder (plugstack.conf and job_submit.lua go there),
     ``dest`` the folder for built files, the health check and the epilog. ``health``
-    None skips the HealthCheckProgram, ``epilog`` None the Epilog.
+    None skips the HealthCheckProgram, ``epilog`` None the Epilog. ``slurm_root`` is the
+    file system root of the Slurm that will load them (a chroot's, for the dev cluster's
+    Slurm 24.11): the SPANK plugin is built against its ``spank.h``, and the programs the
+    scripts call are looked up there. ``conf_dir`` and ``dest`` must be visible at the same
+    paths inside it.
     """
     conf: list[str] = []
     installed: list[str] = []
@@ -247,26 +271,27 @@ def install_plugins(
     conf_dir.mkdir(parents=True, exist_ok=True)
     dest.mkdir(parents=True, exist_ok=True)
 
-    if shutil.which("gcc") is None or not SPANK_HEADER.exists():
+    header = slurm_root / SPANK_HEADER.relative_to("/")
+    if shutil.which("gcc") is None or not header.exists():
         skipped.append(
-            f"SPANK plugin (--unicorn-weight/--unicorn-min-gpus): needs gcc and {SPANK_HEADER} "
+            f"SPANK plugin (--unicorn-weight/--unicorn-min-gpus): needs gcc and {header} "
             "(apt-get install gcc libc6-dev libslurm-dev)"
         )
     else:
-        so = build_spank(dest)
+        so = build_spank(dest, header=header)
         plugstack = conf_dir / "plugstack.conf"
         write_owned(plugstack, f"{GENERATED}\nrequired {so}\n")
         conf.append(f"PlugStackConfig={plugstack}")
         installed.append(f"SPANK plugin {so}")
 
-    if find_plugin_dir() is None:
+    if find_plugin_dir(slurm_root) is None:
         skipped.append("job_submit.lua: Slurm's job_submit_lua.so not found")
     else:
         write_owned(conf_dir / "job_submit.lua", LUA_SOURCE.read_text())
         conf.append("JobSubmitPlugins=lua")
         installed.append(f"job_submit.lua in {conf_dir}")
 
-    scontrol, timeout_bin = shutil.which("scontrol"), shutil.which("timeout")
+    scontrol, timeout_bin = which_in("scontrol", slurm_root), which_in("timeout", slurm_root)
     if health is None or health.interval_s == 0:
         skipped.append("HealthCheckProgram: disabled (interval 0)")
     elif not os.access(health.node_check, os.X_OK):
@@ -310,7 +335,11 @@ def install_epilog(
 
 
 def install_dev_cluster(
-    state_dir: Path, *, health_check_interval_s: int, log: Callable[[str], None]
+    state_dir: Path,
+    *,
+    health_check_interval_s: int,
+    log: Callable[[str], None],
+    slurm_root: Path = Path("/"),
 ) -> list[str]:
     """The dev cluster's choices: files under ``<state>/plugins``, the repo's .venv
     unicorn-node-check, GPU fault injection from ``<state>/faults/<node>.jsonl`` (a test
@@ -331,7 +360,7 @@ def install_dev_cluster(
         slurm_conf=state_dir / "etc" / "slurm.conf",
         log_file=state_dir / "log" / "epilog.log",
     )
-    result = install_plugins(state_dir / "etc", state_dir / "plugins", health, epilog)
+    result = install_plugins(state_dir / "etc", state_dir / "plugins", health, epilog, slurm_root=slurm_root)
     if result.installed:
         log(f"slurm plugins: {'; '.join(result.installed)}")
     for what in result.skipped:

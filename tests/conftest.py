@@ -27,6 +27,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DEV_CLUSTER = REPO / "scripts" / "dev-cluster"
+SLURM_RELEASE: Final = os.environ.get("UNICORN_TEST_SLURM", "")
+"""The Slurm release test clusters run: empty for the host's (22.05), or one that
+``dev-cluster up --slurm`` runs from a chroot (``24.11``); scripts/test runs the
+``slurm_release`` tests once more with it set."""
 AGENT_RUN_ROOT = Path("/tmp/unicorn")  # unicorn_core.paths.AGENT_RUN_ROOT: agents' run folders
 
 
@@ -152,6 +156,11 @@ class DevCluster:
     def redis_url(self) -> str:
         return self.env["UNICORN_REDIS__URL"]
 
+    @property
+    def bin_dir(self) -> str | None:
+        """Where this cluster's Slurm clients are when they are not the host's (a chroot's)."""
+        return self.env.get("UNICORN_SLURM__BIN_DIR")
+
     def script(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [str(DEV_CLUSTER), "--state-dir", str(self.state_dir), *args],
@@ -173,6 +182,8 @@ class DevCluster:
 
 
 def start_cluster(state_dir: Path, *args: str) -> DevCluster:
+    if SLURM_RELEASE and "--slurm" not in args:
+        args = (*args, "--slurm", SLURM_RELEASE)
     up = subprocess.run(
         [str(DEV_CLUSTER), "--state-dir", str(state_dir), "up", *args],
         capture_output=True,

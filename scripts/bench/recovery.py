@@ -843,6 +843,11 @@ def main() -> None:
     ap.add_argument(
         "--events", action="store_true", help="keep unicornd's log (relative to the fault) in each row"
     )
+    ap.add_argument(
+        "--slurm",
+        default="22.05",
+        help="Slurm release of the bench's cluster: 22.05 (the host's) or 24.11 (dev-cluster's chroot)",
+    )
     args = ap.parse_args()
     megatron = args.trainer == "megatron"
     if megatron and not (MEGATRON_LM / "pretrain_gpt.py").exists():
@@ -863,7 +868,10 @@ def main() -> None:
         root = Path(d)
         root.chmod(0o755)
         os.environ["TMPDIR"] = str(root)  # torchrun's torchelastic_* folders go with the run
-        cluster = start_cluster(root / "cluster", "--nodes", "4", "--gpus-per-node", "1")
+        cluster = start_cluster(
+            root / "cluster", "--nodes", "4", "--gpus-per-node", "1", "--slurm", args.slurm
+        )
+        slurm_version = cluster.slurm("sinfo", "--version").stdout.strip()  # e.g. "slurm-wlm 24.11.5"
         try:
             for i in range(args.trials):
                 for scenario in scenarios:
@@ -886,6 +894,7 @@ def main() -> None:
         "bench": "recovery",
         "trainer": args.trainer,
         "trials": args.trials,
+        "slurm": slurm_version,
         "fail_at": args.fail_at,
         "spike_at": args.spike_at,
         "snapshot_every": args.snapshot_every,

@@ -57,3 +57,6 @@ def test_bad_input_is_rejected(cluster: DevCluster, tmp_path: Path) -> None:
     assert r.returncode == 1 and "no cluster" in r.stderr
     r = empty.script("up", "--nodes", "0", check=False)
     assert r.returncode == 1 and "--nodes" in r.stderr
+    r = empty.script("up", "--slurm", "23.02", check=False)
+    assert r.returncode == 1 and "--slurm must be one of 22.05, 24.11; got 23.02" in r.stderr
+    assert not (tmp_path / "none" / "state.json").exists()

@@ -89,6 +89,7 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 
 @pytest.mark.system
+@pytest.mark.slurm_release
 def test_spank_options_reach_the_batch_script_and_are_recorded(pcluster: DevCluster, tmp_path: Path) -> None:
     script, out = wrapper_job(pcluster, tmp_path, "both")
     sub = sbatch(pcluster, "--unicorn-weight=1.25", "--unicorn-min-gpus=2", str(script))
@@ -108,6 +109,7 @@ def test_spank_options_reach_the_batch_script_and_are_recorded(pcluster: DevClus
 
 
 @pytest.mark.system
+@pytest.mark.slurm_release
 def test_spank_option_reaches_a_step_inside_the_job(pcluster: DevCluster, tmp_path: Path) -> None:
     # srun options travel to slurmstepd and are exported there, step by step (job_submit.lua
     # sees job allocations only, never steps).
@@ -121,6 +123,7 @@ def test_spank_option_reaches_a_step_inside_the_job(pcluster: DevCluster, tmp_pa
 
 
 @pytest.mark.system
+@pytest.mark.slurm_release
 @pytest.mark.parametrize(
     ("option", "message"),
     [
@@ -149,6 +152,7 @@ def test_spank_rejects_bad_values_before_submission(
 
 
 @pytest.mark.system
+@pytest.mark.slurm_release
 @pytest.mark.parametrize("weight", ["2.5", "0.1", "heavy", "1e0"])
 def test_job_submit_lua_rejects_a_bad_weight(pcluster: DevCluster, tmp_path: Path, weight: str) -> None:
     # The environment route bypasses the SPANK client check: the controller must catch it.
@@ -163,6 +167,7 @@ def test_job_submit_lua_rejects_a_bad_weight(pcluster: DevCluster, tmp_path: Pat
 
 
 @pytest.mark.system
+@pytest.mark.slurm_release
 def test_job_submit_lua_enforces_what_unicorn_needs(pcluster: DevCluster, tmp_path: Path) -> None:
     script, _ = wrapper_job(pcluster, tmp_path, "req")
     before = job_count(pcluster)
@@ -197,6 +202,7 @@ def test_job_submit_lua_enforces_what_unicorn_needs(pcluster: DevCluster, tmp_pa
 
 
 @pytest.mark.system
+@pytest.mark.slurm_release
 def test_job_submit_lua_leaves_other_jobs_untouched(pcluster: DevCluster, tmp_path: Path) -> None:
     plain = tmp_path / "plain.sh"
     plain.write_text("#!/bin/bash\ntrue\n")
@@ -218,6 +224,7 @@ def inject_gpu_fault(c: DevCluster, node: str) -> Path:
 
 
 @pytest.mark.system
+@pytest.mark.slurm_release
 def test_healthcheck_drains_the_node_with_an_injected_gpu_fault(pcluster: DevCluster) -> None:
     assert node_fields(pcluster, "n2")["State"] == "IDLE"
     fault = inject_gpu_fault(pcluster, "n2")
@@ -237,6 +244,7 @@ def test_healthcheck_drains_the_node_with_an_injected_gpu_fault(pcluster: DevClu
 
 
 @pytest.mark.system
+@pytest.mark.slurm_release
 def test_healthcheck_keeps_an_existing_drain_reason(pcluster: DevCluster) -> None:
     log = pcluster.state_dir / "log" / "healthcheck.log"
     pcluster.slurm("scontrol", "update", "nodename=n3", "state=drain", "reason=operator: new DIMMs")
@@ -256,6 +264,7 @@ def test_healthcheck_keeps_an_existing_drain_reason(pcluster: DevCluster) -> Non
 
 
 @pytest.mark.system
+@pytest.mark.slurm_release
 def test_epilog_frees_the_memory_tier_of_an_ended_job(pcluster: DevCluster) -> None:
     """A real job on n1 snapshots into the cluster's memory tier; once it ends, slurmd's
     Epilog has removed its folders and logged it, and left another job's alone."""
@@ -277,6 +286,7 @@ def test_epilog_frees_the_memory_tier_of_an_ended_job(pcluster: DevCluster) -> N
 
 
 @pytest.mark.system
+@pytest.mark.slurm_release
 def test_dev_cluster_rejects_a_negative_health_check_interval(tmp_path: Path) -> None:
     res = DevCluster(tmp_path / "c", {}).script("up", "--health-check-interval", "-1", check=False)
     assert res.returncode == 1 and "health check interval must be >= 0 s, got -1" in res.stderr

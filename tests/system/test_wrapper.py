@@ -27,6 +27,7 @@ from tests.system.coordinator import (
     Coordinator,
     coordinator,
     iterations,
+    resumes,
     train_log,
     trainer_command,
 )
@@ -34,7 +35,7 @@ from unicorn_core import acl, munge
 from unicorn_core.keys import PAYLOAD_FIELD
 from unicornd.cli import EXIT_NOT_OPERATOR
 from unicornd.control import ControlClient, Register, RequestRefused, encode_request, registration_digest
-from unicornd.state import NodeHealth, TaskState
+from unicornd.state import NodeHealth, Snapshot, TaskState
 
 pytestmark = pytest.mark.system
 
@@ -347,3 +348,58 @@ def test_submit_trains_and_scancel_stops_cleanly(cluster: DevCluster, tmp_path: 
             )
             assert not r.exists(c.keys.agent_password(job))
         assert "stopping after iteration" in "".join(p.read_text() for p in logs)  # saved on SIGTERM
+
+
+@pytest.mark.slurm_release
+def test_a_killed_node_is_drained_and_the_submitted_job_goes_on_smaller(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    """Node-kill recovery end to end through the wrapper (CI runs it on every Slurm release
+    it tests): sbatch on both nodes, n2 dies, unicornd drains n2 and the same job trains on
+    n1 from its checkpoint; n2 comes back and is resumed for the next test."""
+    cmd = trainer_command(tmp_path / "ckpt")
+    with coordinator(cluster, tmp_path, **isolated(tmp_path)) as c:
+        job = submit(
+            c,
+            tmp_path,
+            ("-N", "2", "-J", "killed"),
+            ("--model", str(model_file(tmp_path)), "--name", "k", "--", *cmd),
+        )
+        task_id = f"k.{job}"
+
+        def training(nodes: tuple[str, ...], past: int) -> Callable[[Snapshot], bool]:
+            def pred(s: Snapshot) -> bool:
+                t = s.tasks.get(task_id)
+                return (
+                    t is not None
+                    and t.state is TaskState.RUNNING
+                    and t.nodes == nodes
+                    and (t.last_iteration or 0) > past
+                )
+
+            return pred
+
+        c.wait(training(("n1", "n2"), 6), "the job training on n1 and n2, saved once", 150)
+        try:
+            cluster.script("kill-node", "n2")
+            snap = c.wait(
+                lambda s: s.nodes["n2"].health in (NodeHealth.DRAINING, NodeHealth.DRAINED), "n2 drained", 60
+            )
+            mark = snap.tasks[task_id].last_iteration or 0
+            c.wait(training(("n1",), mark), "the job training on n1 alone", 180)
+            assert job_active(cluster, job)  # the same Slurm job, not a new submission
+            reason = cluster.slurm("scontrol", "-o", "show", "node", "n2").stdout
+            assert "Reason=unicorn: lost_connection" in reason, reason
+            log = train_log(c.keys.prefix, job, "n1")
+            starts = resumes(log)
+            assert len(starts) >= 2 and starts[-1] >= 5, starts  # from a checkpoint (every 5)
+        finally:
+            cluster.script("revive-node", "n2", check=False)
+            cluster.slurm("scancel", str(job), check=False)
+        until(lambda: not job_active(cluster, job), "the job to end", 30)
+        c.resume("n2")
+        until(
+            lambda: "idle" in cluster.slurm("sinfo", "-h", "-n", "n2", "-o", "%T").stdout,
+            "n2 idle again",
+            60,
+        )

@@ -27,6 +27,21 @@ async def test_hung_slurm_command_times_out(tmp_path: Path) -> None:
     assert ei.value.stdout.startswith('{"nodes"') and ei.value.temporary
 
 
+async def test_grouped_sinfo_switches_to_scontrol_once(tmp_path: Path) -> None:
+    """A Slurm whose ``sinfo --json`` prints grouped records (24.11's recorded output) is
+    read with ``scontrol show node --json`` from then on: sinfo is asked once only."""
+    data = Path(__file__).parent / "data"
+    calls = tmp_path / "calls"
+    tool(tmp_path, "sinfo", f"echo sinfo >> {calls}; cat {data / 'sinfo-24.11.json'}")
+    tool(tmp_path, "scontrol", f'echo "scontrol $*" >> {calls}; cat {data / "scontrol-node-24.11.json"}')
+    slurm = CliSlurm(timeout_s=5, bin_dir=tmp_path)
+    for _ in range(2):
+        nodes = await slurm.list_nodes()
+        assert [n.name for n in nodes] == ["n1", "n2", "n3", "n4"]
+    by_scontrol = "scontrol show node --json"
+    assert calls.read_text().splitlines() == ["sinfo", by_scontrol, by_scontrol]
+
+
 async def test_failing_command_is_typed(tmp_path: Path) -> None:
     tool(tmp_path, "scontrol", "echo 'slurm_load_jobs error: Unable to contact slurm controller' >&2; exit 1")
     with pytest.raises(CommandFailed) as ei:

@@ -1,4 +1,8 @@
-"""Parsers over output recorded from the dev cluster (Slurm 22.05.8) and synthetic 23.02+ shapes."""
+"""Parsers over output recorded from the dev cluster (Slurm 22.05.8, and 24.11.5 from
+``dev-cluster up --slurm 24.11``) and synthetic 23.02+ shapes.
+
+Both recordings hold the same cluster state: n2 drained with a reason holding ``=``, job
+"my train" running on n3-n4, a 4-node job pending (24.11's also holds 2 GPUs per node)."""
 
 from __future__ import annotations
 
@@ -8,12 +12,14 @@ from pathlib import Path
 import pytest
 
 from unicorn_core.slurm.parse import (
+    GroupedSinfo,
     SlurmParseError,
     gpus_in_gres,
     job_from_scontrol,
     jobs_from_squeue_json,
     node_from_scontrol,
     node_from_sinfo_json,
+    nodes_from_scontrol_json,
     nodes_from_sinfo_json,
     parse_scontrol_record,
 )
@@ -32,6 +38,58 @@ def test_sinfo_json_22_05() -> None:
     assert (n2.gpus, n2.cpus, n2.real_memory_mib, n2.partitions) == (4, 8, 8192, ("debug",))
     assert nodes["n3"].state is NodeState.MIXED and nodes["n3"].usable
     assert nodes["n1"].usable and not nodes["n1"].drained
+
+
+def test_scontrol_node_json_24_11() -> None:
+    """24.11's ``scontrol show node --json``: one record per node, states as lists."""
+    nodes = {n.name: n for n in nodes_from_scontrol_json((DATA / "scontrol-node-24.11.json").read_text())}
+    assert sorted(nodes) == ["n1", "n2", "n3", "n4"]
+    n2 = nodes["n2"]
+    assert n2.state is NodeState.IDLE and n2.drained and not n2.usable
+    assert n2.reason == "unicorn: ecc_error gpu=1 job=7"
+    assert (n2.gpus, n2.cpus, n2.real_memory_mib, n2.partitions) == (4, 8, 8192, ("debug",))
+    assert (nodes["n3"].state, nodes["n3"].gpus_used) == (NodeState.MIXED, 2)
+    assert nodes["n1"].usable and nodes["n1"].gpus_used == 0
+
+
+def test_sinfo_json_24_11_is_grouped() -> None:
+    """24.11's ``sinfo --json`` groups nodes (n3 and n4 share one record): refused with the
+    error that sends the CLI backend to ``scontrol show node --json``."""
+    text = (DATA / "sinfo-24.11.json").read_text()
+    groups = json.loads(text)["sinfo"]
+    assert ["n3", "n4"] in [g["nodes"]["nodes"] for g in groups]
+    with pytest.raises(GroupedSinfo, match="scontrol show node --json"):
+        nodes_from_sinfo_json(text)
+
+
+def test_squeue_json_24_11() -> None:
+    jobs = {j.job_id: j for j in jobs_from_squeue_json((DATA / "squeue-24.11.json").read_text())}
+    running = jobs[2]
+    assert (running.state, running.name, running.nodes, running.num_nodes) == (
+        JobState.RUNNING,
+        "my train",
+        ("n3", "n4"),
+        2,
+    )
+    assert running.batch and running.user == "root"
+    assert jobs[3].state is JobState.PENDING and jobs[3].nodes == () and jobs[3].num_nodes == 4
+
+
+def test_scontrol_records_24_11() -> None:
+    """``scontrol -o show job|node`` parse as on 22.05 (24.11 renamed ``TRES=`` to
+    ``ReqTRES=``/``AllocTRES=``, which nothing here reads)."""
+    rec = parse_scontrol_record((DATA / "scontrol-job-24.11.txt").read_text())
+    assert "ReqTRES" in rec and "TRES" not in rec
+    job = job_from_scontrol(rec)
+    assert (job.job_id, job.state, job.nodes, job.name, job.batch) == (
+        2,
+        JobState.RUNNING,
+        ("n3", "n4"),
+        "my train",
+        True,
+    )
+    node = node_from_scontrol(parse_scontrol_record((DATA / "scontrol-node-24.11.txt").read_text()))
+    assert node.drained and node.reason == "unicorn: ecc_error gpu=1 job=7" and node.gpus == 4
 
 
 def test_squeue_json_22_05() -> None:

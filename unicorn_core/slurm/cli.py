@@ -20,9 +20,11 @@ from unicorn_core.proc import CommandOutput
 from unicorn_core.slurm.backend import ResizeUnsupported, StepHandle, UnknownReservation
 from unicorn_core.slurm.hostlist import compress
 from unicorn_core.slurm.parse import (
+    GroupedSinfo,
     SlurmParseError,
     job_from_scontrol,
     jobs_from_squeue_json,
+    nodes_from_scontrol_json,
     nodes_from_sinfo_json,
     parse_partitions,
     parse_reservation_nodes,
@@ -71,6 +73,7 @@ class CliSlurm:
         self.timeout_s = timeout_s
         self.bin_dir = Path(bin_dir) if bin_dir else None
         self.env = client_env(os.environ if env is None else env, slurm_conf)
+        self._nodes_by_scontrol = False  # set once sinfo --json prints grouped records
 
     # ------------------------------------------------------------------ plumbing
 
@@ -109,9 +112,18 @@ class CliSlurm:
         return out.strip().split()[-1]
 
     async def list_nodes(self) -> list[NodeInfo]:
+        """Every node. ``sinfo --json`` while it prints one record per node (22.05); once it
+        prints grouped records (newer releases, e.g. 24.11), ``scontrol show node --json``
+        from then on. Told apart by the output's shape, not by a version number."""
         # Parsed in a worker thread: ``sinfo --json`` of 4,096 nodes is 4 MB, 70 ms of
         # parsing that would hold unicornd's event loop every poll (scripts/bench/scale.py).
-        return await asyncio.to_thread(nodes_from_sinfo_json, await self._run("sinfo", "--json"))
+        if not self._nodes_by_scontrol:
+            try:
+                return await asyncio.to_thread(nodes_from_sinfo_json, await self._run("sinfo", "--json"))
+            except GroupedSinfo:
+                self._nodes_by_scontrol = True
+        out = await self._run("scontrol", "show", "node", "--json")
+        return await asyncio.to_thread(nodes_from_scontrol_json, out)
 
     async def get_node(self, name: str) -> NodeInfo:
         check_node_name(name)

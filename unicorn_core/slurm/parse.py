@@ -196,18 +196,25 @@ class _SinfoNode(msgspec.Struct, gc=False):
 
 
 class _SinfoDoc(msgspec.Struct, gc=False):
+    """``sinfo --json`` up to Slurm 23.02 and ``scontrol show node --json`` (23.02+): a
+    ``nodes`` list of node records. Newer ``sinfo --json`` (seen on 24.11) prints a
+    ``sinfo`` list of *grouped* records instead (nodes sharing state, GRES, reason and
+    partition in one record, their counters summed), which cannot be read per node."""
+
     nodes: list[_SinfoNode] | None = None
+    sinfo: Any = None
     errors: Any = None
 
 
 _SINFO: Final = msgspec.json.Decoder(_SinfoDoc)
 
 
-def _typed_records(
-    decoder: msgspec.json.Decoder[Any], text: str, what: str, key: str
-) -> list[dict[str, Any]]:
-    """The records under ``key`` of ``<what> --json`` output, decoded by ``decoder`` (a
-    typed schema of the fields read), each as a dict of the fields it has."""
+class GroupedSinfo(SlurmParseError):
+    """``sinfo --json`` printed grouped records (the ``{"sinfo": [...]}`` shape): read the
+    nodes with ``scontrol show node --json`` (:func:`nodes_from_scontrol_json`) instead."""
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], text: str, what: str, key: str) -> Any:
     try:
         doc = decoder.decode(text)
     except msgspec.ValidationError:
@@ -216,14 +223,40 @@ def _typed_records(
         raise SlurmParseError(f"{what} printed invalid JSON: {e}") from None
     if doc.errors:
         raise SlurmParseError(f"{what} reported errors: {doc.errors!r}")
+    return doc
+
+
+def _records(doc: Any, what: str, key: str) -> list[dict[str, Any]]:
+    """The records under ``key`` of a decoded document, each as a dict of the fields it has."""
     records = getattr(doc, key)
     if records is None:
         raise SlurmParseError(f"{what} --json output has no '{key}' list of objects")
     return [{k: v for k, v in msgspec.structs.asdict(r).items() if v is not None} for r in records]
 
 
+def _typed_records(
+    decoder: msgspec.json.Decoder[Any], text: str, what: str, key: str
+) -> list[dict[str, Any]]:
+    """The records under ``key`` of ``<what> --json`` output, decoded by ``decoder`` (a
+    typed schema of the fields read), each as a dict of the fields it has."""
+    return _records(_decode(decoder, text, what, key), what, key)
+
+
 def nodes_from_sinfo_json(text: str) -> list[NodeInfo]:
-    return [node_from_sinfo_json(n) for n in _typed_records(_SINFO, text, "sinfo", "nodes")]
+    """Nodes from ``sinfo --json``; :class:`GroupedSinfo` for the grouped shape."""
+    doc = _decode(_SINFO, text, "sinfo", "nodes")
+    if doc.nodes is None and isinstance(doc.sinfo, list):
+        raise GroupedSinfo(
+            "sinfo --json printed grouped records ('sinfo' list), not one per node; "
+            "read nodes with scontrol show node --json"
+        )
+    return [node_from_sinfo_json(n) for n in _records(doc, "sinfo", "nodes")]
+
+
+def nodes_from_scontrol_json(text: str) -> list[NodeInfo]:
+    """Nodes from ``scontrol show node --json`` (Slurm 23.02+): the per-node records of
+    older ``sinfo --json``, read by the same parser."""
+    return [node_from_sinfo_json(n) for n in _typed_records(_SINFO, text, "scontrol show node", "nodes")]
 
 
 def node_from_scontrol(rec: Mapping[str, str]) -> NodeInfo:
