@@ -378,7 +378,10 @@ def _move_task(
     # its job is resized like a running one's, and agents start on every planned node.
     fresh = task.state is TaskState.PENDING
     running = bool(set(task.nodes) & set(new_nodes))
-    if not running or task.resizes_this_run + resize_count > pol.max_resizes_per_run:
+    # A job holding GRES (GPUs) cannot be expanded (22.05 and 24.11 refuse it): it grows by
+    # a requeue onto all its planned nodes, as the planner's transition cost assumes.
+    by_requeue = bool(added) and bool(task.job_gres)
+    if not running or by_requeue or task.resizes_this_run + resize_count > pol.max_resizes_per_run:
         # The agents start once the job runs again (:func:`unicornd.decide.on_job_running`);
         # until then its processes die on purpose and their exits are not faults.
         phases.resizes.append(Requeue(f"{base}/requeue", task.task_id, job, new_nodes))

@@ -15,6 +15,7 @@ import os
 import pwd
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any, Final
 
@@ -98,6 +99,7 @@ class Requests:
         environment = req.job_environment()
         await self._authenticate(req, task)
         await self._in_scope(task)
+        task = await self._with_job_gres(task)
         arrived = partial(decide.on_task_arrived, task=task, now_s=now)
         if environment is None or task.job_id is None:
             await self.core.decide(now, arrived)
@@ -130,6 +132,20 @@ class Requests:
         await self.core.decide(
             now, partial(decide.on_operator_confirm_drain, incident_id=req.incident, now_s=now)
         )
+
+    async def _with_job_gres(self, task: TaskRecord) -> TaskRecord:
+        """``task`` with its job's GRES request as Slurm reports it (a job holding GPUs grows
+        by requeue). A job Slurm cannot report now keeps the task as sent (logged): the
+        registration does not depend on it, and a refused expansion still ends in a requeue
+        (:func:`unicornd.decide.outcomes`)."""
+        if task.job_id is None:
+            return task
+        try:
+            job = await self.slurm.get_job(task.job_id)
+        except UnicornError as e:
+            log.warning("job_gres_unknown", task=task.task_id, job_id=task.job_id, error=str(e))
+            return task
+        return replace(task, job_gres=job.gres) if job.gres != task.job_gres else task
 
     async def _in_scope(self, task: TaskRecord) -> None:
         """A task whose job holds nodes outside ``[slurm]``'s scope is refused: unicorn would

@@ -336,6 +336,9 @@ class TaskRecord(_Record):
     loss spike or NaN (:class:`Rollback`), oldest first; their skipped ranges are part of
     every later launch's command (:meth:`skip_ranges`). ``last_iteration_s``: when a rank
     finished ``last_iteration`` (its wall clock; the goodput ledger times work by it).
+    ``job_gres``: the generic resources its job asked for (``gres/gpu:8``), as Slurm reported
+    them when the task registered; a job holding GRES is never expanded (Slurm refuses it),
+    so adding nodes to it is a requeue (:func:`unicornd.replan.plan_transition`).
     """
 
     task_id: str
@@ -361,6 +364,7 @@ class TaskRecord(_Record):
     requeue: RequeueWait | None = None
     rollbacks: tuple[Rollback, ...] = ()
     last_iteration_s: float | None = None
+    job_gres: str = ""
 
     def __post_init__(self) -> None:
         _name(self.task_id, "task_id")

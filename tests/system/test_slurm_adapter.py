@@ -190,6 +190,30 @@ async def test_grow_by_expansion_then_a_second_resize(slurm: CliSlurm) -> None:
         await slurm.cancel(job_id)
 
 
+async def test_a_gpu_job_is_never_expanded_and_grows_back_by_requeue(slurm: CliSlurm) -> None:
+    """A job holding GRES: ``grow`` refuses before any helper job exists (slurmctld would
+    refuse the hand-over and leave the helper broken); after a shrink, a requeue brings it
+    back onto its submitted node count, the way unicornd grows such a job."""
+    job_id = await running_job(slurm, 2, "--gres", "gpu:1")
+    try:
+        job = await slurm.get_job(job_id)
+        assert job.holds_gres and job.gres.endswith("gpu:1"), job
+        with pytest.raises(ResizeUnsupported, match="holds GRES"):
+            await slurm.grow(job_id, 1)
+        assert not [j for j in await slurm.list_jobs() if j.name == f"unicorn-expand-{job_id}"]
+        await slurm.shrink(job_id, [job.nodes[0]])
+        assert (await slurm.get_job(job_id)).nodes == job.nodes[:1]
+        await slurm.requeue(job_id, job.nodes)
+
+        async def back_on_both() -> bool:
+            again = await slurm.get_job(job_id)
+            return again.state is JobState.RUNNING and again.nodes == job.nodes
+
+        await eventually(back_on_both, 30, f"job {job_id} running on {job.nodes} again")
+    finally:
+        await slurm.cancel(job_id)
+
+
 async def test_kill_node_makes_it_unavailable(slurm: CliSlurm, cluster: DevCluster) -> None:
     cluster.script("kill-node", "n3")
     try:

@@ -351,18 +351,20 @@ def test_submit_trains_and_scancel_stops_cleanly(cluster: DevCluster, tmp_path: 
 
 
 @pytest.mark.slurm_release
-def test_a_killed_node_is_drained_and_the_submitted_job_goes_on_smaller(
+def test_a_killed_node_is_drained_and_the_gpu_job_goes_on_smaller_then_grows_back_by_requeue(
     cluster: DevCluster, tmp_path: Path
 ) -> None:
     """Node-kill recovery end to end through the wrapper (CI runs it on every Slurm release
-    it tests): sbatch on both nodes, n2 dies, unicornd drains n2 and the same job trains on
-    n1 from its checkpoint; n2 comes back and is resumed for the next test."""
+    it tests), for a job holding GPUs (GRES): sbatch on both nodes, n2 dies, unicornd
+    drains n2 and the same job trains on n1 from its checkpoint (a shrink in place); n2
+    comes back, the operator resumes it, and the job grows back onto it by a requeue
+    (Slurm refuses to expand a job holding GRES)."""
     cmd = trainer_command(tmp_path / "ckpt")
     with coordinator(cluster, tmp_path, **isolated(tmp_path)) as c:
         job = submit(
             c,
             tmp_path,
-            ("-N", "2", "-J", "killed"),
+            ("-N", "2", "--gres=gpu:1", "-J", "killed"),
             ("--model", str(model_file(tmp_path)), "--name", "k", "--", *cmd),
         )
         task_id = f"k.{job}"
@@ -379,27 +381,27 @@ def test_a_killed_node_is_drained_and_the_submitted_job_goes_on_smaller(
 
             return pred
 
-        c.wait(training(("n1", "n2"), 6), "the job training on n1 and n2, saved once", 150)
+        snap = c.wait(training(("n1", "n2"), 6), "the job training on n1 and n2, saved once", 150)
+        assert snap.tasks[task_id].job_gres.endswith("gpu:1"), snap.tasks[task_id]
         try:
             cluster.script("kill-node", "n2")
             snap = c.wait(
                 lambda s: s.nodes["n2"].health in (NodeHealth.DRAINING, NodeHealth.DRAINED), "n2 drained", 60
             )
             mark = snap.tasks[task_id].last_iteration or 0
-            c.wait(training(("n1",), mark), "the job training on n1 alone", 180)
-            assert job_active(cluster, job)  # the same Slurm job, not a new submission
+            snap = c.wait(training(("n1",), mark), "the job training on n1 alone", 180)
+            fields = job_fields(cluster, job)
+            assert (fields["JobState"], fields["NodeList"], fields["Restarts"]) == ("RUNNING", "n1", "0")
             reason = cluster.slurm("scontrol", "-o", "show", "node", "n2").stdout
             assert "Reason=unicorn: lost_connection" in reason, reason
-            log = train_log(c.keys.prefix, job, "n1")
-            starts = resumes(log)
+            starts = resumes(train_log(c.keys.prefix, job, "n1"))
             assert len(starts) >= 2 and starts[-1] >= 5, starts  # from a checkpoint (every 5)
         finally:
             cluster.script("revive-node", "n2", check=False)
-            cluster.slurm("scancel", str(job), check=False)
-        until(lambda: not job_active(cluster, job), "the job to end", 30)
         c.resume("n2")
-        until(
-            lambda: "idle" in cluster.slurm("sinfo", "-h", "-n", "n2", "-o", "%T").stdout,
-            "n2 idle again",
-            60,
-        )
+        mark = snap.tasks[task_id].last_iteration or 0
+        c.wait(training(("n1", "n2"), mark), "the job grown back onto n2", 180)
+        fields = job_fields(cluster, job)
+        assert (fields["JobState"], fields["NodeList"], fields["Restarts"]) == ("RUNNING", "n[1-2]", "1")
+        cluster.slurm("scancel", str(job))
+        until(lambda: not job_active(cluster, job), "the job to end", 30)

@@ -97,6 +97,23 @@ def test_growing_into_a_free_node_uses_expansion_then_requeue_once_resized() -> 
     assert after.tasks["a"].requeue is None
 
 
+def test_a_job_holding_gpus_grows_by_requeue_at_once() -> None:
+    """Slurm refuses to expand a job holding GRES: no Grow is tried, the job is requeued
+    onto all its planned nodes even with resizes to spare."""
+    snap = world(4, [task("a", 1, ["n1"], job_gres="gres/gpu:4"), task("b", 2, ["n3", "n4"])])
+    d = plan_transition(snap, plan({"a": 4, "b": 4}), render, T0)
+    assert not of_kind(d.actions, Grow) and not sends(d, AgentAction.RELAUNCH)
+    assert [r.nodes for r in of_kind(d.actions, Requeue)] == [("n1", "n2")]  # type: ignore[union-attr]
+    assert mentions(d, "b", 2) == []
+    # Shrinking the same job needs no requeue: only adding nodes is refused.
+    d = plan_transition(snap, plan({"a": 0, "b": 8}), render, T0)
+    assert [g.add for g in of_kind(d.actions, Grow)] == [("n1", "n2")]  # type: ignore[union-attr]
+    snap = world(4, [task("a", 1, ["n1", "n2"], job_gres="gres/gpu:4"), task("b", 2, ["n3", "n4"])])
+    d = plan_transition(snap, plan({"a": 2, "b": 4}), render, T0)
+    assert [s.nodes for s in of_kind(d.actions, Shrink)] == [("n1",)]  # type: ignore[union-attr]
+    assert not of_kind(d.actions, Requeue)
+
+
 def test_moving_a_task_off_and_onto_nodes_at_once_requeues() -> None:
     snap = after_node_loss()
     snap = apply(snap, on_node_join(snap, "n2", T0))  # irrelevant returning node stays out of plans

@@ -300,6 +300,11 @@ class CliSlurm:
         free nodes, its nodes are handed to J (``NumNodes=0``) and the helper is
         cancelled. Needs ``SchedulerParameters=permit_job_expansion``; raises
         :class:`ResizeUnsupported` when the cluster refuses.
+
+        A job holding GRES (GPUs) is refused here, before any helper exists: slurmctld
+        (22.05 and 24.11) answers "has allocated GRES" only when the helper's nodes are
+        handed over, and that failure leaves the helper broken (a ``run_job_cnt``
+        underflow; on 22.05 it stays COMPLETING). Such a job grows by requeue.
         """
         check_job_id(job_id)
         if add_nodes < 1:
@@ -307,6 +312,10 @@ class CliSlurm:
         job = await self.get_job(job_id)
         if job.state is not JobState.RUNNING:
             raise InvalidArgument(f"job {job_id} is {job.state_raw}, not RUNNING")
+        if job.holds_gres:
+            raise ResizeUnsupported(
+                f"job {job_id} holds GRES ({job.gres}): Slurm does not expand such a job; requeue it"
+            )
         avoid = compress([*job.nodes, *exclude])
         try:
             out = await proc.run(

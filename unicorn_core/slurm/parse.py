@@ -311,7 +311,15 @@ def job_from_squeue_json(d: Mapping[str, Any]) -> JobInfo:
         batch=bool(d.get("batch_flag")),
         restarts=_int(d.get("restart_cnt")),
         user=str(d.get("user_name") or ""),
+        gres=_gres_request(d.get("tres_per_node"), d.get("tres_per_job")),
     )
+
+
+def _gres_request(*values: Any) -> str:
+    """A job's GRES request: the per-node and per-job TRES strings that name a ``gres``
+    (``gres/gpu:2``, 22.05's ``gres:gpu:2``), comma-joined; ``""`` for none."""
+    found = [str(v) for v in values if isinstance(v, str) and v.strip() and "gres" in v]
+    return ",".join(found)
 
 
 class _SqueueJob(msgspec.Struct, gc=False):
@@ -327,6 +335,8 @@ class _SqueueJob(msgspec.Struct, gc=False):
     batch_flag: Any = None
     restart_cnt: Any = None
     user_name: Any = None
+    tres_per_node: Any = None
+    tres_per_job: Any = None
 
 
 class _SqueueDoc(msgspec.Struct, gc=False):
@@ -362,4 +372,5 @@ def job_from_scontrol(rec: Mapping[str, str]) -> JobInfo:
         batch=rec.get("BatchFlag", "0") == "1",
         restarts=_int(rec.get("Restarts")),
         user=rec.get("UserId", "").split("(")[0],
+        gres=_gres_request(rec.get("TresPerNode"), rec.get("TresPerJob")),
     )

@@ -115,6 +115,14 @@ class JobInfo:
     batch: bool
     restarts: int
     user: str
+    gres: str = ""
+    """The generic resources it asked for, per node or per job as Slurm prints them
+    (``gres/gpu:8``; 22.05: ``gres:gpu:8``); empty: none. Slurm (22.05 and 24.11) refuses
+    to expand a running job that holds GRES: such a job grows only through a requeue."""
+
+    @property
+    def holds_gres(self) -> bool:
+        return bool(self.gres)
 
 
 @dataclass(frozen=True, slots=True)
