@@ -170,11 +170,20 @@ class Daemon:
                 health=NodeHealth.HEALTHY if n.usable else NodeHealth.DRAINED,
                 reason="" if n.usable else n.reason,
                 jobs=view.held.get(n.name, ()),
+                gpus=n.gpus,
+                gpu_type=n.gpu_type,
             )
             for n in nodes
             if n.name not in snap.nodes
         ]
-        snap = prune(snap.apply(nodes=added), time.time())
+        # GPUs as Slurm's GRES says now (a site may retype nodes between runs).
+        retyped = [
+            replace(snap.nodes[n.name], gpus=n.gpus, gpu_type=n.gpu_type)
+            for n in nodes
+            if n.name in snap.nodes
+            and (snap.nodes[n.name].gpus, snap.nodes[n.name].gpu_type) != (n.gpus, n.gpu_type)
+        ]
+        snap = prune(snap.apply(nodes=[*added, *retyped]), time.time())
         await self._load_ledger()
         await self.core.start(snap)
         self.detector.expect_running(snap, time.monotonic())

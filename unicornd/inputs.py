@@ -368,7 +368,7 @@ class SlurmWatch:
             job = jobs.get(task.job_id)
             if task.requeue is not None:
                 if job is not None and job.state is JobState.RUNNING:
-                    by_generation = partial(render, core.snap.gpus_per_node)
+                    by_generation = partial(render, core.snap.gpus_per_node_of(task))
                     running = partial(
                         decide.on_job_running,
                         job_id=task.job_id,

@@ -15,6 +15,10 @@ per run), or that is not running, is requeued onto its new nodes instead; its ag
 are launched when Slurm shows it running again (:class:`~unicornd.state.RequeueWait`).
 A shrink or grow that Slurm refuses comes back as an outcome and turns into the same
 requeue (:func:`unicornd.decide.on_outcome`).
+
+A cluster whose nodes differ in GPU type or count (Slurm's GRES, ``gpu:h100:8``) is
+planned pool by pool (:func:`pools`): each task is planned on the nodes of one type, with
+that type's performance model, and never across types.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Final, NamedTuple
 
 from plan.calibration import Efficiency
-from plan.hardware import GpuSpec, gpu_spec
+from plan.hardware import GpuSpec, gpu_spec, load_gpus
 from plan.objective import FailureModel
 from plan.perf import PerfAssumptions
 from plan.planner import Assignment, Cluster, Granularity, Plan, PlanRequest, plan_cluster, task_curves
@@ -70,6 +74,9 @@ class PlanContext:
     plan: PlanConfig = field(default_factory=PlanConfig)
     solves: SolveCache = field(default_factory=SolveCache, compare=False, repr=False)
 
+    gpu_types: Mapping[str, GpuSpec] = field(default_factory=dict)
+    """Slurm GRES GPU type -> performance model (``[plan] gpu_types``); see :meth:`gpu_for`."""
+
     @classmethod
     def from_config(cls, cfg: Config) -> PlanContext:
         return cls(
@@ -78,7 +85,125 @@ class PlanContext:
             render_for=lambda gpus, generation: renderer(cfg.agent, gpus, generation),
             assume=PerfAssumptions(distributed_optimizer=cfg.plan.distributed_optimizer),
             plan=cfg.plan,
+            gpu_types=gpu_type_specs(cfg.plan.gpu_types),
         )
+
+    def gpu_for(self, gpu_type: str) -> GpuSpec:
+        """The performance model of Slurm GPU type ``gpu_type``: ``[plan] gpu_types``'s
+        entry, else the etc/gpus.toml type of that name or the only one it prefixes
+        (``h100`` -> ``h100-80g``), else ``[plan] gpu`` (untyped GRES says nothing)."""
+        if gpu_type in self.gpu_types:
+            return self.gpu_types[gpu_type]
+        known = load_gpus()
+        if gpu_type in known:
+            return known[gpu_type]
+        prefixed = [name for name in known if gpu_type and name.startswith(f"{gpu_type.lower()}-")]
+        return known[prefixed[0]] if len(prefixed) == 1 else self.gpu
+
+    def for_pool(self, pool: Pool) -> PlanContext:
+        gpu = self.gpu_for(pool.gpu_type)
+        return self if gpu == self.gpu else replace(self, gpu=gpu)
+
+
+def gpu_type_specs(text: str) -> dict[str, GpuSpec]:
+    """``[plan] gpu_types`` (``"h100=h100-80g,a100=a100-40g"``) as a mapping; raises
+    InvalidArgument naming a bad entry or an unknown etc/gpus.toml type."""
+    out: dict[str, GpuSpec] = {}
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        slurm_type, sep, spec = (x.strip() for x in item.partition("="))
+        if not sep or not slurm_type or not spec:
+            raise InvalidArgument(f"plan.gpu_types: {item!r} is not TYPE=GPU (e.g. h100=h100-80g)")
+        out[slurm_type] = gpu_spec(spec)
+    return out
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Nodes of one GPU type and count (``nodes``: all of them, plannable or not) and the
+    planned tasks that run there (``tasks``, by id). ``placeable`` False: the pool of
+    tasks whose accepted GPU types no node has (they get no GPUs)."""
+
+    gpu_type: str
+    gpus_per_node: int
+    nodes: tuple[str, ...]
+    tasks: tuple[str, ...]
+    placeable: bool = True
+
+    def describe(self) -> str:
+        what = f"{self.gpus_per_node} x {self.gpu_type or 'untyped'} GPU"
+        return what if self.placeable else f"no node of an accepted GPU type ({what})"
+
+
+def node_kind(snapshot: Snapshot, name: str) -> tuple[str, int]:
+    """A node's (GPU type, GPUs): its pool's key (0 GPUs recorded: the snapshot's count)."""
+    rec = snapshot.nodes[name]
+    return rec.gpu_type, rec.gpus or snapshot.gpus_per_node
+
+
+def pools(snapshot: Snapshot) -> list[Pool]:
+    """The cluster's planning pools: one per (GPU type, GPUs per node) among its nodes.
+
+    Each planned task goes to exactly one: the kind most of its current nodes are (if it
+    accepts that type; ties by kind), else the accepted kind with the most plannable GPUs
+    not yet taken by the tasks placed before it (running tasks first, then by id; a new
+    task takes its ``min_gpus``). A task that accepts no kind present is placed in an
+    unplaceable pool of its own kind. One kind only: one pool of every node and task."""
+    kinds = {name: node_kind(snapshot, name) for name in snapshot.nodes}
+    keys = sorted(set(kinds.values())) or [("", snapshot.gpus_per_node)]
+    tasks = planned_tasks(snapshot)
+    if len(keys) == 1:
+        return [Pool(keys[0][0], keys[0][1], tuple(sorted(kinds)), tuple(t.task_id for t in tasks))]
+    free = dict.fromkeys(keys, 0)
+    for name in snapshot.plannable():
+        free[kinds[name]] += kinds[name][1]
+    placed: dict[tuple[str, int], list[str]] = {k: [] for k in keys}
+    lost: list[str] = []
+    for task in sorted(tasks, key=lambda t: (not t.nodes, t.task_id)):
+        accepted = [k for k in keys if not task.gpu_types or k[0] in task.gpu_types]
+        held: dict[tuple[str, int], int] = {}
+        for n in task.nodes:
+            if n in kinds:
+                held[kinds[n]] = held.get(kinds[n], 0) + 1
+        mine = sorted((k for k in held if k in accepted), key=lambda k: (-held[k], k))
+        if mine:
+            key = mine[0]
+            free[key] -= held[key] * key[1]
+        elif accepted:
+            key = max(accepted, key=lambda k: (free[k], k))
+            free[key] -= task.min_gpus
+        else:
+            lost.append(task.task_id)
+            continue
+        placed[key].append(task.task_id)
+    out = [
+        Pool(k[0], k[1], tuple(sorted(n for n, kind in kinds.items() if kind == k)), tuple(placed[k]))
+        for k in keys
+    ]
+    if lost:
+        out.append(Pool("", snapshot.gpus_per_node, (), tuple(lost), placeable=False))
+    return out
+
+
+def pool_snapshot(snapshot: Snapshot, pool: Pool) -> Snapshot:
+    """The snapshot a pool is planned on: its nodes and planned tasks (tasks planned in
+    other pools left out, so their nodes count as other users'), and every node its tasks
+    hold now, those of another kind marked held (never planned here: the task leaves
+    them). ``gpus_per_node`` is the pool's."""
+    tasks = {
+        tid: t for tid, t in snapshot.tasks.items() if t.state not in PLANNED_STATES or tid in pool.tasks
+    }
+    names = set(pool.nodes) | {n for tid in pool.tasks for n in snapshot.tasks[tid].nodes}
+    key = (pool.gpu_type, pool.gpus_per_node)
+    nodes = {}
+    for name in sorted(names):
+        rec = snapshot.nodes.get(name)
+        if rec is None:
+            continue
+        foreign_kind = not pool.placeable or node_kind(snapshot, name) != key
+        nodes[name] = replace(rec, held=True) if foreign_kind and not rec.held else rec
+    return replace(snapshot, tasks=tasks, nodes=nodes, gpus_per_node=pool.gpus_per_node, check=False)
 
 
 PLANNED_STATES = frozenset({TaskState.PENDING, TaskState.LAUNCHING, TaskState.RUNNING, TaskState.RECOVERING})
@@ -200,14 +325,51 @@ def replan_decision(snapshot: Snapshot, ctx: PlanContext, now_s: float) -> tuple
     needs) gives its plan and a decision that only says why: the input that asked for
     the replan still stands, and the next replan tries again.
     """
-    plan = plan_for(snapshot, ctx, now_s)
-    if plan is None:
+    groups = pools(snapshot)
+    if len(groups) == 1:
+        plan = plan_for(snapshot, ctx, now_s)
+        if plan is None:
+            return None, Decision(notes=("replan: no task to plan",))
+        render = ctx.render_for(snapshot.gpus_per_node, snapshot.plan_generation + 1)
+        try:
+            return plan, plan_transition(snapshot, plan, render, now_s)
+        except InvalidArgument as e:
+            return plan, Decision(notes=(f"replan not applied: {e}",))
+    phases = _Phases(gen=snapshot.plan_generation + 1)
+    plans: list[Plan] = []
+    failed: list[str] = []
+    for pool in groups:
+        if not pool.tasks:
+            continue
+        sub = pool_snapshot(snapshot, pool)
+        plan = plan_for(sub, ctx.for_pool(pool), now_s)
+        if plan is None:
+            continue
+        plans.append(plan)
+        try:
+            _transition_into(sub, plan, ctx.render_for(pool.gpus_per_node, phases.gen), now_s, phases)
+        except InvalidArgument as e:
+            failed.append(f"{pool.describe()}: {e}")
+        phases.notes.append(f"plan-{phases.gen}: pool {pool.describe()}: {', '.join(pool.tasks)}")
+    if not plans:
         return None, Decision(notes=("replan: no task to plan",))
-    render = ctx.render_for(snapshot.gpus_per_node, snapshot.plan_generation + 1)
-    try:
-        return plan, plan_transition(snapshot, plan, render, now_s)
-    except InvalidArgument as e:
-        return plan, Decision(notes=(f"replan not applied: {e}",))
+    merged = _merged(plans)
+    if failed:
+        return merged, Decision(notes=tuple(f"replan not applied: {why}" for why in failed))
+    return merged, phases.decision()
+
+
+def _merged(plans: Sequence[Plan]) -> Plan:
+    """One plan of the pools' plans (their assignments, totals summed; ``worker_gpus`` the
+    largest pool's node size, for display)."""
+    return Plan(
+        assignments=tuple(a for p in plans for a in p.assignments),
+        workers=sum(p.workers for p in plans),
+        spare_workers=sum(p.spare_workers for p in plans),
+        worker_gpus=max(p.worker_gpus for p in plans),
+        total_waf_tflops=sum(p.total_waf_tflops for p in plans),
+        objective_tflop=sum(p.objective_tflop for p in plans),
+    )
 
 
 def _nodes_needed(assignment: Assignment, gpus_per_node: int) -> tuple[int, Layout | None]:
@@ -275,6 +437,15 @@ class _Phases:
     def actions(self) -> tuple[Action, ...]:
         return (*self.checkpoints, *self.stops, *self.resizes, *self.grows, *self.launches)
 
+    def decision(self) -> Decision:
+        return Decision(
+            actions=self.actions(),
+            tasks=tuple(self.tasks),
+            incidents=tuple(self.incidents),
+            notes=tuple(self.notes),
+            plan_generation=self.gen,
+        )
+
 
 def _check_plan(snapshot: Snapshot, new_plan: Plan) -> tuple[list[TaskRecord], dict[str, Assignment]]:
     planned = sorted(
@@ -304,6 +475,16 @@ def plan_transition(snapshot: Snapshot, new_plan: Plan, render: Render, now_s: f
     nodes and layout stay the same are left alone, unless their incident waits for
     this plan (they are relaunched from their nearest state).
     """
+    phases = _Phases(gen=snapshot.plan_generation + 1)
+    _transition_into(snapshot, new_plan, render, now_s, phases)
+    return phases.decision()
+
+
+def _transition_into(
+    snapshot: Snapshot, new_plan: Plan, render: Render, now_s: float, phases: _Phases
+) -> None:
+    """:func:`plan_transition`'s work, added to ``phases`` (a cluster of several pools
+    collects every pool's actions there, so the phases stay in order across pools)."""
     planned, assignments = _check_plan(snapshot, new_plan)
     needs: dict[str, int] = {}
     layouts: dict[str, Layout | None] = {}
@@ -316,17 +497,9 @@ def plan_transition(snapshot: Snapshot, new_plan: Plan, render: Render, now_s: f
                 f"task {task.task_id} has no Slurm job; register its job id before planning it"
             )
     allocation = _allocate(snapshot, planned, needs)
-    phases = _Phases(gen=snapshot.plan_generation + 1)
     for task in planned:
         new_nodes = allocation[task.task_id]
         _move_task(snapshot, phases, task, new_nodes, layouts[task.task_id], render=render, now_s=now_s)
-    return Decision(
-        actions=phases.actions(),
-        tasks=tuple(phases.tasks),
-        incidents=tuple(phases.incidents),
-        notes=tuple(phases.notes),
-        plan_generation=phases.gen,
-    )
 
 
 def _move_task(

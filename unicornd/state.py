@@ -339,6 +339,8 @@ class TaskRecord(_Record):
     ``job_gres``: the generic resources its job asked for (``gres/gpu:8``), as Slurm reported
     them when the task registered; a job holding GRES is never expanded (Slurm refuses it),
     so adding nodes to it is a requeue (:func:`unicornd.replan.plan_transition`).
+    ``gpu_types``: the GPU types (Slurm's GRES type names) it may run on; empty: any. A
+    task is planned on nodes of one type only (:func:`unicornd.replan.pools`).
     """
 
     task_id: str
@@ -365,9 +367,13 @@ class TaskRecord(_Record):
     rollbacks: tuple[Rollback, ...] = ()
     last_iteration_s: float | None = None
     job_gres: str = ""
+    gpu_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _name(self.task_id, "task_id")
+        for kind in self.gpu_types:
+            _name(kind, f"task {self.task_id}: gpu type")
+        _distinct(self.gpu_types, f"task {self.task_id}: gpu_types")
         if self.framework not in FRAMEWORKS:
             raise InvalidArgument(
                 f"task {self.task_id}: framework {self.framework!r} is not one of {', '.join(FRAMEWORKS)}"
@@ -441,7 +447,10 @@ class NodeRecord(_Record):
     ``joins``: how often it (re)joined, so join actions get deterministic ids;
     ``jobs``: the Slurm jobs holding it at the last poll (ascending ids). Those that are no
     task's job are other users' (:meth:`Snapshot.foreign_jobs`): unicorn neither drains
-    nor plans a node they run on.
+    nor plans a node they run on. ``gpus`` and ``gpu_type``: its GPUs as Slurm's GRES
+    says (``gpu:h100:8``); ``gpus`` 0 means unknown (the snapshot's ``gpus_per_node``), and
+    ``gpu_type`` "" untyped. Nodes of one type and count form a planning pool
+    (:func:`unicornd.replan.pools`).
     """
 
     name: str
@@ -452,12 +461,15 @@ class NodeRecord(_Record):
     held: bool = False
     joins: int = 0
     jobs: tuple[int, ...] = ()
+    gpus: int = 0
+    gpu_type: str = ""
 
     def __post_init__(self) -> None:
         _name(self.name, "node name")
         for t in (*self.failures_s, *self.drains_s):
             _finite(t, f"node {self.name}: timestamp")
         _non_negative(self.joins, f"node {self.name}: joins")
+        _non_negative(self.gpus, f"node {self.name}: gpus")
         for job_id in self.jobs:
             if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id <= 0:
                 raise InvalidArgument(f"node {self.name}: job id {job_id!r} is not a positive integer")
@@ -690,6 +702,15 @@ class Snapshot:
             return ()
         ours = {t.job_id for t in self.tasks.values() if t.job_id is not None}
         return tuple(j for j in rec.jobs if j not in ours)
+
+    def gpus_per_node_of(self, task: TaskRecord) -> int:
+        """GPUs per node where ``task`` runs (its nodes are of one kind: the planner never
+        mixes them): its first known node's, else the snapshot's ``gpus_per_node``."""
+        for name in task.nodes:
+            rec = self.nodes.get(name)
+            if rec is not None and rec.gpus:
+                return rec.gpus
+        return self.gpus_per_node
 
     def plannable(self) -> list[str]:
         """The nodes the planner may use, by name: healthy, not held, and free of other

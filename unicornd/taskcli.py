@@ -115,6 +115,11 @@ def task_group() -> None:
 )  # fmt: skip
 @click.option("--max-gpus", type=click.IntRange(min=1), default=None, help="Most GPUs to plan for.")
 @click.option(
+    "--gpu-types", default=None, metavar="TYPE[,TYPE...]",
+    help="GPU types (Slurm GRES types, e.g. h100) the task may run on; default: the model "
+    "file's gpu_types, else any. It never runs on two types at once.",
+)  # fmt: skip
+@click.option(
     "--model", "model_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
     help="Model description, TOML or *.json: layers, hidden, heads, sequence, vocabulary, "
     "global_batch [, ffn_hidden, num_query_groups], at the top level or in a [model] table.",
@@ -135,6 +140,7 @@ def task_register(  # noqa: PLR0917 - click passes options positionally
     weight: float,
     min_gpus: int,
     max_gpus: int | None,
+    gpu_types: str | None,
     model_path: Path,
     framework: str,
     timeout_s: float,
@@ -158,13 +164,15 @@ def task_register(  # noqa: PLR0917 - click passes options positionally
         raise _BadOptionError(f"--max-gpus {max_gpus} is below the minimum of {min_gpus} GPU(s)")
     try:
         nodes = tuple(expand(hostlist)) if hostlist else ()
-        model = wrapper.load_model_file(model_path)
+        model, accepted = wrapper.load_model_and_gpu_types(model_path)
+        if gpu_types is not None:
+            accepted = tuple(dict.fromkeys(t.strip() for t in gpu_types.split(",") if t.strip()))
         argv = wrapper.resolve_command(command, cwd=Path.cwd(), path=os.environ.get("PATH", os.defpath))
         task_name = name if name is not None else wrapper.default_name(os.environ.get("SLURM_JOB_NAME", ""))
         task_id = wrapper.task_id_for(task_name, job_id)
         task = TaskRecord(
             task_id=task_id, name=task_id, model=model, command=argv, weight=weight, min_gpus=min_gpus,
-            max_gpus=max_gpus, job_id=job_id, nodes=nodes, framework=framework,
+            max_gpus=max_gpus, job_id=job_id, nodes=nodes, framework=framework, gpu_types=accepted,
         )  # fmt: skip
         task.check_command()
     except UnicornError as e:

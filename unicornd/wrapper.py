@@ -77,17 +77,17 @@ def load_model_file(path: Path) -> ModelSpec:
 
     Raises :class:`ConfigError` naming the file and the bad field.
     """
-    if path.suffix.lower() == ".json":
-        try:
-            doc: object = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"model file {str(path)!r}: not found") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"model file {str(path)!r}: cannot read: {e}") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"model file {str(path)!r}: invalid JSON: {e}") from None
-    else:
-        doc = read_toml(path, "model file")
+    return load_model_and_gpu_types(path)[0]
+
+
+def load_model_and_gpu_types(path: Path) -> tuple[ModelSpec, tuple[str, ...]]:
+    """:func:`load_model_file`, and the GPU types the file says the task accepts: a
+    top-level ``gpu_types`` list of Slurm GRES type names (``["h100"]``); () for any."""
+    doc = _read_model_doc(path)
+    gpu_types: tuple[str, ...] = ()
+    if isinstance(doc, dict) and "gpu_types" in doc:
+        doc = dict(doc)
+        gpu_types = _gpu_types(doc.pop("gpu_types"), path)
     if isinstance(doc, dict) and "model" in doc:
         doc = doc["model"]
     if not isinstance(doc, dict):
@@ -105,9 +105,31 @@ def load_model_file(path: Path) -> ModelSpec:
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"model file {str(path)!r}: {key} must be a positive integer, got {value!r}")
     try:
-        return ModelSpec(**doc)
+        return ModelSpec(**doc), gpu_types
     except InvalidArgument as e:
         raise ConfigError(f"model file {str(path)!r}: {e}") from None
+
+
+def _read_model_doc(path: Path) -> object:
+    if path.suffix.lower() != ".json":
+        return read_toml(path, "model file")
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"model file {str(path)!r}: not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"model file {str(path)!r}: cannot read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"model file {str(path)!r}: invalid JSON: {e}") from None
+
+
+def _gpu_types(raw: object, path: Path) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not all(isinstance(t, str) and _NAME_OK.fullmatch(t) for t in raw):
+        raise ConfigError(
+            f"model file {str(path)!r}: gpu_types must be a list of GPU type names "
+            f'(Slurm GRES types, [A-Za-z0-9_.-]+), e.g. ["h100"]; got {raw!r}'
+        )
+    return tuple(dict.fromkeys(raw))
 
 
 def task_id_for(name: str, job_id: int | None) -> str:

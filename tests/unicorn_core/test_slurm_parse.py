@@ -14,6 +14,7 @@ import pytest
 from unicorn_core.slurm.parse import (
     GroupedSinfo,
     SlurmParseError,
+    gpu_type_in_gres,
     gpus_in_gres,
     job_from_scontrol,
     jobs_from_squeue_json,
@@ -161,6 +162,22 @@ def test_unknown_job_state_kept_raw() -> None:
 )
 def test_gpus_in_gres(gres: str, n: int) -> None:
     assert gpus_in_gres(gres) == n
+
+
+@pytest.mark.parametrize(
+    ("gres", "kind"),
+    [
+        ("gpu:4", ""),
+        ("gpu:h100:8(S:0-1)", "h100"),
+        ("gpu:a100:4,gpu:h100:2", "a100"),
+        ("gpu:h100:2,gpu:a100:2", "a100"),  # a tie goes by name
+        ("gpu:a100:1,gpu:a100:1,gpu:h100:1", "a100"),
+        ("", ""),
+        ("mps:100", ""),
+    ],
+)
+def test_gpu_type_in_gres(gres: str, kind: str) -> None:
+    assert gpu_type_in_gres(gres) == kind
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,15 @@ class PlanConfig(Section):
             "model needs it; Slurm's gres often does not say). Default a100-80g."
         ),
     )
+    gpu_types: str = field(
+        default="",
+        metadata=_meta(
+            "Slurm GRES GPU types and their etc/gpus.toml names, TYPE=NAME comma-separated "
+            "(e.g. h100=h100-80g,a100=a100-40g). A type not listed is looked up by its own "
+            "name, then as the only etc/gpus.toml name it prefixes (h100 -> h100-80g), "
+            "else planned as `gpu`. Nodes of different types are planned apart."
+        ),
+    )
     node_mtbf_h: float = field(
         default=672.0,
         metadata=_meta(

@@ -80,6 +80,20 @@ def gpus_in_gres(gres: str) -> int:
     return sum(int(n) for n in _GPU_GRES.findall(gres or ""))
 
 
+_GPU_TYPED = re.compile(r"(?:^|,)gpu:([^:,(]+):(\d+)")
+
+
+def gpu_type_in_gres(gres: str) -> str:
+    """The GPU type a GRES string names (``gpu:h100:8(S:0-1)`` -> ``h100``); ``""`` for
+    untyped GPUs (``gpu:4``). With several types, the one with most GPUs (ties: by name)."""
+    counts: dict[str, int] = {}
+    for kind, n in _GPU_TYPED.findall(gres or ""):
+        counts[kind] = counts.get(kind, 0) + int(n)
+    if not counts:
+        return ""
+    return min(counts, key=lambda k: (-counts[k], k))
+
+
 _NODE_STATES: Final = dict(NodeState.__members__)
 """By name, built once: ``Enum.__members__`` builds a new mapping on each access (3 % of
 unicornd's samples when it parsed 4,096 nodes every poll)."""
@@ -165,6 +179,7 @@ def node_from_sinfo_json(d: Mapping[str, Any]) -> NodeInfo:
         cpus=_int(d.get("cpus")),
         gpus=gpus_in_gres(str(d.get("gres") or "")),
         gpus_used=gpus_in_gres(str(d.get("gres_used") or "")),
+        gpu_type=gpu_type_in_gres(str(d.get("gres") or "")),
         real_memory_mib=_int(d.get("real_memory")),
         partitions=tuple(str(p) for p in partitions),
         features=_features(d.get("active_features", d.get("features"))),
@@ -274,6 +289,7 @@ def node_from_scontrol(rec: Mapping[str, str]) -> NodeInfo:
         cpus=_int(rec.get("CPUTot")),
         gpus=gpus_in_gres(rec.get("Gres", "")),
         gpus_used=gpus_in_gres(rec.get("GresUsed", "")),
+        gpu_type=gpu_type_in_gres(rec.get("Gres", "")),
         real_memory_mib=_int(rec.get("RealMemory")),
         partitions=tuple(p for p in parts.split(",") if p and p != "(null)"),
         features=_features(rec.get("ActiveFeatures", rec.get("AvailableFeatures"))),

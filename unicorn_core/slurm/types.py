@@ -80,6 +80,9 @@ class NodeInfo:
     partitions: tuple[str, ...]
     features: tuple[str, ...] = ()
     """Active node features (``sinfo``'s ``active_features``, ``scontrol``'s ``ActiveFeatures``)."""
+    gpu_type: str = ""
+    """The GPUs' type from GRES (``gpu:h100:8`` -> ``h100``); empty when GRES names none.
+    A node with GPUs of two types reports the type it has most of (ties: by name)."""
 
     @property
     def drained(self) -> bool:

@@ -81,7 +81,7 @@ def _new_agent(snap: Snapshot, action: RestartAgent, ctx: PlanContext) -> Launch
     task = snap.tasks.get(action.task_id)
     if task is None or task.layout is None or action.node not in task.nodes:
         return None
-    render = ctx.render_for(snap.gpus_per_node, task.generation)
+    render = ctx.render_for(snap.gpus_per_node_of(task), task.generation)
     argv = tuple(render(task, task.layout, task.nodes)[action.node])
     return LaunchAgents(
         action.action_id, task.task_id, action.job_id, (NodeArgv(action.node, argv),), clear_commands=True
@@ -94,7 +94,7 @@ def _rolled_back(snap: Snapshot, action: RollBack, ctx: PlanContext) -> SendComm
     task = snap.tasks.get(action.task_id)
     if task is None or task.layout is None or action.node not in task.nodes:
         return None
-    render = ctx.render_for(snap.gpus_per_node, task.generation)
+    render = ctx.render_for(snap.gpus_per_node_of(task), task.generation)
     argv = tuple(render(task, task.layout, task.nodes)[action.node])
     return SendCommand(
         action_id=action.action_id,
