@@ -44,6 +44,21 @@ def test_model_file_toml_json_and_task_file(tmp_path: Path) -> None:
     assert (task_file.layers, task_file.hidden) == (24, 2048)
 
 
+def test_a_model_file_names_the_gpu_types_a_task_accepts(tmp_path: Path) -> None:
+    (tmp_path / "m.toml").write_text('gpu_types = ["h100", "a100", "h100"]\n' + MODEL_TOML)
+    model, kinds = wrapper.load_model_and_gpu_types(tmp_path / "m.toml")
+    assert kinds == ("h100", "a100") and model == wrapper.load_model_file(tmp_path / "m.toml")
+    task_file = 'gpu_types = ["h100"]\n' + (REPO / "etc" / "tasks" / "gpt3-1.3b.toml").read_text()
+    (tmp_path / "t.toml").write_text(task_file)  # a task file: gpu_types beside its [model]
+    assert wrapper.load_model_and_gpu_types(tmp_path / "t.toml")[1] == ("h100",)
+    (tmp_path / "any.toml").write_text(MODEL_TOML)
+    assert wrapper.load_model_and_gpu_types(tmp_path / "any.toml")[1] == ()
+    for bad in ('gpu_types = "h100"', 'gpu_types = ["h 100"]', "gpu_types = [1]"):
+        (tmp_path / "bad.toml").write_text(f"{bad}\n{MODEL_TOML}")
+        with pytest.raises(ConfigError, match="gpu_types must be a list of GPU type names"):
+            wrapper.load_model_and_gpu_types(tmp_path / "bad.toml")
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -236,6 +251,17 @@ def test_register_dry_run_takes_defaults_from_the_spank_variables(tmp_path: Path
     doc = json.loads(result.output)
     assert (doc["weight"], doc["min_gpus"], doc["task_id"]) == (1.25, 2, "x")
     assert Path(doc["command"][0]).is_absolute() and doc["command"][1:] == ["-v"]
+
+
+def test_register_gpu_types_option_overrides_the_model_file(tmp_path: Path) -> None:
+    (tmp_path / "m.toml").write_text('gpu_types = ["a100"]\n' + MODEL_TOML)
+    base = ["task", "register", "--dry-run", "--model", str(tmp_path / "m.toml"), "--name", "x"]
+    from_file = CliRunner().invoke(cli, [*base, "true"])
+    assert from_file.exit_code == 0 and json.loads(from_file.output)["gpu_types"] == ["a100"], from_file.output
+    given = CliRunner().invoke(cli, [*base, "--gpu-types", "h100, h200", "true"])
+    assert given.exit_code == 0 and json.loads(given.output)["gpu_types"] == ["h100", "h200"], given.output
+    bad = CliRunner().invoke(cli, [*base, "--gpu-types", "h 100", "true"])
+    assert bad.exit_code == 2 and "gpu type 'h 100'" in bad.output, bad.output
 
 
 def test_script_header_is_what_job_submit_lua_requires() -> None:
