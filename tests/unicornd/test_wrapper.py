@@ -257,7 +257,9 @@ def test_register_gpu_types_option_overrides_the_model_file(tmp_path: Path) -> N
     (tmp_path / "m.toml").write_text('gpu_types = ["a100"]\n' + MODEL_TOML)
     base = ["task", "register", "--dry-run", "--model", str(tmp_path / "m.toml"), "--name", "x"]
     from_file = CliRunner().invoke(cli, [*base, "true"])
-    assert from_file.exit_code == 0 and json.loads(from_file.output)["gpu_types"] == ["a100"], from_file.output
+    assert from_file.exit_code == 0 and json.loads(from_file.output)["gpu_types"] == ["a100"], (
+        from_file.output
+    )
     given = CliRunner().invoke(cli, [*base, "--gpu-types", "h100, h200", "true"])
     assert given.exit_code == 0 and json.loads(given.output)["gpu_types"] == ["h100", "h200"], given.output
     bad = CliRunner().invoke(cli, [*base, "--gpu-types", "h 100", "true"])
