@@ -99,7 +99,7 @@ class Requests:
         environment = req.job_environment()
         await self._authenticate(req, task)
         await self._in_scope(task)
-        task = await self._with_job_gres(task)
+        task = await self._with_slurm_facts(task)
         arrived = partial(decide.on_task_arrived, task=task, now_s=now)
         if environment is None or task.job_id is None:
             await self.core.decide(now, arrived)
@@ -133,19 +133,45 @@ class Requests:
             now, partial(decide.on_operator_confirm_drain, incident_id=req.incident, now_s=now)
         )
 
-    async def _with_job_gres(self, task: TaskRecord) -> TaskRecord:
-        """``task`` with its job's GRES request as Slurm reports it (a job holding GPUs grows
-        by requeue). A job Slurm cannot report now keeps the task as sent (logged): the
-        registration does not depend on it, and a refused expansion still ends in a requeue
-        (:func:`unicornd.decide.outcomes`)."""
+    async def _with_slurm_facts(self, task: TaskRecord) -> TaskRecord:
+        """``task`` as Slurm's facts about its job make it: the GRES the job holds (a job
+        holding GPUs grows by requeue) and, as its ``max_gpus``, the most GPUs Slurm's own
+        policy (partition, QoS, association) lets the job hold, so no plan asks Slurm for
+        more. Raises InvalidArgument (nothing registered) when that policy allows fewer
+        GPUs than the task's ``min_gpus``. Facts Slurm cannot give now leave the task as
+        sent (logged): a refused expansion still ends in a requeue."""
         if task.job_id is None:
             return task
         try:
             job = await self.slurm.get_job(task.job_id)
+            limits = await self.slurm.job_limits(task.job_id)
         except UnicornError as e:
-            log.warning("job_gres_unknown", task=task.task_id, job_id=task.job_id, error=str(e))
+            log.warning("job_facts_unknown", task=task.task_id, job_id=task.job_id, error=str(e))
             return task
-        return replace(task, job_gres=job.gres) if job.gres != task.job_gres else task
+        per_node = self.core.snap.gpus_per_node_of(task)
+        caps = [
+            c
+            for c in (
+                task.max_gpus,
+                limits.max_gpus,
+                None if limits.max_nodes is None else limits.max_nodes * per_node,
+            )
+            if c is not None
+        ]
+        max_gpus = min(caps) if caps else None
+        if max_gpus is not None and max_gpus < task.min_gpus:
+            raise InvalidArgument(
+                f"job {task.job_id}: Slurm's policy ({'; '.join(limits.sources) or 'max_gpus'}) allows at "
+                f"most {max_gpus} GPUs; task {task.task_id} needs at least {task.min_gpus} (--min-gpus)"
+            )
+        if max_gpus != task.max_gpus:
+            log.info(
+                "task_capped_by_slurm_policy",
+                task=task.task_id,
+                max_gpus=max_gpus,
+                limits=list(limits.sources),
+            )
+        return replace(task, job_gres=job.gres, max_gpus=max_gpus)
 
     async def _in_scope(self, task: TaskRecord) -> None:
         """A task whose job holds nodes outside ``[slurm]``'s scope is refused: unicorn would

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from unicorn_core.errors import InvalidArgument, UnknownJob, UnknownNode
 from unicorn_core.proc import CommandOutput
 from unicorn_core.slurm.backend import ResizeUnsupported, StepHandle, UnknownReservation
-from unicorn_core.slurm.types import GrowResult, JobInfo, JobState, NodeInfo, NodeState
+from unicorn_core.slurm.types import GrowResult, JobInfo, JobLimits, JobState, NodeInfo, NodeState
 
 __all__ = ["FakeSlurm", "idle_node", "running_job"]
 
@@ -88,6 +88,8 @@ class FakeSlurm:
         self.check_stderr = ""
         self.scripts: dict[int, str] = {}
         self.steps: list[StepHandle] = []
+        self.limits: dict[int, JobLimits] = {}
+        """Job id -> Slurm's policy limits for it (``job_limits``; default: none)."""
 
     # ------------------------------------------------------------------ scripting
 
@@ -181,6 +183,11 @@ class FakeSlurm:
     async def get_job(self, job_id: int) -> JobInfo:
         self._query("get_job")
         return self._job(job_id)
+
+    async def job_limits(self, job_id: int) -> JobLimits:
+        self._query("job_limits")
+        self._job(job_id)
+        return self.limits.get(job_id, JobLimits())
 
     # ------------------------------------------------------------------ nodes
 

@@ -9,12 +9,15 @@ account, QoS and partition across a requeue.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import DevCluster, private_cluster
+from tests.system.coordinator import PLANNER_MODEL, coordinator, trainer_command
 from tests.system.test_slurm_adapter import eventually
-from unicorn_core.slurm import CliSlurm, JobState
+from unicorn_core.slurm import CliSlurm, JobLimits, JobState
+from unicornd.state import TaskRecord, TaskState
 
 pytestmark = [pytest.mark.system, pytest.mark.slurm_release]
 
@@ -81,3 +84,48 @@ async def test_recovery_steps_work_and_are_accounted(slurm: CliSlurm, accounted:
         await eventually(has_history, 30, f"sacct's history of job {job}")
     finally:
         await slurm.cancel(job)
+
+
+async def test_job_limits_read_the_qos_and_the_partition(slurm: CliSlurm, accounted: DevCluster) -> None:
+    job = await slurm.submit_batch(STEP_JOB, ["--nodes", "1", "--job-name", "limits"])
+    try:
+        assert await slurm.job_limits(job) == JobLimits()  # nothing limits a job here yet
+        accounted.slurm("sacctmgr", "-i", "modify", "qos", "normal", "set", "MaxTRESPerJob=node=2,gres/gpu=2")
+        limits = await slurm.job_limits(job)
+        assert (limits.max_nodes, limits.max_gpus) == (2, 2), limits
+        assert "QoS normal: nodes 2" in limits.sources and "QoS normal: gres/gpu=2" in limits.sources
+    finally:
+        accounted.slurm(
+            "sacctmgr", "-i", "modify", "qos", "normal", "set", "MaxTRESPerJob=node=-1,gres/gpu=-1"
+        )
+        await slurm.cancel(job)
+
+
+def test_unicornd_plans_no_task_beyond_its_jobs_qos(accounted: DevCluster, tmp_path: Path) -> None:
+    """QoS ``normal`` allows 2 nodes a job: a task on n1,n2 is never grown onto the idle n3
+    (slurmctld would refuse the requeue and leave the job pending), while a task under no
+    such limit takes every node it can use (test_site: a grows onto its spare)."""
+    accounted.slurm("sacctmgr", "-i", "modify", "qos", "normal", "set", "MaxTRESPerJob=node=2")
+    try:
+        with coordinator(accounted, tmp_path) as c:
+            job, held = c.hold_job("capped", "n1,n2")
+            task = TaskRecord(
+                task_id="capped", name="capped", model=PLANNER_MODEL, min_gpus=1, job_id=job, nodes=held,
+                command=trainer_command(tmp_path / "ckpt"),
+            )  # fmt: skip
+            c.register(task)
+            snap = c.wait(
+                lambda s: (
+                    "capped" in s.tasks
+                    and s.tasks["capped"].state is TaskState.RUNNING
+                    and (s.tasks["capped"].last_iteration or 0) > 5
+                ),
+                "the capped task training",
+                150,
+            )
+            assert snap.tasks["capped"].max_gpus == 2 and snap.tasks["capped"].nodes == ("n1", "n2")
+            assert "n3" in snap.plannable()  # free, and still not given to it
+    finally:
+        accounted.slurm(
+            "sacctmgr", "-i", "modify", "qos", "normal", "set", "MaxTRESPerJob=node=-1,gres/gpu=-1"
+        )

@@ -23,6 +23,7 @@ from unicorn_core.slurm.parse import (
     nodes_from_scontrol_json,
     nodes_from_sinfo_json,
     parse_scontrol_record,
+    tres_limits,
 )
 from unicorn_core.slurm.types import JobState, NodeState
 
@@ -207,3 +208,17 @@ def test_job_record_without_id_rejected() -> None:
         job_from_scontrol({"JobState": "RUNNING"})
     with pytest.raises(SlurmParseError):
         jobs_from_squeue_json(json.dumps({"jobs": [{"job_id": 0, "job_state": "RUNNING"}]}))
+
+
+@pytest.mark.parametrize(
+    ("text", "limits"),
+    [
+        ("", (None, None)),
+        ("node=2", (2, None)),
+        ("cpu=64,node=4,gres/gpu=32", (4, 32)),
+        ("gres/gpu:h100=8,gres/gpu=16", (None, 8)),
+        ("node=x,billing=3", (None, None)),
+    ],
+)
+def test_tres_limits(text: str, limits: tuple[int | None, int | None]) -> None:
+    assert tres_limits(text) == limits

@@ -11,12 +11,13 @@ from unicorn_core.slurm.backend import ResizeUnsupported, SlurmBackend, StepHand
 from unicorn_core.slurm.cli import CliSlurm
 from unicorn_core.slurm.pyslurm_backend import PyslurmBackend
 from unicorn_core.slurm.select import make_backend
-from unicorn_core.slurm.types import GrowResult, JobInfo, JobState, NodeInfo, NodeState
+from unicorn_core.slurm.types import GrowResult, JobInfo, JobLimits, JobState, NodeInfo, NodeState
 
 __all__ = [
     "CliSlurm",
     "GrowResult",
     "JobInfo",
+    "JobLimits",
     "JobState",
     "NodeInfo",
     "NodeState",

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from unicorn_core.errors import InvalidArgument, UnicornError
 from unicorn_core.proc import CommandOutput, terminate_group
-from unicorn_core.slurm.types import GrowResult, JobInfo, NodeInfo
+from unicorn_core.slurm.types import GrowResult, JobInfo, JobLimits, NodeInfo
 
 
 class ResizeUnsupported(UnicornError):
@@ -69,6 +69,11 @@ class SlurmBackend(Protocol):
 
     async def reservation_nodes(self, name: str) -> tuple[str, ...]:
         """The nodes of reservation ``name``; :class:`UnknownReservation` if it does not exist."""
+        ...
+
+    async def job_limits(self, job_id: int) -> JobLimits:
+        """The most nodes and GPUs Slurm's own policy (partition, QoS, association) lets
+        the job hold; None where nothing limits it."""
         ...
 
     async def drain(self, node: str, reason: str) -> None: ...

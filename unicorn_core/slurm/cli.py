@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from unicorn_core import proc
-from unicorn_core.errors import CommandFailed, InvalidArgument, UnknownJob, UnknownNode
+from unicorn_core.errors import CommandFailed, CommandNotFound, InvalidArgument, UnknownJob, UnknownNode
 from unicorn_core.proc import CommandOutput
 from unicorn_core.slurm.backend import ResizeUnsupported, StepHandle, UnknownReservation
 from unicorn_core.slurm.hostlist import compress
@@ -29,10 +29,12 @@ from unicorn_core.slurm.parse import (
     parse_partitions,
     parse_reservation_nodes,
     parse_scontrol_record,
+    tres_limits,
 )
 from unicorn_core.slurm.types import (
     GrowResult,
     JobInfo,
+    JobLimits,
     JobState,
     NodeInfo,
     check_job_id,
@@ -136,6 +138,53 @@ class CliSlurm:
     async def list_partitions(self) -> list[str]:
         """Every partition's name (``scontrol -o show partition``)."""
         return parse_partitions(await self._run("scontrol", "-o", "show", "partition"))
+
+    async def job_limits(self, job_id: int) -> JobLimits:
+        """The most nodes and GPUs Slurm's policy lets job ``job_id`` hold: its partition's
+        MaxNodes, its QoS's and its association's MaxTRESPerJob (``node=``, ``gres/gpu=``)
+        and the association's MaxNodes. Without accounting (sacctmgr cannot reach slurmdbd)
+        only the partition's. unicorn plans no task beyond them: a requeue onto more nodes
+        than the QoS allows is refused by slurmctld and leaves the job pending
+        (BadConstraints; measured on 22.05 with ``MaxTRESPerJob=node=2``)."""
+        check_job_id(job_id)
+        rec = parse_scontrol_record(await self._run("scontrol", "-o", "show", "job", str(job_id)))
+        nodes: list[tuple[int, str]] = []
+        gpus: list[tuple[int, str]] = []
+        partition = rec.get("Partition", "")
+        if partition:
+            out = await self._run("scontrol", "-o", "show", "partition", partition)
+            part = parse_scontrol_record(out) if out.strip() else {}
+            if part.get("MaxNodes", "").isdigit():
+                nodes.append((int(part["MaxNodes"]), f"partition {partition}: MaxNodes={part['MaxNodes']}"))
+        qos, account = rec.get("QOS", ""), rec.get("Account", "")
+        user = rec.get("UserId", "").split("(")[0]
+        queries: list[tuple[str, tuple[str, ...]]] = []
+        if qos and qos != "(null)":
+            queries.append((f"QoS {qos}", ("show", "qos", qos, "format=MaxTRESPerJob")))
+        if account and account != "(null)" and user:
+            where = ("where", f"user={user}", f"account={account}")
+            queries.append(
+                (f"association {user}/{account}", ("show", "assoc", *where, "format=MaxTRES,MaxNodes"))
+            )
+        for what, query in queries:
+            try:
+                out = await self._run("sacctmgr", "-n", "-P", *query)
+            except (CommandFailed, CommandNotFound):
+                continue  # no accounting here: no QoS or association limits either
+            for line in out.splitlines():
+                fields = line.split("|")
+                n, g = tres_limits(fields[0])
+                if len(fields) > 1 and fields[1].isdigit():
+                    n = int(fields[1]) if n is None else min(n, int(fields[1]))
+                if n is not None:
+                    nodes.append((n, f"{what}: nodes {n}"))
+                if g is not None:
+                    gpus.append((g, f"{what}: gres/gpu={g}"))
+        return JobLimits(
+            max_nodes=min(nodes)[0] if nodes else None,
+            max_gpus=min(gpus)[0] if gpus else None,
+            sources=tuple(why for _, why in sorted(nodes) + sorted(gpus)),
+        )
 
     async def reservation_nodes(self, name: str) -> tuple[str, ...]:
         """The nodes of reservation ``name`` (``scontrol -o show reservation NAME``)."""

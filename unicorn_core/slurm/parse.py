@@ -390,3 +390,18 @@ def job_from_scontrol(rec: Mapping[str, str]) -> JobInfo:
         user=rec.get("UserId", "").split("(")[0],
         gres=_gres_request(rec.get("TresPerNode"), rec.get("TresPerJob")),
     )
+
+
+def tres_limits(text: str) -> tuple[int | None, int | None]:
+    """(nodes, GPUs) of a TRES limit string such as ``node=2,gres/gpu=16`` (sacctmgr's
+    MaxTRES / MaxTRESPerJob); None where it sets none."""
+    nodes = gpus = None
+    for item in text.split(","):
+        key, _, value = item.strip().partition("=")
+        if not value.isdigit():
+            continue
+        if key == "node":
+            nodes = int(value)
+        elif key == "gres/gpu" or key.startswith("gres/gpu:"):
+            gpus = int(value) if gpus is None else min(gpus, int(value))
+    return nodes, gpus

@@ -129,6 +129,16 @@ class JobInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class JobLimits:
+    """The most nodes and GPUs Slurm's own policy lets one job hold (None: no limit), and
+    where each limit comes from (``partition gpu: MaxNodes=4``, ``QoS normal: node=2``)."""
+
+    max_nodes: int | None = None
+    max_gpus: int | None = None
+    sources: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class GrowResult:
     """How a job was grown: ``expand`` (in place, job keeps running) or ``requeue``."""
 
