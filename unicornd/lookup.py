@@ -39,7 +39,7 @@ from unicorn_core.logs import get_logger
 from unicornd.actions import Decision
 from unicornd.core import Core
 from unicornd.launch import Render
-from unicornd.replan import PlanContext, SolveKey, planned_tasks, solve, solve_inputs
+from unicornd.replan import PlanContext, SolveKey, planned_tasks, pools, solve, solve_inputs
 from unicornd.solvecache import SolveCache
 from unicornd.state import Incident, NodeHealth, Snapshot, TaskRecord
 
@@ -243,6 +243,11 @@ class Lookup:
             )
         started = time.monotonic()
         ctx = self.core.ctx
+        if len(pools(snap)) > 1:
+            # TODO(issue 24): one-step plans per pool. The replan of a cluster of several GPU
+            # kinds solves each pool's snapshot (replan.pool_snapshot); whole-cluster plans
+            # solved here would never be asked for.
+            return
         parts = SolveParts.of(ctx)
         base = solve_inputs(snap, ctx, time.time())
         if base is None or not isinstance(base.key, SolveKey):
