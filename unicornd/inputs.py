@@ -359,6 +359,7 @@ class SlurmWatch:
         now = time.time()
         # Jobs first: a join's replan must see which nodes other users' jobs hold now.
         await self._node_jobs(view.held, now)
+        await self._node_gpus(view.nodes, now)
         await self._nodes(view.nodes, now, view.held)
         await self._node_jobs(view.held, now)  # the nodes that joined just now
         render = core.ctx.render_for
@@ -400,6 +401,13 @@ class SlurmWatch:
         if any(rec.jobs != held.get(name, ()) for name, rec in core.snap.nodes.items()):
             await core.decide(now, partial(decide.on_node_jobs, jobs=held, now_s=now))
 
+    async def _node_gpus(self, nodes: Sequence[NodeInfo], now: float) -> None:
+        """Known nodes whose GRES changed (a site retyped them): decided only then."""
+        snap = self.core.snap
+        facts = {n.name: (n.gpus, n.gpu_type) for n in nodes}
+        if any((rec.gpus, rec.gpu_type) != facts[name] for name, rec in snap.nodes.items() if name in facts):
+            await self.core.decide(now, partial(decide.on_node_gpus, gpus=facts, now_s=now))
+
     async def _nodes(
         self, nodes: Sequence[NodeInfo], now: float, held: Mapping[str, tuple[int, ...]] | None = None
     ) -> None:
@@ -418,7 +426,8 @@ class SlurmWatch:
                 if others:
                     log.debug("join_deferred", node=info.name, other_jobs=others)
                     continue
-                await core.decide(now, partial(decide.on_node_join, node=info.name, now_s=now))
+                kind = (info.gpus, info.gpu_type)
+                await core.decide(now, partial(decide.on_node_join, node=info.name, now_s=now, gpus=kind))
             elif not info.usable and info.drained and rec.health in (NodeHealth.HEALTHY, NodeHealth.DRAINING):
                 await core.decide(
                     now, partial(decide.on_node_drained, node=info.name, now_s=now, reason=info.reason)

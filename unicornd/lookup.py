@@ -242,12 +242,13 @@ class Lookup:
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_lowest_priority
             )
         started = time.monotonic()
-        ctx = self.core.ctx
-        if len(pools(snap)) > 1:
+        groups = pools(snap)
+        if len(groups) > 1:
             # TODO(issue 24): one-step plans per pool. The replan of a cluster of several GPU
             # kinds solves each pool's snapshot (replan.pool_snapshot); whole-cluster plans
             # solved here would never be asked for.
             return
+        ctx = self.core.ctx.for_pool(groups[0])  # the replan's context: its GPU type's model
         parts = SolveParts.of(ctx)
         base = solve_inputs(snap, ctx, time.time())
         if base is None or not isinstance(base.key, SolveKey):
@@ -278,6 +279,10 @@ class Lookup:
 def warm(snap: Snapshot, ctx: PlanContext, now_s: float) -> int:
     """Solve ``snap``'s one-step snapshots here and cache them (what :class:`Lookup` does in
     its worker, for tests and tools); how many plans were cached."""
+    groups = pools(snap)
+    if len(groups) > 1:
+        return 0
+    ctx = ctx.for_pool(groups[0])
     base = solve_inputs(snap, ctx, now_s)
     if base is None or not isinstance(base.key, SolveKey):
         return 0

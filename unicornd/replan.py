@@ -153,7 +153,7 @@ def pools(snapshot: Snapshot) -> list[Pool]:
     kinds = {name: node_kind(snapshot, name) for name in snapshot.nodes}
     keys = sorted(set(kinds.values())) or [("", snapshot.gpus_per_node)]
     tasks = planned_tasks(snapshot)
-    if len(keys) == 1:
+    if len(keys) == 1 and not any(t.gpu_types and keys[0][0] not in t.gpu_types for t in tasks):
         return [Pool(keys[0][0], keys[0][1], tuple(sorted(kinds)), tuple(t.task_id for t in tasks))]
     free = dict.fromkeys(keys, 0)
     for name in snapshot.plannable():
@@ -326,8 +326,8 @@ def replan_decision(snapshot: Snapshot, ctx: PlanContext, now_s: float) -> tuple
     the replan still stands, and the next replan tries again.
     """
     groups = pools(snapshot)
-    if len(groups) == 1:
-        plan = plan_for(snapshot, ctx, now_s)
+    if len(groups) == 1:  # one kind of node, every task accepts it: the whole cluster
+        plan = plan_for(snapshot, ctx.for_pool(groups[0]), now_s)
         if plan is None:
             return None, Decision(notes=("replan: no task to plan",))
         render = ctx.render_for(snapshot.gpus_per_node, snapshot.plan_generation + 1)

@@ -99,6 +99,7 @@ class Requests:
         environment = req.job_environment()
         await self._authenticate(req, task)
         await self._in_scope(task)
+        self._gpu_types_exist(task)
         task = await self._with_slurm_facts(task)
         arrived = partial(decide.on_task_arrived, task=task, now_s=now)
         if environment is None or task.job_id is None:
@@ -133,6 +134,17 @@ class Requests:
             now, partial(decide.on_operator_confirm_drain, incident_id=req.incident, now_s=now)
         )
 
+    def _gpu_types_exist(self, task: TaskRecord) -> None:
+        """A task whose accepted GPU types no managed node has is refused: it would never
+        get a GPU (a misspelt type, or a cluster without that type)."""
+        kinds = {rec.gpu_type for rec in self.core.snap.nodes.values()}
+        if task.gpu_types and not set(task.gpu_types) & kinds:
+            have = ", ".join(sorted(k for k in kinds if k)) or "untyped GPUs only"
+            raise InvalidArgument(
+                f"task {task.task_id}: no node unicorn manages has GPU type {' or '.join(task.gpu_types)} "
+                f"(it has: {have})"
+            )
+
     async def _with_slurm_facts(self, task: TaskRecord) -> TaskRecord:
         """``task`` as Slurm's facts about its job make it: the GRES the job holds (a job
         holding GPUs grows by requeue) and, as its ``max_gpus``, the most GPUs Slurm's own
@@ -140,13 +152,19 @@ class Requests:
         more. Raises InvalidArgument (nothing registered) when that policy allows fewer
         GPUs than the task's ``min_gpus``. Facts Slurm cannot give now leave the task as
         sent (logged): a refused expansion still ends in a requeue."""
-        if task.job_id is None:
+        job_id = task.job_id
+        if job_id is None:
             return task
         try:
-            job = await self.slurm.get_job(task.job_id)
-            limits = await self.slurm.job_limits(task.job_id)
+            job = await self.slurm.get_job(job_id)
         except UnicornError as e:
             log.warning("job_facts_unknown", task=task.task_id, job_id=task.job_id, error=str(e))
+            return task
+        task = replace(task, job_gres=job.gres) if job.gres != task.job_gres else task
+        try:
+            limits = await self.slurm.job_limits(job_id)
+        except UnicornError as e:
+            log.warning("job_limits_unknown", task=task.task_id, job_id=task.job_id, error=str(e))
             return task
         per_node = self.core.snap.gpus_per_node_of(task)
         caps = [
@@ -171,7 +189,7 @@ class Requests:
                 max_gpus=max_gpus,
                 limits=list(limits.sources),
             )
-        return replace(task, job_gres=job.gres, max_gpus=max_gpus)
+        return replace(task, max_gpus=max_gpus) if max_gpus != task.max_gpus else task
 
     async def _in_scope(self, task: TaskRecord) -> None:
         """A task whose job holds nodes outside ``[slurm]``'s scope is refused: unicorn would

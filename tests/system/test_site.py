@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import DevCluster, private_cluster
 from tests.system.coordinator import PLANNER_MODEL, Coordinator, coordinator, trainer_command
+from unicornd.control import RequestRefused
 from unicornd.state import NodeHealth, Snapshot, TaskRecord, TaskState
 
 pytestmark = [pytest.mark.system, pytest.mark.slurm_release]
@@ -124,5 +125,13 @@ def test_a_node_kill_touches_only_unicorns_nodes_and_keeps_each_task_on_one_gpu_
             assert "drain" not in states and "down" not in states, states
             assert all(snap.nodes[n].health is NodeHealth.HEALTHY for n in ("n3", "n4", "n5"))
             c.resume("n2")
+            # A task accepting only a type no node has is refused at registration.
+            wrong = TaskRecord(
+                task_id="v", name="v", model=PLANNER_MODEL, command=trainer_command(tmp_path / "ckpt-v"),
+                job_id=b.job_id, nodes=("n4",), gpu_types=("v100",),
+            )  # fmt: skip
+            with pytest.raises(RequestRefused, match="no node unicorn manages has GPU type v100"):
+                c.register(wrong)
+            assert "v" not in (c.snapshot() or snap).tasks
     finally:
         site.slurm("scancel", str(on_cpu), str(on_n5), check=False)

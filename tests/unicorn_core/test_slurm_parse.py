@@ -222,3 +222,15 @@ def test_job_record_without_id_rejected() -> None:
 )
 def test_tres_limits(text: str, limits: tuple[int | None, int | None]) -> None:
     assert tres_limits(text) == limits
+
+
+def test_a_job_asking_gpus_per_task_holds_gres() -> None:
+    """``--gpus-per-task`` and ``--gpus-per-socket`` ask for GRES too (such a job is never
+    expanded); CPUs per task do not."""
+    base = {"job_id": 5, "job_state": "RUNNING"}
+    per_task = json.dumps({"jobs": [{**base, "tres_per_task": "cpu:4,gres/gpu:1"}]})
+    assert jobs_from_squeue_json(per_task)[0].holds_gres
+    cpus_only = json.dumps({"jobs": [{**base, "tres_per_task": "cpu:4"}]})
+    assert not jobs_from_squeue_json(cpus_only)[0].holds_gres
+    rec = {"JobId": "5", "JobState": "RUNNING", "TresPerSocket": "gres/gpu:2"}
+    assert job_from_scontrol(rec).gres == "gres/gpu:2"

@@ -12,6 +12,7 @@ from plan.objective import FailureModel
 from tests.unicornd.coord_world import apply, render, task, world
 from unicorn_core.errors import InvalidArgument
 from unicornd.actions import Decision, LaunchAgents, Requeue, SendCommand, Shrink
+from unicornd.decide import on_node_gpus, on_node_join
 from unicornd.replan import PlanContext, gpu_type_specs, pool_snapshot, pools, replan_decision
 from unicornd.state import NodeHealth, Snapshot, TaskRecord, TaskState
 
@@ -109,3 +110,28 @@ def test_the_pool_picks_the_performance_model_of_its_type() -> None:
     for bad in ("h100", "h100=", "h100=nonsense-1g"):
         with pytest.raises(InvalidArgument):
             gpu_type_specs(bad)
+
+
+def test_a_task_accepting_a_type_the_cluster_lacks_gets_nothing_on_a_one_kind_cluster() -> None:
+    """One kind of node (all A100): a task that accepts only H100s is not planned onto them."""
+    snap = typed(
+        world(4, [task("a", 1, ["n1"]), task("h", 2, [], state=TaskState.PENDING, gpu_types=("h100",))]),
+        {f"n{i}": A100 for i in range(1, 5)},
+    )
+    groups = pools(snap)
+    assert [(p.placeable, p.tasks) for p in groups] == [(True, ("a",)), (False, ("h",))]
+    _, d = replan_decision(snap, CTX, T0)
+    moved = nodes_after(snap, d)
+    assert moved["h"] == () and moved["a"]
+
+
+def test_a_node_joining_or_retyped_records_its_gpus_and_replans() -> None:
+    snap = mixed([task("a", 1, ["n1", "n2"])])
+    snap = replace(snap, nodes={n: r for n, r in snap.nodes.items() if n != "n8"})
+    joined = apply(snap, on_node_join(snap, "n8", T0, gpus=(2, "h100")))  # (count, type)
+    assert (joined.nodes["n8"].gpu_type, joined.nodes["n8"].gpus) == H100
+    facts = {n: (r.gpus, r.gpu_type) for n, r in joined.nodes.items()}
+    assert on_node_gpus(joined, facts, T0) == Decision()  # nothing changed: nothing decided
+    d = on_node_gpus(joined, {**facts, "n4": (2, "h100")}, T0)
+    assert [(r.name, r.gpu_type) for r in d.nodes] == [("n4", "h100")]
+    assert [type(a).__name__ for a in d.actions] == ["Replan"]

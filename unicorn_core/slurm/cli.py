@@ -15,7 +15,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from unicorn_core import proc
-from unicorn_core.errors import CommandFailed, CommandNotFound, InvalidArgument, UnknownJob, UnknownNode
+from unicorn_core.errors import (
+    CommandFailed,
+    CommandNotFound,
+    CommandTimeout,
+    InvalidArgument,
+    UnknownJob,
+    UnknownNode,
+)
 from unicorn_core.proc import CommandOutput
 from unicorn_core.slurm.backend import ResizeUnsupported, StepHandle, UnknownReservation
 from unicorn_core.slurm.hostlist import compress
@@ -169,8 +176,8 @@ class CliSlurm:
         for what, query in queries:
             try:
                 out = await self._run("sacctmgr", "-n", "-P", *query)
-            except (CommandFailed, CommandNotFound):
-                continue  # no accounting here: no QoS or association limits either
+            except (CommandFailed, CommandNotFound, CommandTimeout):
+                continue  # no accounting here (or slurmdbd does not answer): no QoS or association limits
             for line in out.splitlines():
                 fields = line.split("|")
                 n, g = tres_limits(fields[0])
@@ -358,7 +365,8 @@ class CliSlurm:
         check_job_id(job_id)
         if add_nodes < 1:
             raise InvalidArgument(f"add_nodes must be >= 1, got {add_nodes}")
-        job = await self.get_job(job_id)
+        # scontrol's record, whatever backend reads jobs elsewhere: it names the GRES.
+        job = await CliSlurm.get_job(self, job_id)
         if job.state is not JobState.RUNNING:
             raise InvalidArgument(f"job {job_id} is {job.state_raw}, not RUNNING")
         if job.holds_gres:

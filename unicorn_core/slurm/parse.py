@@ -327,13 +327,18 @@ def job_from_squeue_json(d: Mapping[str, Any]) -> JobInfo:
         batch=bool(d.get("batch_flag")),
         restarts=_int(d.get("restart_cnt")),
         user=str(d.get("user_name") or ""),
-        gres=_gres_request(d.get("tres_per_node"), d.get("tres_per_job")),
+        gres=_gres_request(*(d.get(f"tres_per_{per}") for per in _TRES_PER)),
     )
 
 
+_TRES_PER: Final = ("node", "job", "task", "socket")
+"""The ways a job asks for GRES (``--gres``/``--gpus-per-node``, ``--gpus``,
+``--gpus-per-task``, ``--gpus-per-socket``): squeue's ``tres_per_<x>``, scontrol's ``TresPer<X>``."""
+
+
 def _gres_request(*values: Any) -> str:
-    """A job's GRES request: the per-node and per-job TRES strings that name a ``gres``
-    (``gres/gpu:2``, 22.05's ``gres:gpu:2``), comma-joined; ``""`` for none."""
+    """A job's GRES request: the TRES-per strings that name a ``gres`` (``gres/gpu:2``,
+    22.05's ``gres:gpu:2``), comma-joined; ``""`` for none."""
     found = [str(v) for v in values if isinstance(v, str) and v.strip() and "gres" in v]
     return ",".join(found)
 
@@ -353,6 +358,8 @@ class _SqueueJob(msgspec.Struct, gc=False):
     user_name: Any = None
     tres_per_node: Any = None
     tres_per_job: Any = None
+    tres_per_task: Any = None
+    tres_per_socket: Any = None
 
 
 class _SqueueDoc(msgspec.Struct, gc=False):
@@ -388,7 +395,7 @@ def job_from_scontrol(rec: Mapping[str, str]) -> JobInfo:
         batch=rec.get("BatchFlag", "0") == "1",
         restarts=_int(rec.get("Restarts")),
         user=rec.get("UserId", "").split("(")[0],
-        gres=_gres_request(rec.get("TresPerNode"), rec.get("TresPerJob")),
+        gres=_gres_request(*(rec.get(f"TresPer{per.capitalize()}") for per in _TRES_PER)),
     )
 
 

@@ -40,8 +40,17 @@ _L = LadderStage
 # --- membership: nodes and tasks ----------------------------------------------------
 
 
-def on_node_join(snapshot: Snapshot, node: str, now_s: float, *, by_operator: bool = False) -> Decision:
+def on_node_join(
+    snapshot: Snapshot,
+    node: str,
+    now_s: float,
+    *,
+    by_operator: bool = False,
+    gpus: tuple[int, str] | None = None,
+) -> Decision:
     """A node appeared or came back in Slurm (``by_operator``: ``unicornctl node resume``).
+    ``gpus``: its (GPU count, GPU type) as Slurm's GRES says, recorded with it (a new
+    node's kind decides its planning pool from its first replan on).
 
     A held node (too many failures) that an operator did not resume is drained again
     and the operator told. Otherwise it runs the node check first (``returning``), or
@@ -70,6 +79,8 @@ def on_node_join(snapshot: Snapshot, node: str, now_s: float, *, by_operator: bo
         draft.act(NotifyOperator(f"{base}/notify", None, f"node {node} came back but is held: {reason}"))
         return draft.decision()
     rec = replace(rec, joins=joins, held=False if by_operator else rec.held)
+    if gpus is not None:
+        rec = replace(rec, gpus=gpus[0], gpu_type=gpus[1])
     if by_operator:
         draft.act(ResumeNode(f"{base}/resume", node, "unicorn: resumed by operator"))
     if not known:
@@ -83,6 +94,26 @@ def on_node_join(snapshot: Snapshot, node: str, now_s: float, *, by_operator: bo
         draft.put(rec.with_health(NodeHealth.HEALTHY, ""))
         draft.act(Replan(f"{base}/replan", f"node {node} joined"))
     return draft.decision()
+
+
+def on_node_gpus(snapshot: Snapshot, gpus: Mapping[str, tuple[int, str]], now_s: float) -> Decision:
+    """A Slurm poll's (GPU count, GPU type) per node: known nodes whose GRES changed are
+    recorded anew, and a replan follows (their planning pool changed). Unknown nodes are
+    left to their join; nothing changed: an empty decision."""
+    changed = [
+        replace(rec, gpus=gpus[name][0], gpu_type=gpus[name][1])
+        for name, rec in sorted(snapshot.nodes.items())
+        if name in gpus and (rec.gpus, rec.gpu_type) != gpus[name]
+    ]
+    if not changed:
+        return Decision()
+    names = ", ".join(n.name for n in changed)
+    key = ",".join(f"{n.name}:{n.gpus}:{n.gpu_type}" for n in changed)
+    return Decision(
+        actions=(Replan(f"gpus/{zlib.crc32(key.encode()):08x}", f"GPUs of {names} changed"),),
+        nodes=tuple(changed),
+        notes=(f"GPUs of {names} as Slurm's GRES now says: replan",),
+    )
 
 
 def on_node_jobs(snapshot: Snapshot, jobs: Mapping[str, tuple[int, ...]], now_s: float) -> Decision:
