@@ -502,6 +502,21 @@ def _transition_into(
         _move_task(snapshot, phases, task, new_nodes, layouts[task.task_id], render=render, now_s=now_s)
 
 
+def _by_requeue(
+    task: TaskRecord, new_nodes: tuple[str, ...], adds: bool, resize_count: int, max_resizes: int
+) -> bool:
+    """Whether ``task``'s job reaches ``new_nodes`` by a requeue rather than in place: it
+    keeps none of its nodes; it holds GRES (GPUs) and gains nodes (22.05 and 24.11 refuse
+    to expand such a job); it is pending on its way back from a requeue (it holds no nodes
+    to shrink: its node list is set anew); or the resizes would pass the policy's limit."""
+    return (
+        not set(task.nodes) & set(new_nodes)
+        or (adds and bool(task.job_gres))
+        or task.requeue is not None
+        or task.resizes_this_run + resize_count > max_resizes
+    )
+
+
 def _move_task(
     snapshot: Snapshot,
     phases: _Phases,
@@ -550,11 +565,7 @@ def _move_task(
     # A pending task registered with its job's nodes (``task.nodes``) has no agents yet:
     # its job is resized like a running one's, and agents start on every planned node.
     fresh = task.state is TaskState.PENDING
-    running = bool(set(task.nodes) & set(new_nodes))
-    # A job holding GRES (GPUs) cannot be expanded (22.05 and 24.11 refuse it): it grows by
-    # a requeue onto all its planned nodes, as the planner's transition cost assumes.
-    by_requeue = bool(added) and bool(task.job_gres)
-    if not running or by_requeue or task.resizes_this_run + resize_count > pol.max_resizes_per_run:
+    if _by_requeue(task, new_nodes, bool(added), resize_count, pol.max_resizes_per_run):
         # The agents start once the job runs again (:func:`unicornd.decide.on_job_running`);
         # until then its processes die on purpose and their exits are not faults.
         phases.resizes.append(Requeue(f"{base}/requeue", task.task_id, job, new_nodes))

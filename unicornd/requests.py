@@ -167,19 +167,25 @@ class Requests:
             log.warning("job_limits_unknown", task=task.task_id, job_id=task.job_id, error=str(e))
             return task
         per_node = self.core.snap.gpus_per_node_of(task)
+        # A job holding GRES grows only by a requeue, and 22.05 refuses to requeue a job onto
+        # more nodes than it holds now ("Node count specification invalid", measured): its
+        # own size bounds it (24.11 allows more; not told apart yet).
+        own = job.num_nodes * per_node if job.holds_gres and job.num_nodes > 0 else None
+        sources = (*limits.sources, *((f"job {job_id} holds GRES on {job.num_nodes} nodes",) if own else ()))
         caps = [
             c
             for c in (
                 task.max_gpus,
                 limits.max_gpus,
                 None if limits.max_nodes is None else limits.max_nodes * per_node,
+                own,
             )
             if c is not None
         ]
         max_gpus = min(caps) if caps else None
         if max_gpus is not None and max_gpus < task.min_gpus:
             raise InvalidArgument(
-                f"job {task.job_id}: Slurm's policy ({'; '.join(limits.sources) or 'max_gpus'}) allows at "
+                f"job {task.job_id}: Slurm's policy ({'; '.join(sources) or 'max_gpus'}) allows at "
                 f"most {max_gpus} GPUs; task {task.task_id} needs at least {task.min_gpus} (--min-gpus)"
             )
         if max_gpus != task.max_gpus:
@@ -187,7 +193,7 @@ class Requests:
                 "task_capped_by_slurm_policy",
                 task=task.task_id,
                 max_gpus=max_gpus,
-                limits=list(limits.sources),
+                limits=list(sources),
             )
         return replace(task, max_gpus=max_gpus) if max_gpus != task.max_gpus else task
 

@@ -42,8 +42,23 @@ def foreign_job(cluster: DevCluster, *options: str) -> int:
     return job
 
 
+def hold_gpu_job(c: Coordinator, name: str, nodes: str) -> tuple[int, tuple[str, ...]]:
+    """A batch job holding ``nodes`` and one GPU on each, running (what the wrapper's job
+    is on a site: it holds GRES, so unicorn grows it by requeue, never by expansion)."""
+    out = c.cluster.slurm(
+        "sbatch", "--parsable", "-N", str(len(nodes.split(","))), "-w", nodes, "--gres=gpu:1",
+        "--no-kill", "-J", name, "-o", "/dev/null", "--wrap", "sleep 100000",
+    )  # fmt: skip
+    job = int(out.stdout.strip().split(";")[0])
+    deadline = time.monotonic() + 30
+    while c.cluster.slurm("squeue", "-h", "-j", str(job), "-o", "%T").stdout.strip() != "RUNNING":
+        assert time.monotonic() < deadline, f"job {job} did not start"
+        time.sleep(0.2)
+    return job, tuple(nodes.split(","))
+
+
 def task(c: Coordinator, name: str, nodes: str, tmp: Path, gpu_types: tuple[str, ...] = ()) -> TaskRecord:
-    job, held = c.hold_job(name, nodes)
+    job, held = hold_gpu_job(c, name, nodes)
     return TaskRecord(
         task_id=name, name=name, model=PLANNER_MODEL, command=trainer_command(tmp / f"ckpt-{name}"),
         min_gpus=1, job_id=job, nodes=held, gpu_types=gpu_types,
@@ -91,8 +106,9 @@ def test_a_node_kill_touches_only_unicorns_nodes_and_keeps_each_task_on_one_gpu_
                 "a on A100s with n2 and b on n4 training",
                 180,
             )
-            # a was planned onto the A100s only (the spare n3 too), never an H100.
-            assert one_type(snap, snap.tasks["a"]) == {"a100"}, snap.tasks["a"].nodes
+            # a holds GRES on 2 nodes: it is planned on A100s only, and not past its own size
+            # (the spare n3 stays free: 22.05 refuses to requeue a job onto more nodes).
+            assert snap.tasks["a"].nodes == ("n1", "n2") and snap.tasks["a"].max_gpus == 2
             assert sorted(snap.nodes) == ["n1", "n2", "n3", "n4", "n5"]  # n6 (cpu) never enters
             assert {n: snap.nodes[n].gpu_type for n in snap.nodes} == {
                 "n1": "a100", "n2": "a100", "n3": "a100", "n4": "h100", "n5": "h100",
@@ -112,7 +128,8 @@ def test_a_node_kill_touches_only_unicorns_nodes_and_keeps_each_task_on_one_gpu_
                 )
             finally:
                 site.script("revive-node", "n2")
-            # a stayed on the A100s left (n1, n3), never an H100 (n4 is b's, n5 the other user's).
+            # a stayed on the A100s (n1, or n1 and the spare n3), never an H100 (n4 is b's, n5 the
+            # other user's).
             assert one_type(snap, snap.tasks["a"]) == {"a100"}, snap.tasks["a"].nodes
             assert set(snap.tasks["a"].nodes) <= {"n1", "n3"}
             assert one_type(snap, snap.tasks["b"]) == {"h100"}

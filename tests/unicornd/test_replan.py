@@ -29,7 +29,7 @@ from unicorn_core.taskspec import load_task_file
 from unicornd.actions import Action, Decision, Grow, LaunchAgents, Requeue, SendCommand, Shrink
 from unicornd.decide import on_finding, on_node_check, on_node_join
 from unicornd.replan import plan_transition
-from unicornd.state import LadderStage, NodeHealth, NodeRecord, Snapshot, TaskRecord, TaskState
+from unicornd.state import LadderStage, NodeHealth, NodeRecord, RequeueWait, Snapshot, TaskRecord, TaskState
 
 T0 = 1_700_000_000.0
 
@@ -112,6 +112,16 @@ def test_a_job_holding_gpus_grows_by_requeue_at_once() -> None:
     d = plan_transition(snap, plan({"a": 2, "b": 4}), render, T0)
     assert [s.nodes for s in of_kind(d.actions, Shrink)] == [("n1",)]  # type: ignore[union-attr]
     assert not of_kind(d.actions, Requeue)
+
+
+def test_a_task_whose_job_is_being_requeued_is_requeued_again_not_resized() -> None:
+    """Its job is pending on its way back: a plan that drops one of its nodes sets the
+    pending job's nodes anew (a shrink of a pending job fails: it holds no nodes)."""
+    wait = RequeueWait("plan-3/a/requeue", deadline_s=T0 + 120, done_s=T0)
+    snap = world(4, [task("a", 1, ["n1", "n2"], requeue=wait), task("b", 2, ["n3", "n4"])])
+    d = plan_transition(snap, plan({"a": 2, "b": 4}), render, T0 + 1)
+    assert not of_kind(d.actions, Shrink)
+    assert [r.nodes for r in of_kind(d.actions, Requeue)] == [("n1",)]  # type: ignore[union-attr]
 
 
 def test_moving_a_task_off_and_onto_nodes_at_once_requeues() -> None:
