@@ -56,7 +56,7 @@ from unicorn_core.logs import get_logger
 from unicorn_core.protocol import Heartbeat
 from unicorn_core.slurm.backend import SlurmBackend
 from unicorn_core.slurm.scope import Scope, resolve_scope
-from unicornd import seed
+from unicornd import decide, seed
 from unicornd.actions import Decision
 from unicornd.agentusers import AgentUsers
 from unicornd.alerts import AlertSink, alerts_for
@@ -176,13 +176,10 @@ class Daemon:
             for n in nodes
             if n.name not in snap.nodes
         ]
-        # GPUs as Slurm's GRES says now (a site may retype nodes between runs).
-        retyped = [
-            replace(snap.nodes[n.name], gpus=n.gpus, gpu_type=n.gpu_type)
-            for n in nodes
-            if n.name in snap.nodes
-            and (snap.nodes[n.name].gpus, snap.nodes[n.name].gpu_type) != (n.gpus, n.gpu_type)
-        ]
+        # GPUs as Slurm's GRES says now (a site may retype nodes between runs); the first
+        # replan plans with them (the decision's own Replan is not needed at start).
+        facts = {n.name: (n.gpus, n.gpu_type) for n in nodes}
+        retyped = decide.on_node_gpus(snap, facts, time.time()).nodes
         snap = prune(snap.apply(nodes=[*added, *retyped]), time.time())
         await self._load_ledger()
         await self.core.start(snap)

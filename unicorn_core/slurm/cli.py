@@ -153,8 +153,7 @@ class CliSlurm:
         only the partition's. unicorn plans no task beyond them: a requeue onto more nodes
         than the QoS allows is refused by slurmctld and leaves the job pending
         (BadConstraints; measured on 22.05 with ``MaxTRESPerJob=node=2``)."""
-        check_job_id(job_id)
-        rec = parse_scontrol_record(await self._run("scontrol", "-o", "show", "job", str(job_id)))
+        rec = await self._job_record(job_id)
         nodes: list[tuple[int, str]] = []
         gpus: list[tuple[int, str]] = []
         partition = rec.get("Partition", "")
@@ -229,6 +228,10 @@ class CliSlurm:
         return await asyncio.to_thread(jobs_from_squeue_json, await self._run("squeue", "--json"))
 
     async def get_job(self, job_id: int) -> JobInfo:
+        return job_from_scontrol(await self._job_record(job_id))
+
+    async def _job_record(self, job_id: int) -> dict[str, str]:
+        """``scontrol -o show job J`` as key=value; :class:`UnknownJob` for a job Slurm lacks."""
         check_job_id(job_id)
         try:
             out = await self._run("scontrol", "-o", "show", "job", str(job_id))
@@ -239,7 +242,7 @@ class CliSlurm:
         lines = [ln for ln in out.splitlines() if ln.strip()]
         if not lines:
             raise SlurmParseError(f"scontrol show job {job_id} printed nothing")
-        return job_from_scontrol(parse_scontrol_record(lines[0]))
+        return parse_scontrol_record(lines[0])
 
     async def submit_batch(self, script: str, options: Sequence[str] = ()) -> int:
         """``sbatch --parsable [options]`` with the script on stdin; returns the job id."""
@@ -366,7 +369,7 @@ class CliSlurm:
         if add_nodes < 1:
             raise InvalidArgument(f"add_nodes must be >= 1, got {add_nodes}")
         # scontrol's record, whatever backend reads jobs elsewhere: it names the GRES.
-        job = await CliSlurm.get_job(self, job_id)
+        job = job_from_scontrol(await self._job_record(job_id))
         if job.state is not JobState.RUNNING:
             raise InvalidArgument(f"job {job_id} is {job.state_raw}, not RUNNING")
         if job.holds_gres:
