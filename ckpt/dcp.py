@@ -19,6 +19,15 @@ Saves without collectives (``dcp.save(..., no_dist=True)``, the just-in-time sna
 a rank whose peers may be dead) skip DCP's cross-rank deduplication, so data-parallel
 replicas each write the same chunk; the reader keeps the first copy of each chunk.
 
+Replicas stand in for a lost rank: a save may record, for every rank of its world, the
+name of the state that rank holds (``REPLICAS_KEY``: data-parallel replicas without
+sharding share one name), and whether the shard holds all of its rank's items
+(``COMPLETE_KEY``: true only without collectives, since DCP's deduplication leaves a
+replica's items to one rank). The reader then loads an iteration whose shard of rank R is
+missing everywhere when a complete shard of another rank with R's name is present
+(:func:`replica_for`): the survivors' just-in-time snapshot of the last completed
+iteration restores a data-parallel job that lost a node, instead of an older version.
+
 Consistency: every rank of one save passes the same ``save_id``; the reader refuses
 (``corrupt``) an iteration whose shards carry different ids, i.e. shards of two runs
 that reached the same iteration (another layout, or a run restarted from an older
@@ -27,8 +36,9 @@ version), which must never be mixed.
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -53,7 +63,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ckpt.errors import InvalidArgument, ShardUnavailable
-from ckpt.format import dtype_name, torch_dtype
+from ckpt.format import ShardMeta, dtype_name, read_meta, torch_dtype
 from ckpt.shard import OpenShard, seal_shard
 from ckpt.snapshot import SnapshotHandle, SnapshotWriter
 from ckpt.tier import TierDir
@@ -61,6 +71,28 @@ from unicorn_core.logs import get_logger
 
 EXTRA_KEY: Final = "dcp"
 SAVE_ID_KEY: Final = "save_id"
+REPLICAS_KEY: Final = "replicas"
+"""Shard ``extra`` key: per rank of the saving world, the name of the state it holds; ranks
+with one name hold identical state (absent: no rank is declared another's replica)."""
+COMPLETE_KEY: Final = "complete"
+"""Shard ``extra`` key: true when the shard holds every item of its rank's state (a save
+without collectives); a collective save's shard may lack what DCP left to a replica."""
+
+
+def replica_for(missing: int, present: Mapping[int, ShardMeta]) -> int | None:
+    """A present rank whose shard holds everything saved rank ``missing`` held, or None.
+
+    It must declare the saving world's replica names (``REPLICAS_KEY``), give ``missing``
+    its own name, and be complete (``COMPLETE_KEY``). Pure: reads metadata only."""
+    for rank, meta in sorted(present.items()):
+        names = meta.extra.get(REPLICAS_KEY)
+        if rank == missing or meta.extra.get(COMPLETE_KEY) is not True:
+            continue
+        if not isinstance(names, list) or len(names) != meta.world_size or not 0 <= missing < len(names):
+            continue
+        if rank < len(names) and names[rank] == names[missing]:
+            return rank
+    return None
 
 
 class DcpItem(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,6 +124,47 @@ def _encode_planner_data(data: Any) -> Any:
             return None
         out[key] = list(path)
     return out
+
+
+def open_world(
+    open_rank: Callable[[int], OpenShard], hint: Callable[[], int]
+) -> tuple[dict[int, OpenShard], dict[int, str]]:
+    """Every shard of one saved world that ``open_rank`` finds (it raises
+    ``ShardUnavailable``), and why each other is missing. The world size comes from the
+    first shard found (rank 0 may be the lost one); ``hint()`` bounds the search for it.
+    ``ShardUnavailable("missing")`` when none is found."""
+    opened: dict[int, OpenShard] = {}
+    missing: dict[int, str] = {}
+    world_size: int | None = None
+    rank = 0
+    while world_size is None or rank < world_size:
+        try:
+            opened[rank] = open_rank(rank)
+        except ShardUnavailable as exc:
+            missing[rank] = exc.detail
+            if world_size is None and rank + 1 >= hint():
+                reasons = "; ".join(f"rank {r}: {why}" for r, why in missing.items())
+                raise ShardUnavailable("missing", f"no shard found: {reasons}") from exc
+        else:
+            world_size = world_size or opened[rank].meta.world_size
+        rank += 1
+    return opened, missing
+
+
+def world_hint(sources: Sequence[TierDir], iteration: int, opened: Iterable[OpenShard] = ()) -> int:
+    """The largest saved world any shard metadata of ``iteration`` in ``sources`` names (at least 1)."""
+    sizes = [shard.meta.world_size for shard in opened]
+    for tier in sources:
+        for path in tier.shard(iteration, 0).directory.glob("shard-*.json"):
+            with contextlib.suppress(OSError, msgspec.MsgspecError, ShardUnavailable):
+                sizes.append(read_meta(path).world_size)
+    return max(sizes, default=1)
+
+
+def uncovered(missing: Mapping[int, str], opened: Mapping[int, OpenShard]) -> dict[int, str]:
+    """The missing ranks no open complete replica stands in for (:func:`replica_for`), with why."""
+    metas = {rank: shard.meta for rank, shard in opened.items()}
+    return {rank: why for rank, why in missing.items() if replica_for(rank, metas) is None}
 
 
 class MemoryStorageWriter(StorageWriter):
@@ -196,6 +269,8 @@ class MemoryStorageReader(StorageReader):
     shard is read from the first that holds it sealed. ``shards``: copies already opened
     (saved rank -> open shard), used before any source; the reader closes them too. The
     world size of the *saved* layout comes from the shards; the loading layout may differ.
+    A rank whose shard no source holds is read from a complete replica (:func:`replica_for`)
+    when one is open; otherwise the load fails (``ShardUnavailable("missing")``).
     """
 
     def __init__(
@@ -239,22 +314,33 @@ class MemoryStorageReader(StorageReader):
             return shard
         raise ShardUnavailable("missing", f"rank {rank} of iteration {self.iteration}: {'; '.join(reasons)}")
 
+    def _open_world(self) -> tuple[dict[int, OpenShard], dict[int, str]]:
+        return open_world(self._open, lambda: world_hint(self.sources, self.iteration, self._shards.values()))
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        first = self._open(0).meta
+        opened, missing = self._open_world()
+        lowest = min(opened)
+        first = opened[lowest].meta
         world_size, save_id = first.world_size, first.extra.get(SAVE_ID_KEY, "")
         state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         storage: dict[MetadataIndex, tuple[int, str]] = {}
         planner_data: dict[str, tuple[str | int, ...]] = {}
-        for rank in range(world_size):
-            meta = self._open(rank).meta
+        if lacking := uncovered(missing, opened):
+            raise ShardUnavailable("missing", "; ".join(f"rank {r}: {why}" for r, why in lacking.items()))
+        for rank in missing:
+            self._log.info("dcp shard read from a replica", rank=rank)
+        for rank in sorted(opened):
+            meta = opened[rank].meta
             if meta.world_size != world_size:
                 raise ShardUnavailable(
-                    "corrupt", f"rank {rank} says world size {meta.world_size}, rank 0 {world_size}"
+                    "corrupt",
+                    f"rank {rank} says world size {meta.world_size}, rank {lowest} {world_size}",
                 )
             if meta.extra.get(SAVE_ID_KEY, "") != save_id:
                 raise ShardUnavailable(
                     "corrupt",
-                    f"rank {rank} belongs to save {meta.extra.get(SAVE_ID_KEY)!r}, rank 0 to {save_id!r}",
+                    f"rank {rank} belongs to save {meta.extra.get(SAVE_ID_KEY)!r}, "
+                    f"rank {lowest} to {save_id!r}",
                 )
             for raw in meta.extra.get(EXTRA_KEY, []):
                 item = msgspec.convert(raw, DcpItem)

@@ -67,11 +67,24 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from launcher.hook import get_hook
 from launcher.trainer import checkpoint
-from launcher.trainer.config import CorruptMode, FaultMode, TrainConfig, format_ranges, skipped_before
+from launcher.trainer.config import (
+    CorruptMode,
+    DataParallel,
+    FaultMode,
+    TrainConfig,
+    format_ranges,
+    skipped_before,
+)
 from launcher.trainer.data import batch, replica_samples
 from launcher.trainer.logline import iteration_line
 from launcher.trainer.model import build_stage, lm_loss, placement
-from launcher.trainer.parallel import StepRunner, apply_data_parallel, apply_tensor_parallel, build_mesh
+from launcher.trainer.parallel import (
+    StepRunner,
+    apply_data_parallel,
+    apply_tensor_parallel,
+    build_mesh,
+    replica_names,
+)
 from launcher.trainer.reuse import (
     REUSED_EXIT_CODE,
     MicroBatchGrads,
@@ -353,7 +366,13 @@ class _Trainer:
         self.store = job_store() if reusing else None
         self.state: dict[str, Any] = {"train": TrainState(stage, self.optimizer), "meta": _meta(cfg)}
         self.memory = (
-            MemoryCheckpoints(cfg.snapshots, rank, dist.get_world_size(), cfg.skip_iterations)
+            MemoryCheckpoints(
+                cfg.snapshots,
+                rank,
+                dist.get_world_size(),
+                cfg.skip_iterations,
+                replicas=replica_names(mesh, replicated=cfg.dp_impl is not DataParallel.FSDP),
+            )
             if cfg.snapshots is not None
             else None
         )
@@ -424,7 +443,8 @@ class _Trainer:
         self.jit = TrainerJit(self.memory, self.state)
         if done:
             self.jit.completed(done)
-            self.jit.saved(done)  # a tier holds it already
+            if not self.memory.has_replicas:  # else see snapshot()
+                self.jit.saved(done)  # a tier holds it already
         self.jit.watch_signals(signal.SIGTERM, signal.SIGUSR1)
         self.jit.start()
 
@@ -448,7 +468,10 @@ class _Trainer:
         self.hook.slow_step(IterationPhase.CHECKPOINT)
         with self._updating():  # one save at a time into this rank's writer
             stall_s = self.memory.save(self.state, iteration)
-        if self.jit is not None:
+        if self.jit is not None and not self.memory.has_replicas:
+            # With data-parallel replicas this save is deduplicated across them: a failure
+            # before the next save still takes a complete just-in-time copy of this
+            # iteration, which stands in for a lost replica's shard.
             self.jit.saved(iteration)
         self.hook.iteration(
             iteration, stall_s, phase=IterationPhase.CHECKPOINT, final=iteration == self.cfg.iterations

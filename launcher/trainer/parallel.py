@@ -74,6 +74,21 @@ def coords(mesh: DeviceMesh) -> MeshCoords:
     return MeshCoords(mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), mesh.get_local_rank("tp"))
 
 
+def replica_names(mesh: DeviceMesh, *, replicated: bool) -> tuple[str, ...]:
+    """Per global rank, the name of the training state it holds: ``pp<i>.tp<j>`` when the
+    data-parallel ranks hold identical state (``replicated``: DDP or no wrapper, not FSDP),
+    else one name per rank. Recorded in snapshots so that a survivor's complete copy stands
+    in for a lost replica's (``ckpt.dcp.replica_for``)."""
+    grid = mesh.mesh  # (pp, dp, tp) -> global rank
+    names = [""] * grid.numel()
+    pp, dp, tp = grid.shape
+    for p in range(pp):
+        for d in range(dp):
+            for t in range(tp):
+                names[int(grid[p, d, t])] = f"pp{p}.tp{t}" if replicated else f"pp{p}.dp{d}.tp{t}"
+    return tuple(names)
+
+
 def apply_tensor_parallel(stage: GPTStage, mesh: DeviceMesh) -> None:
     """Split every block's attention and MLP over the ``tp`` sub-mesh (in place; no-op at TP1)."""
     tp_mesh = mesh["tp"]

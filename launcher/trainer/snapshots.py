@@ -26,7 +26,7 @@ import contextlib
 import fcntl
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -36,8 +36,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 
-from ckpt.dcp import SAVE_ID_KEY, MemoryStorageReader, MemoryStorageWriter
-from ckpt.errors import InvalidTransition, RestoreFailed, ShardUnavailable
+from ckpt.dcp import (
+    COMPLETE_KEY,
+    REPLICAS_KEY,
+    SAVE_ID_KEY,
+    MemoryStorageReader,
+    MemoryStorageWriter,
+    open_world,
+    replica_for,
+    uncovered,
+    world_hint,
+)
+from ckpt.errors import InvalidArgument, InvalidTransition, RestoreFailed, ShardUnavailable
 from ckpt.format import ShardState, read_meta
 from ckpt.jit import JitCheckpointer
 from ckpt.restore import PeerAddress, Restorer, RestoreReport
@@ -89,14 +99,20 @@ class MemoryCheckpoints:
         rank: int,
         world_size: int,
         skip: tuple[tuple[int, int], ...] = (),
+        replicas: Sequence[str] = (),
     ) -> None:
         """``skip``: the iterations this run skips (``--skip-iterations``): each save records
         the part it has passed, and a restore takes only versions whose record agrees (see
-        :meth:`restore`)."""
+        :meth:`restore`). ``replicas``: per rank of this world, the name of the state it
+        holds (data-parallel replicas share one; empty: none declared), recorded in every
+        save so that a survivor's complete shard stands in for a lost replica's."""
         self.opts = opts
         self.rank = rank
         self.world_size = world_size
         self.skip = skip
+        if replicas and len(replicas) != world_size:
+            raise InvalidArgument(f"{len(replicas)} replica names for a world of {world_size}")
+        self.replicas = tuple(replicas)
         self._tiers = tier_dirs(opts)
         self.snap = self._tiers[0]
         self.backups = tuple(t for t in self._tiers if t.tier is Tier.PEER)
@@ -112,6 +128,12 @@ class MemoryCheckpoints:
             dist.broadcast_object_list(box, src=0)
         self.run_id = box[0]
 
+    @property
+    def has_replicas(self) -> bool:
+        """Whether some ranks hold identical state: a collective save then leaves part of a
+        rank's state to a replica (DCP's deduplication), so its shard is not complete."""
+        return len(set(self.replicas)) < len(self.replicas)
+
     # --- save -------------------------------------------------------------------------
 
     def writer(self) -> SnapshotWriter:
@@ -126,16 +148,21 @@ class MemoryCheckpoints:
     def save(self, state: dict[str, Any], iteration: int, *, local: bool = False) -> float:
         """Snapshot ``state`` as ``iteration`` into shared memory; returns the seconds blocked.
 
-        ``local``: no collective (DCP ``no_dist``), so a dead peer cannot block it.
+        ``local``: no collective (DCP ``no_dist``), so a dead peer cannot block it, and
+        the shard holds every item of this rank (no deduplication against replicas).
         """
         start = time.perf_counter()
         skipped = format_ranges(skipped_before(self.skip, iteration))
+        extra: dict[str, Any] = {SKIPPED_KEY: skipped} if skipped else {}
+        if self.replicas:
+            extra[REPLICAS_KEY] = list(self.replicas)
+            extra[COMPLETE_KEY] = local
         writer = MemoryStorageWriter(
             self.writer(),
             iteration,
             seal=False,
             save_id=f"{self.run_id}-{iteration}",
-            extra={SKIPPED_KEY: skipped} if skipped else None,
+            extra=extra or None,
         )
         state_dict_saver.save(state, storage_writer=writer, no_dist=local)
         return time.perf_counter() - start
@@ -219,21 +246,30 @@ class MemoryCheckpoints:
             remote=self.remote,
             fetch_timeout_s=_FETCH_TIMEOUT_S,
         )
-        shards: dict[int, OpenShard] = {}
         sources: dict[int, str] = {}
+
+        def open_rank(rank: int) -> OpenShard:
+            try:
+                shard, report = restorer.open(iteration, rank)
+            except RestoreFailed as exc:
+                raise ShardUnavailable("missing", str(exc)) from exc
+            sources[rank] = _source(report)
+            return shard
+
         # One rank of this node at a time: the first fetches a peer's copy into shm, the
         # next finds it there (two concurrent fetches of one shard would replace each other).
         with self._node_lock():
             self._seal_copied(iteration)
             try:
-                shard, report = restorer.open(iteration, 0)
-                shards[0], sources[0] = shard, _source(report)
-                for rank in range(1, shard.meta.world_size):
-                    shards[rank], report = restorer.open(iteration, rank)
-                    sources[rank] = _source(report)
-            except RestoreFailed as exc:
-                _close(shards)
-                return None, {}, str(exc)
+                shards, missing = open_world(open_rank, lambda: world_hint(self._tiers, iteration))
+            except ShardUnavailable as exc:
+                return None, {}, exc.detail
+        if lacking := uncovered(missing, shards):
+            _close(shards)
+            return None, {}, "; ".join(lacking.values())
+        metas = {rank: shard.meta for rank, shard in shards.items()}
+        for rank in missing:  # a data-parallel replica's complete shard stands in (ckpt.dcp)
+            sources[rank] = f"replica rank {replica_for(rank, metas)}"
         save_ids = {s.meta.extra.get(SAVE_ID_KEY, "") for s in shards.values()}
         worlds = {s.meta.world_size for s in shards.values()}
         if len(save_ids) > 1 or len(worlds) > 1:

@@ -71,17 +71,18 @@ async def test_recovery_steps_work_and_are_accounted(slurm: CliSlurm, accounted:
             out = accounted.slurm("sacct", "-D", "-j", str(job), "-n", "-P", "-o", "JobID,State").stdout
             return {(row[0], row[1]) for line in out.splitlines() if len(row := line.split("|")) == 2}
 
-        # Each run ended by a resize or the requeue is a record of its own, with its batch
-        # step and its srun step (measured on 22.05 and 24.11: the requeued run's own
-        # record appears only later, once slurmctld reports it).
-        wanted = {
-            (f"{job}{step}", state) for step in ("", ".batch", ".0") for state in ("RESIZING", "REQUEUED")
-        }
+        # The runs ended by a resize and by the requeue are records of their own, and the
+        # batch step and the srun step are recorded. Which state each step's rows carry is
+        # slurmctld's timing, not asserted (measured on 24.11, 2 of 20 runs: the srun step,
+        # which spans the resizes, sometimes has no RESIZING row; under load the steps of
+        # the requeued run still read RUNNING after 30 s).
+        wanted = {(str(job), "RESIZING"), (str(job), "REQUEUED")}
 
         async def has_history() -> bool:
-            return wanted <= recorded()
+            seen = recorded()
+            return wanted <= seen and {f"{job}.batch", f"{job}.0"} <= {step for step, _ in seen}
 
-        await eventually(has_history, 30, f"sacct's history of job {job}")
+        await eventually(has_history, 60, f"sacct's history of job {job}", lambda: sorted(recorded()))
     finally:
         await slurm.cancel(job)
 

@@ -22,11 +22,15 @@ def slurm(cluster: DevCluster) -> CliSlurm:
     return CliSlurm(timeout_s=20, slurm_conf=cluster.slurm_conf, bin_dir=cluster.bin_dir)
 
 
-async def eventually(pred: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> None:
+async def eventually(
+    pred: Callable[[], Awaitable[bool]], timeout_s: float, what: str, seen: Callable[[], object] | None = None
+) -> None:
+    """Poll ``pred`` until true; on timeout fail, showing ``seen()`` (what was there instead)."""
     deadline = time.monotonic() + timeout_s
     while not await pred():
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+            shown = f"; saw {seen()!r}" if seen is not None else ""
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}{shown}")
         await asyncio.sleep(0.1)
 
 
