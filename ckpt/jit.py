@@ -8,7 +8,8 @@ Contract with the training loop (the built-in trainer follows it; any loop can):
    advance) in ``with jit.updating():`` and call ``jit.completed(iteration)`` right
    after, inside or outside the block. Forward and backward passes need no wrapping:
    they do not change the state.
-3. Take periodic snapshots through ``jit.snapshot(iteration)`` (same lock, same writer).
+3. Take periodic snapshots through ``jit.snapshot(iteration)`` (same lock, same writer),
+   or save in the loop's own format inside ``with jit.saving():``.
 
 Contract with the node agent (on the coordinator's ``checkpoint_now`` order, after a
 failure is detected and before teardown): ``request_jit(shm_root, job_id, request_id)``
@@ -141,6 +142,14 @@ class JitCheckpointer:
             except BaseException:
                 self._dirty = True
                 raise
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Hold while the loop saves the state itself (it only reads it): a JIT snapshot
+        waits for the block to end, and a save that fails (a collective save whose peer
+        died) leaves the state consistent, so the JIT snapshot is still taken."""
+        with self._lock:
+            yield
 
     def completed(self, iteration: int) -> None:
         """The state now is the consistent state after ``iteration``."""

@@ -466,7 +466,9 @@ class _Trainer:
         """Save into the memory tier; the rank blocks for DCP's planning and the copy only."""
         assert self.memory is not None
         self.hook.slow_step(IterationPhase.CHECKPOINT)
-        with self._updating():  # one save at a time into this rank's writer
+        # One save at a time into this rank's writer; a save that fails (a peer died in
+        # its collectives) leaves the state consistent for the JIT snapshot.
+        with self.jit.saving() if self.jit is not None else contextlib.nullcontext():
             stall_s = self.memory.save(self.state, iteration)
         if self.jit is not None and not self.memory.has_replicas:
             # With data-parallel replicas this save is deduplicated across them: a failure

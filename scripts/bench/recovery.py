@@ -16,6 +16,12 @@ node-loss scenarios:
 - ``node_loss_no_spare``: the same kill, with n3 and n4 drained in Slurm before unicornd
   starts, so no node can replace n2: the plan must shrink the task to n1 alone, at a new
   layout (PP2 -> PP1).
+- ``node_loss_dp``: the same kill with no spare, of a data-parallel task (the planner sees
+  :data:`DP2_MODEL`, for which DP2 is the best layout on two GPUs and beats one GPU; DDP
+  replicas hold identical state). The survivor's just-in-time snapshot of the last
+  completed iteration holds everything the lost replica held, so the shrink to n1
+  (DP2 -> DP1) resumes from it: ``restored`` names the lost rank's shard as read from its
+  replica, and at most the iteration in flight is lost.
 - ``rank_exception``: rank 1 raises at iteration ``--fail-at`` (once). Time zero is the
   moment the rank's once-marker file was written, just before it raises.
 - ``dp_rank_mid_iteration``: a data-parallel task on n1..n4 (TP1 PP1 DP4: the planner
@@ -113,6 +119,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.conftest import DevCluster, start_cluster  # noqa: E402
 from tests.system.coordinator import (  # noqa: E402
+    DP2_MODEL,
     PLANNER_MODEL,
     Coordinator,
     coordinator,
@@ -139,10 +146,11 @@ from unicornd.state import Incident, LadderStage, Snapshot, TaskRecord, TaskStat
 ENV: dict[str, str] = {}  # default detection settings, as the e2e tests
 SPARE: Final = "node_loss_spare"
 NO_SPARE: Final = "node_loss_no_spare"
+NO_SPARE_DP: Final = "node_loss_dp"
 EXCEPTION: Final = "rank_exception"
 DP_MID: Final = "dp_rank_mid_iteration"
 SPIKE: Final = "loss_spike"
-SCENARIOS: Final = (SPARE, NO_SPARE, EXCEPTION, DP_MID, SPIKE)
+SCENARIOS: Final = (SPARE, NO_SPARE, NO_SPARE_DP, EXCEPTION, DP_MID, SPIKE)
 KILLED: Final = "n2"
 OTHERS: Final = "n3,n4"
 DP_NODES: Final = "n1,n2,n3,n4"
@@ -261,14 +269,21 @@ _EVENT_KINDS: Final = frozenset(
 
 
 def start_task(
-    c: Coordinator, name: str, tmp: Path, megatron: bool, *extra: str, data_parallel: bool = False
+    c: Coordinator,
+    name: str,
+    tmp: Path,
+    megatron: bool,
+    *extra: str,
+    data_parallel: bool = False,
+    model: ModelSpec | None = None,
 ) -> TaskRecord:
-    """The task on n1,n2 (``data_parallel``: on n1..n4, planned for the trainer's own shape)."""
+    """The task on n1,n2 (``data_parallel``: on n1..n4, planned for the trainer's own shape);
+    ``model``: what the planner sees instead of the default."""
     job, held = c.hold_job(name, DP_NODES if data_parallel else "n1,n2")
     task = TaskRecord(
         task_id=name,
         name=name,
-        model=MODEL if megatron else DP_MODEL if data_parallel else PLANNER_MODEL,
+        model=model or (MODEL if megatron else DP_MODEL if data_parallel else PLANNER_MODEL),
         command=task_command(tmp / f"ckpt-{name}", 100_000)
         if megatron
         else trainer_command(tmp / f"ckpt-{name}", *extra),
@@ -532,17 +547,24 @@ def no_spare(cluster: DevCluster, on: bool) -> Iterator[None]:
 
 
 def node_loss_trial(
-    cluster: DevCluster, tmp: Path, i: int, spare: bool, megatron: bool, opts: argparse.Namespace
+    cluster: DevCluster,
+    tmp: Path,
+    i: int,
+    spare: bool,
+    megatron: bool,
+    opts: argparse.Namespace,
+    *,
+    data_parallel: bool = False,
 ) -> dict[str, Any]:
     row: dict[str, Any] = {"trial": i, "ok": False, "error": None}
-    name = f"{'sp' if spare else 'ns'}{i}"
+    name = f"{'sp' if spare else 'dp' if data_parallel else 'ns'}{i}"
     try:
         all_idle(cluster)
         with (
             no_spare(cluster, not spare),
             coordinator(cluster, tmp, **trial_env(tmp, megatron, opts.snapshot_every)) as c,
         ):
-            task = start_task(c, name, tmp, megatron)
+            task = start_task(c, name, tmp, megatron, model=DP2_MODEL if data_parallel else None)
             note_before(c, name, row)
             # Killed right after an iteration spread over two snapshot cycles across trials
             # (the loss depends on where the kill falls between snapshots).
@@ -857,6 +879,8 @@ def main() -> None:
     unknown = set(expanded) - set(SCENARIOS)
     if unknown or args.trials < 1:
         ap.error(f"unknown faults {sorted(unknown)} or --trials < 1")
+    if megatron and NO_SPARE_DP in expanded:
+        ap.error(f"{NO_SPARE_DP} needs the built-in trainer (its DDP replicas' just-in-time snapshots)")
     if megatron and DP_MID in expanded:
         ap.error(f"{DP_MID} needs the built-in trainer (--reuse-microbatches)")
     if megatron and SPIKE in expanded:
@@ -884,7 +908,15 @@ def main() -> None:
                     elif scenario == SPIKE:
                         row = spike_trial(cluster, tmp, i, args)
                     else:
-                        row = node_loss_trial(cluster, tmp, i, scenario == SPARE, megatron, args)
+                        row = node_loss_trial(
+                            cluster,
+                            tmp,
+                            i,
+                            scenario == SPARE,
+                            megatron,
+                            args,
+                            data_parallel=scenario == NO_SPARE_DP,
+                        )
                     results[scenario].append(row)
                     brief = {k: v for k, v in row.items() if k not in ("events", "timeline")}
                     print(f"{scenario} #{i}: {json.dumps(brief)}", file=sys.stderr, flush=True)

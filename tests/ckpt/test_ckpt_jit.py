@@ -116,6 +116,20 @@ def test_a_failed_update_blocks_jit_until_the_next_completed_and_saved_iteration
     assert not jit.take_now("again"), "iteration 2 is saved already"
 
 
+def test_a_failed_save_of_the_loop_leaves_the_state_consistent_for_jit(shm_root: Path) -> None:
+    """The loop's own save only reads the state: one that fails (its collective's peer died)
+    does not block the JIT snapshot of the iteration it was saving, unlike a failed update."""
+    loop = Loop()
+    jit = JitCheckpointer(SnapshotWriter(shm_root, "job", 0, 1), loop.state, lock_timeout_s=1.0)
+    with jit.updating():
+        loop.a += 1
+        loop.b += 1
+    jit.completed(1)
+    with pytest.raises(RuntimeError), jit.saving():
+        raise RuntimeError("Connection reset by peer")  # DCP's planning collective
+    assert jit.take_now("exception") and jit.last_jit is not None and jit.last_jit.iteration == 1
+
+
 def test_watched_signal_snapshots_from_the_wakeup_fd(shm_root: Path) -> None:
     """The trigger comes from the interpreter's wakeup fd, not from the Python handler, which
     stays the loop's own (and would not run while the main thread waits in C)."""

@@ -39,6 +39,11 @@ PLANNER_MODEL = ModelSpec(layers=24, hidden=2048, heads=16, sequence=2048, vocab
 """What the planner sees: a GPT-3 1.3B shape (the dev cluster's fake GPUs are planned as
 A100s), with a global batch of 12 so every DP size up to 4 divides it."""
 
+DP2_MODEL = ModelSpec(layers=12, hidden=512, heads=4, sequence=2048, vocabulary=50257, global_batch=12)
+"""What the planner sees for a data-parallel task: a small model with long sequences, whose
+best layout on two A100s is TP1 PP1 DP2 (about 1.6x one GPU's FLOP/s in the planner's
+model): on two nodes it runs DP2, on one DP1."""
+
 _ITER_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*lm loss: ([0-9.E+-]+)")
 _RESUMED = re.compile(r"resumed_from=(\d+|None)")
 

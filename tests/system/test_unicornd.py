@@ -28,6 +28,7 @@ from tests.browser import open_in_chromium
 from tests.conftest import DevCluster, free_port, http_receiver, private_cluster
 from tests.prometheus import prometheus_server
 from tests.system.coordinator import (
+    DP2_MODEL,
     PLANNER_MODEL,
     Coordinator,
     coordinator,
@@ -36,6 +37,7 @@ from tests.system.coordinator import (
     train_log,
     trainer_command,
 )
+from tests.system.megatron_job import tiers_env
 from unicorn_core.keys import PAYLOAD_FIELD
 from unicorn_core.protocol import (
     AgentAction,
@@ -188,6 +190,45 @@ def test_node_loss_drains_replans_and_resumes_smaller(cluster: DevCluster, tmp_p
             180,
         )
         c.wait(running("a", snap.tasks["a"].last_iteration or 0), "a training on 2 nodes again", 180)
+
+
+def test_a_lost_data_parallel_replica_resumes_from_the_survivors_copy(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    """DP2 on n1,n2 with n3,n4 drained, memory tiers per node: n2 is killed. The survivor's
+    just-in-time snapshot of its last completed iteration holds everything the lost
+    replica held, so the shrink to n1 (DP1) restores it, rank 1's shard read from its
+    replica rank 0: no completed iteration is lost (the logging rank was n2's: its log
+    ends at the last iteration both ranks completed)."""
+    cluster.slurm("scontrol", "update", "nodename=n3,n4", "state=drain", "reason=test: no spare node")
+    try:
+        with coordinator(cluster, tmp_path, **ENV, **tiers_env(tmp_path)) as c:
+            job, held = c.hold_job("dp", "n1,n2")
+            dp = TaskRecord(
+                task_id="dp", name="dp", model=DP2_MODEL, command=trainer_command(tmp_path / "ckpt-dp"),
+                min_gpus=1, max_gpus=2, job_id=job, nodes=held,
+            )  # fmt: skip
+            c.register(dp)
+            snap = c.wait(running("dp", 6), "dp training", 180)
+            assert snap.tasks["dp"].layout is not None and snap.tasks["dp"].layout.dp == 2
+            cluster.script("kill-node", "n2")
+            try:
+                c.wait(
+                    lambda s: s.tasks["dp"].nodes == ("n1",) and running("dp", 0)(s), "dp resumed on n1", 180
+                )
+            finally:
+                cluster.script("revive-node", "n2")
+            completed = max(it for it, _ in iterations(train_log(c.keys.prefix, job, "n2")))
+            log = train_log(c.keys.prefix, job, "n1")
+            restored = re.findall(r"restored iteration (\d+) from the memory tiers: (.*)", log)
+            assert restored, log[-3000:]
+            iteration, sources = int(restored[-1][0]), restored[-1][1]
+            assert iteration >= completed, (iteration, completed, sources)
+            # From the survivor's replica, unless the kill fell after a snapshot the peer
+            # already held (then both shards are real copies of that iteration).
+            assert "shards [1] from replica rank 0" in sources or iteration % 5 == 0, sources
+    finally:
+        cluster.slurm("scontrol", "update", "nodename=n2,n3,n4", "state=resume", check=False)
 
 
 INCIDENT_CAUSES = ("detection", "decision_drain", "transition", "recomputation")
