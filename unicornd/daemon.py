@@ -260,6 +260,7 @@ class Daemon:
             self.agents.on_message,
             acks=self.core,
             on_caught_up=self.detector.heard_until,
+            retention_s=self.cfg.redis.stream_retention_s,
         )
         control = StreamIngest(
             self.client,

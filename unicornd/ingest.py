@@ -7,6 +7,12 @@ delivered again on restart (pending entries are read first, from id ``0``). The 
 must therefore be idempotent; the decision layer is (findings are keyed, actions carry
 ids). Undecodable entries are counted, logged once per kind, and acknowledged: they can
 never become valid, and leaving them pending would replay garbage forever.
+
+Bounded history: with ``retention_s``, every ``TRIM_EVERY_S`` each stream read is trimmed
+(``XTRIM MINID ~``) to what some group still needs (its first pending entry, else the one
+it last delivered) or to ``retention_s`` before the last delivered entry, whichever is
+older. Nothing unacknowledged is ever trimmed, and the recent history stays for operators
+and tools; the agents' ``XADD MAXLEN ~`` cap remains the bound for a stream nobody reads.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Final, Protocol, cast
+from typing import Any, Final, Protocol, cast
 
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -34,6 +40,38 @@ RawHandler = Callable[[dict[bytes, bytes], str, str], Awaitable[None]]
 
 _Entries = list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]
 READ_COUNT: Final = 512
+TRIM_EVERY_S: Final = 30.0
+"""How often :class:`StreamIngest` trims its streams when it keeps a bounded history."""
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def trim_bound(
+    groups: Sequence[Mapping[str, Any]], pending_min: Mapping[str, str], retention_ms: int
+) -> str | None:
+    """The ``MINID`` to trim a stream to, from its groups (``XINFO GROUPS``: name, pending,
+    last-delivered-id) and each group's first pending id: the older of what any group still
+    needs and ``retention_ms`` before the newest delivered entry. None: keep everything (no
+    group, or one whose pending entries are unknown). Pure."""
+    if not groups:
+        return None
+    needed: list[tuple[int, int]] = []
+    newest = (0, 0)
+    for group in groups:
+        delivered = _id_key(str(group["last-delivered-id"]))
+        newest = max(newest, delivered)
+        if int(group["pending"]) > 0:
+            first = pending_min.get(str(group["name"]))
+            if first is None:
+                return None
+            needed.append(_id_key(first))
+        else:
+            needed.append(delivered)
+    keep_from = min(*needed, (max(newest[0] - retention_ms, 0), 0))
+    return f"{keep_from[0]}-{keep_from[1]}" if keep_from > (0, 0) else None
 
 
 async def ensure_group(client: aioredis.Redis, stream: str) -> None:
@@ -90,7 +128,10 @@ class StreamIngest:
         raw_handler: RawHandler | None = None,
         acks: AckPolicy | None = None,
         on_caught_up: Callable[[float], None] | None = None,
+        retention_s: float | None = None,
     ) -> None:
+        """``retention_s``: keep that much acknowledged history per stream and trim the rest
+        (see the module doc); None: never trim."""
         if (handler is None) == (raw_handler is None):
             raise ValueError("give exactly one of handler and raw_handler")
         self.client = client
@@ -106,6 +147,10 @@ class StreamIngest:
         blocked and found nothing."""
         self.decoder = SafeDecoder()
         self.handled = 0
+        self.retention_s = retention_s
+        self.trimmed = 0
+        """Entries removed by trimming (what ``XTRIM`` reported)."""
+        self._next_trim = time.monotonic() + TRIM_EVERY_S
         self._ready: set[str] = set()
 
     async def _read(self, streams: Mapping[str, str], block_ms: int | None) -> _Entries:
@@ -157,6 +202,47 @@ class StreamIngest:
             pipe.xack(stream, COORDINATOR_GROUP, *ids)
         await redis_io.call(("XACK", *ready), pipe.execute())
 
+    async def trim(self, streams: Sequence[str]) -> int:
+        """Trim each of ``streams`` to :func:`trim_bound`; returns the entries removed.
+        Two round trips for all streams, plus one when some group has pending entries."""
+        assert self.retention_s is not None
+        pipe = self.client.pipeline(transaction=False)
+        for stream in streams:
+            pipe.xinfo_groups(stream)
+        infos = await redis_io.call(("XINFO", "GROUPS", *streams), pipe.execute(raise_on_error=False))
+        groups = {
+            stream: [{_text(k): _text(v) for k, v in g.items()} for g in info]
+            for stream, info in zip(streams, infos, strict=True)
+            if isinstance(info, list)  # an error: the stream is gone
+        }
+        busy = [(s, str(g["name"])) for s, gs in groups.items() for g in gs if int(g["pending"]) > 0]
+        pending_min: dict[str, dict[str, str]] = {}
+        if busy:
+            pipe = self.client.pipeline(transaction=False)
+            for stream, group in busy:
+                pipe.xpending(stream, group)
+            for (stream, group), info in zip(
+                busy,
+                await redis_io.call(("XPENDING", *groups), pipe.execute(raise_on_error=False)),
+                strict=True,
+            ):
+                if isinstance(info, dict) and info.get("min") is not None:
+                    pending_min.setdefault(stream, {})[group] = _text(info["min"])
+        bounds = {
+            stream: bound
+            for stream, gs in groups.items()
+            if (bound := trim_bound(gs, pending_min.get(stream, {}), int(self.retention_s * 1000)))
+        }
+        if not bounds:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        for stream, bound in bounds.items():
+            pipe.xtrim(stream, minid=bound, approximate=True)
+        removed = await redis_io.call(("XTRIM", *bounds), pipe.execute(raise_on_error=False))
+        n = sum(r for r in removed if isinstance(r, int))
+        self.trimmed += n
+        return n
+
     async def _open(self, stream: str) -> None:
         """Create the group on a stream seen for the first time, then replay its pending entries."""
         await ensure_group(self.client, stream)
@@ -178,6 +264,9 @@ class StreamIngest:
                 await self._open(stream)
         self._ready.intersection_update(streams)
         await self.ack_ready()
+        if self.retention_s is not None and streams and time.monotonic() >= self._next_trim:
+            self._next_trim = time.monotonic() + TRIM_EVERY_S
+            await self.trim(streams)
         sent = time.monotonic()
         if not streams:
             await asyncio.sleep((block_ms or 0) / 1000)
@@ -206,3 +295,8 @@ class StreamIngest:
         """Replay pending entries, then handle new ones forever."""
         while True:
             await self.step(block_ms)
+
+
+def _text(value: Any) -> Any:
+    """A Redis reply value as text when it is bytes (the client may not decode responses)."""
+    return value.decode() if isinstance(value, bytes) else value

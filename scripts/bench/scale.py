@@ -356,10 +356,14 @@ def stop(p: subprocess.Popen[bytes], sig: int = signal.SIGTERM, wait_s: float = 
     return p.returncode
 
 
-def child_env(port: int, lookup_min_nodes: int | None = None) -> dict[str, str]:
+def child_env(
+    port: int, lookup_min_nodes: int | None = None, stream_retention_s: float | None = None
+) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNICORN_")}
     if lookup_min_nodes is not None:
         env["UNICORN_PLAN__LOOKUP_MIN_NODES"] = str(lookup_min_nodes)
+    if stream_retention_s is not None:
+        env["UNICORN_REDIS__STREAM_RETENTION_S"] = str(stream_retention_s)
     env.update(
         {
             "UNICORN_REDIS__URL": f"redis://127.0.0.1:{port}/0",
@@ -578,7 +582,7 @@ def run_size(n_nodes: int, args: argparse.Namespace, folder: Path) -> dict[str, 
     redis_proc, port = start_redis(folder / "redis")
     daemon: subprocess.Popen[bytes] | None = None
     try:
-        env = child_env(port, args.lookup_min_nodes)
+        env = child_env(port, args.lookup_min_nodes, args.stream_retention_s)
         cfg = load_config(None, env=env)
         ctx = PlanContext.from_config(cfg)
         cluster = build_cluster(n_nodes, jobs_for(n_nodes, args.jobs), cfg, ctx, time.time())
@@ -715,6 +719,10 @@ async def _measure(
         await asyncio.sleep(1.0)
         proc += [s for s in [daemon_sample(daemon.pid)] if s is not None]
     last = await _sample(client, fleet, streams)
+    pipe = client.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xlen(stream)
+    stream_entries = sum(await redis_io.call(("XLEN", *streams[:2]), pipe.execute()))
     latency = await redis_io.call(("LATENCY", "LATEST"), client.execute_command("LATENCY", "LATEST"))
     log(f"N={n_nodes}: window over; tail {args.tail_s:g} s")
     await asyncio.sleep(args.tail_s)  # decisions on the last faults
@@ -758,6 +766,12 @@ async def _measure(
         if proc
         else None,
         "redis_used_memory_mib": _r(redis_mem[-1] if redis_mem else None, 1),
+        "redis_used_memory_mib_at": {
+            f"{round(100 * q)}%": _r(redis_mem[int(q * (len(redis_mem) - 1))], 1) for q in (0.25, 0.5, 0.75)
+        }
+        if redis_mem
+        else None,
+        "redis_stream_entries": stream_entries,
         "redis_ops_per_s": _r(
             (int(rf["total_commands_processed"]) - int(ri["total_commands_processed"])) / span, 1
         ),
@@ -965,6 +979,7 @@ def summary(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> dict[st
             "rack_size": args.rack_size,
             "seed": args.seed,
             "lookup_min_nodes": args.lookup_min_nodes,
+            "stream_retention_s": args.stream_retention_s,
             "slurm_timings_s": dataclasses.asdict(SlurmTimings()),
             "agent_timings_s": dataclasses.asdict(AgentTimings()),
         },
@@ -1012,6 +1027,12 @@ def main() -> None:
         type=int,
         default=None,
         help="unicornd's [plan] lookup_min_nodes (default: its default, 512; a huge value: no lookup)",
+    )
+    ap.add_argument(
+        "--stream-retention-s",
+        type=float,
+        default=None,
+        help="unicornd's [redis] stream_retention_s (default: its default, 600 s)",
     )
     ap.add_argument("--quick", action="store_true", help="N = 64 and 256 only, 20 s each (a smoke run)")
     ap.add_argument("--plot", type=Path, default=None, help="also draw the curves (log-log) into this PNG")

@@ -28,8 +28,8 @@ from unicorn_core.paths import etc_dir
 
 REDIS_KEYS = (
     "agent_acl, connect_timeout_s, key_prefix, master_name, operator_password_file, password_file, "
-    "sentinel_password_file, sentinels, socket_timeout_s, url, user_password_file, wait_replicas, "
-    "wait_timeout_ms"
+    "sentinel_password_file, sentinels, socket_timeout_s, stream_retention_s, url, user_password_file, "
+    "wait_replicas, wait_timeout_ms"
 )
 SECTIONS = ", ".join(sorted(f.name for f in dataclasses.fields(Config)))
 

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from unicorn_core.keys import COORDINATOR_GROUP, PAYLOAD_FIELD, RedisKeys
 from unicorn_core.protocol import Heartbeat, Message, encode
-from unicornd.ingest import StreamIngest
+from unicornd.ingest import StreamIngest, trim_bound
 
 KEYS = RedisKeys("t")
 
@@ -101,4 +101,47 @@ async def test_caught_up_reports_how_far_the_reader_has_read(redis_url: str) -> 
     sent = asyncio.get_running_loop().time()
     assert await reader.step(100) == 0  # nothing until the timeout: heard until then
     assert len(horizons) == 2 and sent + 0.09 <= horizons[1] <= asyncio.get_running_loop().time()
+    await client.aclose()
+
+
+def test_trim_bound_keeps_what_a_group_needs_and_the_recent_history() -> None:
+    idle = {"name": "g", "pending": 0, "last-delivered-id": "100000-3"}
+    assert trim_bound([idle], {}, 60_000) == "40000-0"  # a minute before the newest delivered
+    assert trim_bound([idle], {}, 0) == "100000-0"  # all acknowledged before the newest ms may go
+    busy = {"name": "g", "pending": 2, "last-delivered-id": "100000-3"}
+    assert trim_bound([busy], {"g": "90000-1"}, 0) == "90000-1"  # never the first pending one
+    assert trim_bound([busy], {}, 0) is None  # pending entries of unknown ids: keep all
+    behind = {"name": "h", "pending": 0, "last-delivered-id": "20000-0"}
+    assert trim_bound([idle, behind], {}, 0) == "20000-0"  # the slowest group decides
+    assert trim_bound([idle], {}, 200_000) is None and trim_bound([], {}, 0) is None
+
+
+async def test_trimming_removes_only_acknowledged_history(redis_url: str) -> None:
+    """Acknowledged entries older than the retention go; what the group has not acknowledged
+    (a handler that crashed on it) and what it has not read yet stay."""
+    client = aioredis.Redis.from_url(redis_url)
+    stream = KEYS.events(7)
+    fail_on: set[int] = set()
+
+    async def handler(msg: Message, _now: float, _eid: str, _stream: str) -> None:
+        assert isinstance(msg, Heartbeat)
+        if msg.seq in fail_on:
+            raise RuntimeError("handler crashed")
+
+    ingest = StreamIngest(client, lambda: [stream], "c1", handler, retention_s=0.0)
+    for seq in range(1, 201):
+        await client.xadd(stream, {PAYLOAD_FIELD: _hb(7, seq)}, id=f"{seq}-0")
+    while await ingest.step(10):
+        pass
+    fail_on.add(201)
+    for seq in range(201, 301):
+        await client.xadd(stream, {PAYLOAD_FIELD: _hb(7, seq)}, id=f"{seq}-0")
+    with pytest.raises(RuntimeError, match="handler crashed"):
+        await ingest.step(10)  # 201 handed over, never acknowledged; 202-300 unread
+    removed = await ingest.trim([stream])
+    left = [int(eid.decode().split("-")[0]) for eid, _ in await client.xrange(stream)]
+    assert removed > 0 and removed == 300 - len(left) and ingest.trimmed == removed
+    assert min(left) <= 201 and left[-1] == 300 and set(range(201, 301)) <= set(left)
+    # Approximate trimming removes whole nodes of the stream (100 entries by default) only.
+    assert min(left) > 100, min(left)
     await client.aclose()
