@@ -132,22 +132,33 @@ def open_world(
     """Every shard of one saved world that ``open_rank`` finds (it raises
     ``ShardUnavailable``), and why each other is missing. The world size comes from the
     first shard found (rank 0 may be the lost one); ``hint()`` bounds the search for it.
-    ``ShardUnavailable("missing")`` when none is found."""
+    ``ShardUnavailable("missing")`` when none is found, or as soon as a shard is missing
+    and the save declares no replicas (nothing could stand in for it). On any error the
+    shards opened are closed."""
     opened: dict[int, OpenShard] = {}
     missing: dict[int, str] = {}
     world_size: int | None = None
     rank = 0
-    while world_size is None or rank < world_size:
-        try:
-            opened[rank] = open_rank(rank)
-        except ShardUnavailable as exc:
-            missing[rank] = exc.detail
-            if world_size is None and rank + 1 >= hint():
-                reasons = "; ".join(f"rank {r}: {why}" for r, why in missing.items())
-                raise ShardUnavailable("missing", f"no shard found: {reasons}") from exc
-        else:
-            world_size = world_size or opened[rank].meta.world_size
-        rank += 1
+    try:
+        while world_size is None or rank < world_size:
+            try:
+                opened[rank] = open_rank(rank)
+            except ShardUnavailable as exc:
+                missing[rank] = exc.detail
+                unmatched = opened and not any(REPLICAS_KEY in s.meta.extra for s in opened.values())
+                if unmatched or (world_size is None and rank + 1 >= hint()):
+                    reasons = "; ".join(f"rank {r}: {why}" for r, why in missing.items())
+                    raise ShardUnavailable("missing", f"no complete set of shards: {reasons}") from exc
+            else:
+                world_size = world_size or opened[rank].meta.world_size
+                if missing and REPLICAS_KEY not in opened[rank].meta.extra:
+                    reasons = "; ".join(f"rank {r}: {why}" for r, why in missing.items())
+                    raise ShardUnavailable("missing", f"no complete set of shards: {reasons}")
+            rank += 1
+    except BaseException:
+        for shard in opened.values():
+            shard.close()
+        raise
     return opened, missing
 
 

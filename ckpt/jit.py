@@ -160,6 +160,14 @@ class JitCheckpointer:
         """A complete version of ``iteration`` exists already: a JIT request for it is skipped."""
         self.last_saved = iteration if self.last_saved is None else max(self.last_saved, iteration)
 
+    def replaced(self, iteration: int) -> None:
+        """The loop's own save of ``iteration`` replaced what a JIT snapshot had written for it
+        (a deduplicated collective save over a complete JIT copy): the next request takes it
+        again."""
+        with self._lock:
+            if self.last_saved is not None and self.last_saved >= iteration:
+                self.last_saved = None
+
     def snapshot(self, iteration: int, *, extra: Mapping[str, Any] | None = None) -> SnapshotHandle:
         """A periodic snapshot, serialised with JIT snapshots."""
         with self._lock:

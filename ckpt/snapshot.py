@@ -199,7 +199,11 @@ class SnapshotWriter:
         )
         if not same and not spares and len(self._slots) < self.max_slots:
             spares = [self._new_spare()]
-        candidates = same + spares + used
+        # A version rewritten (a just-in-time copy of an iteration saved already) goes into
+        # its own slot, waiting for readers: another slot would rename its file over the
+        # same path, leaving the first slot's file unlinked under a reader that still
+        # seals it, and the next reuse of that slot would write into the unlinked file.
+        candidates = same or spares + used
         deadline = time.monotonic() + self.lock_timeout_s
         while True:
             for slot in candidates:

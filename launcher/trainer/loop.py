@@ -471,10 +471,13 @@ class _Trainer:
         with self.jit.saving() if self.jit is not None else contextlib.nullcontext():
             stall_s = self.memory.save(self.state, iteration)
         if self.jit is not None and not self.memory.has_replicas:
+            self.jit.saved(iteration)
+        elif self.jit is not None:
             # With data-parallel replicas this save is deduplicated across them: a failure
             # before the next save still takes a complete just-in-time copy of this
-            # iteration, which stands in for a lost replica's shard.
-            self.jit.saved(iteration)
+            # iteration (which stands in for a lost replica's shard), also when a JIT copy
+            # of it was written before this save replaced it.
+            self.jit.replaced(iteration)
         self.hook.iteration(
             iteration, stall_s, phase=IterationPhase.CHECKPOINT, final=iteration == self.cfg.iterations
         )

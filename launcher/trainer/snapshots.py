@@ -195,7 +195,8 @@ class MemoryCheckpoints:
             except RestoreFailed as exc:
                 skipped.append(f"iteration {iteration}: {exc}")
                 continue
-            recorded = str(shards[0].meta.extra.get(SKIPPED_KEY, "")) if shards else ""
+            # The lowest saved rank found: rank 0's shard may be a replica's (ckpt.dcp).
+            recorded = str(shards[min(shards)].meta.extra.get(SKIPPED_KEY, "")) if shards else ""
             expected = format_ranges(skipped_before(self.skip, iteration))
             if recorded != expected:
                 _close(shards)
@@ -256,12 +257,15 @@ class MemoryCheckpoints:
             sources[rank] = _source(report)
             return shard
 
+        # How far to look for the saved world's first shard: what any rank's node holds (a
+        # spare node holds none). A collective, so before the node lock below.
+        hint = _max_over_ranks(world_hint(self._tiers, iteration))
         # One rank of this node at a time: the first fetches a peer's copy into shm, the
         # next finds it there (two concurrent fetches of one shard would replace each other).
         with self._node_lock():
             self._seal_copied(iteration)
             try:
-                shards, missing = open_world(open_rank, lambda: world_hint(self._tiers, iteration))
+                shards, missing = open_world(open_rank, lambda: hint)
             except ShardUnavailable as exc:
                 return None, {}, exc.detail
         if lacking := uncovered(missing, shards):
@@ -318,6 +322,15 @@ class TrainerJit(JitCheckpointer):
 
 def _source(report: RestoreReport) -> str:
     return str(report.tier) if report.tier is not Tier.PEER else f"peer {report.source}"
+
+
+def _max_over_ranks(value: int) -> int:
+    """The largest ``value`` any rank holds (collective; ``value`` itself without a group)."""
+    if not dist.is_initialized():
+        return value
+    gathered: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return max(v for v in gathered if v is not None)
 
 
 def _merge_sources(mine: dict[int, str]) -> dict[int, str]:

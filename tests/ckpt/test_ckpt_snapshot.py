@@ -60,6 +60,23 @@ def test_slots_are_reused_and_a_reader_pins_its_slot(shm_root: Path) -> None:
     assert shm.complete_iterations(0) == [5, 6]  # the refused snapshot changed nothing
 
 
+def test_an_iteration_written_again_waits_for_its_own_slot(shm_root: Path) -> None:
+    """A version written a second time (a just-in-time copy of an iteration saved already)
+    reuses its own slot once readers let go, never a spare one: two slots of one iteration
+    would share one path, the older file unlinked under its reader."""
+    writer = SnapshotWriter(shm_root, "job", 0, 1, slots=2, lock_timeout_s=0.05)
+    writer.snapshot({"w": torch.full((1024,), 1.0)}, 1).seal()
+    shm = TierDir(shm_root, "job", Tier.SHM)
+    with OpenShard(shm.shard(1, 0)) as pinned:
+        with pytest.raises(SnapshotBusy):  # the spare slot stays unused
+            writer.snapshot({"w": torch.full((1024,), 2.0)}, 1)
+        assert torch.equal(pinned.value("w"), torch.full((1024,), 1.0))
+    writer.snapshot({"w": torch.full((1024,), 2.0)}, 1).seal()
+    assert len(list(shm_root.rglob("*.bin"))) == 1
+    with OpenShard(shm.shard(1, 0)) as shard:
+        assert torch.equal(shard.value("w"), torch.full((1024,), 2.0))
+
+
 def test_a_corrupt_byte_in_memory_is_detected(shm_root: Path) -> None:
     writer = SnapshotWriter(shm_root, "job", 0, 1)
     handle = writer.snapshot({"w": torch.ones(4096)}, 1)

@@ -20,6 +20,7 @@ from unicorn_core.errors import (
     CommandNotFound,
     CommandTimeout,
     InvalidArgument,
+    UnicornError,
     UnknownJob,
     UnknownNode,
 )
@@ -354,7 +355,11 @@ class CliSlurm:
         try:
             await self._run("scontrol", "update", f"jobid={job_id}", f"NodeList={compress(list(keep_nodes))}")
         except CommandFailed as e:
-            if set((await self.get_job(job_id)).nodes) == set(keep_nodes):
+            try:
+                now = await self.get_job(job_id)
+            except UnicornError:
+                raise e from None  # the update's own failure says more than the lookup's
+            if set(now.nodes) == set(keep_nodes):
                 return  # slurmctld removed the others meanwhile (a node set DOWN)
             if any(s in e.stderr for s in _RESIZE_REFUSED):
                 raise ResizeUnsupported(f"job {job_id} cannot shrink now: {e.stderr.strip()}") from e
