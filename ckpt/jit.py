@@ -48,7 +48,7 @@ import msgspec
 from ckpt.errors import InvalidArgument
 from ckpt.format import ShardState, check_job_id, now_unix_s, read_meta, write_atomic
 from ckpt.snapshot import SnapshotHandle, SnapshotWriter
-from ckpt.tier import TierDir
+from ckpt.tier import TierDir, listing
 from unicorn_core.logs import get_logger
 
 REQUEST_FILE: Final = "jit-request.json"
@@ -82,7 +82,7 @@ def jit_responses(shm: TierDir, request_id: str) -> dict[int, int]:
     found: dict[int, int] = {}
     for iteration in shm.iterations():
         directory = shm.shard(iteration, 0).directory
-        for meta_path in directory.glob("shard-*.json"):
+        for meta_path in listing(directory, "shard-*.json"):
             try:
                 meta = read_meta(meta_path)
             except (OSError, msgspec.MsgspecError):

@@ -94,9 +94,10 @@ class TierDir:
 
     def iterations(self) -> list[int]:
         """Every iteration with a folder here, complete or not, ascending."""
-        if not self.job_dir.is_dir():
+        try:
+            found = [parse_iteration_dir(child.name) for child in self.job_dir.iterdir()]
+        except (FileNotFoundError, NotADirectoryError):
             return []
-        found = (parse_iteration_dir(child.name) for child in self.job_dir.iterdir())
         return sorted(i for i in found if i is not None)
 
     def done_ranks(self, iteration: int) -> set[int]:
@@ -104,7 +105,7 @@ class TierDir:
         if not directory.is_dir():
             return set()
         ranks = set()
-        for path in directory.glob("shard-*.done"):
+        for path in listing(directory, "shard-*.done"):
             try:
                 ranks.add(int(path.stem.removeprefix("shard-")))
             except ValueError:
@@ -216,6 +217,16 @@ class TierDir:
                 path.unlink(missing_ok=True)
             removed += 1
         return removed
+
+
+def listing(directory: Path, pattern: str) -> list[Path]:
+    """``directory.glob(pattern)``, sorted; empty when the folder vanishes meanwhile. A
+    writer reclaims an old iteration's folder at any moment, between a scan listing it and
+    globbing it (a ckpt agent died of exactly that: FileNotFoundError from scandir)."""
+    try:
+        return sorted(directory.glob(pattern))
+    except FileNotFoundError:
+        return []
 
 
 def latest_common(held: Mapping[int, Iterable[int]], world_size: int) -> int | None:

@@ -290,7 +290,10 @@ class CkptAgent:
         await self.start()
         try:
             while True:
-                await self.scan_once()
+                try:
+                    await self.scan_once()
+                except OSError as exc:  # the shm tier changed under the scan: the next one sees it
+                    self._log.warning("ckpt_scan_failed", error=repr(exc))
                 await asyncio.sleep(self.scan_interval_s)
         except Exception:  # a bug, not a shard's failure: say so before the agent's task dies
             self._log.exception("ckpt_agent_crashed")
@@ -486,10 +489,12 @@ def _new_shards(snap: TierDir, seen: set[ShardKey]) -> list[tuple[ShardKey, int,
     The key is (path, inode, mtime): a slot reused for another snapshot gets a new
     metadata file (written by rename), hence a new key.
     """
+    from ckpt.tier import listing  # the engine: imported once the agent runs (module doc)
+
     found = []
     for iteration in snap.iterations():
         directory = snap.shard(iteration, 0).directory
-        for meta_path in sorted(directory.glob("shard-*.json")):
+        for meta_path in listing(directory, "shard-*.json"):
             stem = meta_path.stem.removeprefix("shard-")
             key = _meta_key(meta_path)
             if stem.isdigit() and key is not None and key not in seen:

@@ -53,7 +53,7 @@ from ckpt.jit import JitCheckpointer
 from ckpt.restore import PeerAddress, Restorer, RestoreReport
 from ckpt.shard import OpenShard, seal_shard
 from ckpt.snapshot import SnapshotWriter
-from ckpt.tier import Tier, TierDir
+from ckpt.tier import Tier, TierDir, listing
 from launcher.trainer.config import SnapshotOptions, format_ranges, skipped_before
 
 RESTORE_LOCK: Final = ".restore.lock"
@@ -299,7 +299,7 @@ class MemoryCheckpoints:
         """Seal this node's shm copies of ``iteration`` the agent has not sealed yet (no agent,
         or a rank restarting before its agent got to them). Sealing is idempotent."""
         directory = self.snap.shard(iteration, 0).directory
-        for meta_path in sorted(directory.glob("shard-*.json")):
+        for meta_path in listing(directory, "shard-*.json"):
             stem = meta_path.stem.removeprefix("shard-")
             try:
                 if stem.isdigit() and read_meta(meta_path).state is ShardState.COPIED:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from ckpt.format import TMP_MARK
 from ckpt.persist import Persister
 from ckpt.shard import OpenShard
 from ckpt.snapshot import SnapshotWriter
-from ckpt.tier import VERSION_FILE, Retention, Tier, TierDir, latest_common
+from ckpt.tier import VERSION_FILE, Retention, Tier, TierDir, latest_common, listing
 from unicorn_core.errors import InvalidArgument
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,3 +92,20 @@ def test_latest_common_is_the_highest_iteration_every_rank_holds() -> None:
     assert latest_common({0: [5]}, 2) is None  # rank 1 holds nothing
     with pytest.raises(InvalidArgument):
         latest_common({}, 0)
+
+
+def test_a_folder_removed_while_listed_reads_as_empty(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer reclaims an old iteration's folder at any moment, also between a scan that
+    listed it and the glob inside it (a ckpt agent died of the FileNotFoundError once)."""
+    folder = tmp_path / "it-000000000005"
+    folder.mkdir()
+    (folder / "shard-00000.json").write_text("{}")
+    assert listing(folder, "shard-*.json") == [folder / "shard-00000.json"]
+
+    def vanished(self: Path, pattern: str) -> Iterator[Path]:
+        raise FileNotFoundError(2, "No such file or directory", str(self))
+
+    monkeypatch.setattr(Path, "glob", vanished)
+    assert listing(folder, "shard-*.json") == []
