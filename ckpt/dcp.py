@@ -131,33 +131,34 @@ def open_world(
 ) -> tuple[dict[int, OpenShard], dict[int, str]]:
     """Every shard of one saved world that ``open_rank`` finds (it raises
     ``ShardUnavailable``), and why each other is missing. The world size comes from the
-    first shard found (rank 0 may be the lost one); ``hint()`` bounds the search for it.
-    ``ShardUnavailable("missing")`` when none is found, or as soon as a shard is missing
-    and the save declares no replicas (nothing could stand in for it). On any error the
-    shards opened are closed."""
+    first shard found (rank 0 may be the lost one); ``hint()``, asked once and only when
+    rank 0 is missing, bounds the search for it. ``ShardUnavailable("missing")`` when none
+    is found, or as soon as a shard is missing and the save declares no replicas (nothing
+    could stand in for it). On any error the shards opened are closed."""
     opened: dict[int, OpenShard] = {}
     missing: dict[int, str] = {}
     world_size: int | None = None
+    bound: int | None = None
+    declared = False  # the save names its replicas (every shard of one save does alike)
     rank = 0
     try:
         while world_size is None or rank < world_size:
             try:
-                opened[rank] = open_rank(rank)
+                shard = opened[rank] = open_rank(rank)
             except ShardUnavailable as exc:
                 missing[rank] = exc.detail
-                unmatched = opened and not any(REPLICAS_KEY in s.meta.extra for s in opened.values())
-                if unmatched or (world_size is None and rank + 1 >= hint()):
-                    reasons = "; ".join(f"rank {r}: {why}" for r, why in missing.items())
-                    raise ShardUnavailable("missing", f"no complete set of shards: {reasons}") from exc
             else:
-                world_size = world_size or opened[rank].meta.world_size
-                if missing and REPLICAS_KEY not in opened[rank].meta.extra:
-                    reasons = "; ".join(f"rank {r}: {why}" for r, why in missing.items())
-                    raise ShardUnavailable("missing", f"no complete set of shards: {reasons}")
+                world_size = world_size or shard.meta.world_size
+                declared = declared or REPLICAS_KEY in shard.meta.extra
             rank += 1
+            if world_size is None and bound is None:
+                bound = hint()
+            if (missing and opened and not declared) or (world_size is None and rank >= (bound or 1)):
+                reasons = "; ".join(f"rank {r}: {why}" for r, why in missing.items())
+                raise ShardUnavailable("missing", f"no complete set of shards: {reasons}")
     except BaseException:
-        for shard in opened.values():
-            shard.close()
+        for opened_shard in opened.values():
+            opened_shard.close()
         raise
     return opened, missing
 
@@ -172,10 +173,11 @@ def world_hint(sources: Sequence[TierDir], iteration: int, opened: Iterable[Open
     return max(sizes, default=1)
 
 
-def uncovered(missing: Mapping[int, str], opened: Mapping[int, OpenShard]) -> dict[int, str]:
-    """The missing ranks no open complete replica stands in for (:func:`replica_for`), with why."""
+def stand_ins(missing: Iterable[int], opened: Mapping[int, OpenShard]) -> dict[int, int | None]:
+    """For each missing saved rank, the open rank whose complete shard stands in for it
+    (:func:`replica_for`), or None when none does."""
     metas = {rank: shard.meta for rank, shard in opened.items()}
-    return {rank: why for rank, why in missing.items() if replica_for(rank, metas) is None}
+    return {rank: replica_for(rank, metas) for rank in missing}
 
 
 class MemoryStorageWriter(StorageWriter):
@@ -325,21 +327,20 @@ class MemoryStorageReader(StorageReader):
             return shard
         raise ShardUnavailable("missing", f"rank {rank} of iteration {self.iteration}: {'; '.join(reasons)}")
 
-    def _open_world(self) -> tuple[dict[int, OpenShard], dict[int, str]]:
-        return open_world(self._open, lambda: world_hint(self.sources, self.iteration, self._shards.values()))
-
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        opened, missing = self._open_world()
+        opened, missing = open_world(
+            self._open, lambda: world_hint(self.sources, self.iteration, self._shards.values())
+        )
         lowest = min(opened)
         first = opened[lowest].meta
         world_size, save_id = first.world_size, first.extra.get(SAVE_ID_KEY, "")
         state_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         storage: dict[MetadataIndex, tuple[int, str]] = {}
         planner_data: dict[str, tuple[str | int, ...]] = {}
-        if lacking := uncovered(missing, opened):
-            raise ShardUnavailable("missing", "; ".join(f"rank {r}: {why}" for r, why in lacking.items()))
-        for rank in missing:
-            self._log.info("dcp shard read from a replica", rank=rank)
+        for rank, stand_in in stand_ins(missing, opened).items():
+            if stand_in is None:
+                raise ShardUnavailable("missing", f"rank {rank}: {missing[rank]}")
+            self._log.info("dcp shard read from a replica", rank=rank, replica=stand_in)
         for rank in sorted(opened):
             meta = opened[rank].meta
             if meta.world_size != world_size:

@@ -102,8 +102,6 @@ class TierDir:
 
     def done_ranks(self, iteration: int) -> set[int]:
         directory = iteration_dir(self.root, self.job_id, iteration)
-        if not directory.is_dir():
-            return set()
         ranks = set()
         for path in listing(directory, "shard-*.done"):
             try:

@@ -470,14 +470,15 @@ class _Trainer:
         # its collectives) leaves the state consistent for the JIT snapshot.
         with self.jit.saving() if self.jit is not None else contextlib.nullcontext():
             stall_s = self.memory.save(self.state, iteration)
-        if self.jit is not None and not self.memory.has_replicas:
-            self.jit.saved(iteration)
-        elif self.jit is not None:
-            # With data-parallel replicas this save is deduplicated across them: a failure
-            # before the next save still takes a complete just-in-time copy of this
-            # iteration (which stands in for a lost replica's shard), also when a JIT copy
-            # of it was written before this save replaced it.
-            self.jit.replaced(iteration)
+        if self.jit is not None:
+            if self.memory.has_replicas:
+                # This save is deduplicated across the data-parallel replicas: a failure
+                # before the next save still takes a complete just-in-time copy of this
+                # iteration (which stands in for a lost replica's shard), also when a JIT
+                # copy of it was written before this save replaced it.
+                self.jit.replaced(iteration)
+            else:
+                self.jit.saved(iteration)
         self.hook.iteration(
             iteration, stall_s, phase=IterationPhase.CHECKPOINT, final=iteration == self.cfg.iterations
         )

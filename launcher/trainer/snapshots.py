@@ -43,8 +43,7 @@ from ckpt.dcp import (
     MemoryStorageReader,
     MemoryStorageWriter,
     open_world,
-    replica_for,
-    uncovered,
+    stand_ins,
     world_hint,
 )
 from ckpt.errors import InvalidArgument, InvalidTransition, RestoreFailed, ShardUnavailable
@@ -259,7 +258,7 @@ class MemoryCheckpoints:
 
         # How far to look for the saved world's first shard: what any rank's node holds (a
         # spare node holds none). A collective, so before the node lock below.
-        hint = _max_over_ranks(world_hint(self._tiers, iteration))
+        hint = _reduced(world_hint(self._tiers, iteration), dist.ReduceOp.MAX)
         # One rank of this node at a time: the first fetches a peer's copy into shm, the
         # next finds it there (two concurrent fetches of one shard would replace each other).
         with self._node_lock():
@@ -268,12 +267,12 @@ class MemoryCheckpoints:
                 shards, missing = open_world(open_rank, lambda: hint)
             except ShardUnavailable as exc:
                 return None, {}, exc.detail
-        if lacking := uncovered(missing, shards):
+        replicas = stand_ins(missing, shards)  # a replica's complete shard (ckpt.dcp)
+        if None in replicas.values():
             _close(shards)
-            return None, {}, "; ".join(lacking.values())
-        metas = {rank: shard.meta for rank, shard in shards.items()}
-        for rank in missing:  # a data-parallel replica's complete shard stands in (ckpt.dcp)
-            sources[rank] = f"replica rank {replica_for(rank, metas)}"
+            return None, {}, "; ".join(missing[r] for r, stand_in in replicas.items() if stand_in is None)
+        for rank, stand_in in replicas.items():
+            sources[rank] = f"replica rank {stand_in}"
         save_ids = {s.meta.extra.get(SAVE_ID_KEY, "") for s in shards.values()}
         worlds = {s.meta.world_size for s in shards.values()}
         if len(save_ids) > 1 or len(worlds) > 1:
@@ -324,15 +323,6 @@ def _source(report: RestoreReport) -> str:
     return str(report.tier) if report.tier is not Tier.PEER else f"peer {report.source}"
 
 
-def _max_over_ranks(value: int) -> int:
-    """The largest ``value`` any rank holds (collective; ``value`` itself without a group)."""
-    if not dist.is_initialized():
-        return value
-    gathered: list[int | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return max(v for v in gathered if v is not None)
-
-
 def _merge_sources(mine: dict[int, str]) -> dict[int, str]:
     """Where each shard came from, over all ranks: the farther tier wins, because a rank
     that fetched a peer's (or read a disk) copy left it in shm, where the others found it."""
@@ -355,10 +345,15 @@ def _close(shards: Mapping[int, OpenShard] | None) -> None:
 
 def _all_ranks(ok: bool) -> bool:
     """Whether ``ok`` holds on every rank (a MIN all-reduce)."""
+    return bool(_reduced(1 if ok else 0, dist.ReduceOp.MIN))
+
+
+def _reduced(value: int, op: Any) -> int:
+    """``value`` all-reduced over the ranks with ``op`` (``value`` itself without a group)."""
     if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        return value
+    flag = torch.tensor([value], dtype=torch.int64)
     if dist.get_backend() == "nccl":
         flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    dist.all_reduce(flag, op=op)
+    return int(flag.item())
