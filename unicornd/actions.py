@@ -39,7 +39,8 @@ from unicornd.state import Calibration, Incident, NodeRecord, PlanBasis, Snapsho
 class DrainNode:
     """``scontrol update nodename=NODE state=drain reason=REASON``.
 
-    ``down``: the node is confirmed dead (unreachable over SSH); it is first set DOWN, which
+    ``down``: the node is confirmed dead (:data:`~unicornd.decide.common.DEAD_NODE_RULES`:
+    unreachable over SSH, or NOT_RESPONDING to slurmctld too); it is first set DOWN, which
     removes it from its jobs at once (a drained dead node keeps its jobs COMPLETING until
     slurmctld gives up on it, ~10 s on the dev cluster), then DRAIN, so that it stays out
     (DOWN+DRAIN) when its slurmd registers again, until an operator resumes it.

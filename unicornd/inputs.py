@@ -55,7 +55,6 @@ log = get_logger(__name__)
 
 TICK_S: Final = 0.05
 SLURM_POLL_S: Final = 1.0
-SLURM_NOT_RESPONDING: Final = "slurm_not_responding"
 RESERVATION_REFRESH_S: Final = 30.0
 """How often :func:`observe` reads the ``[slurm] reservation``'s nodes again (one more
 slurmctld RPC; a reservation changes rarely, the poll runs every second)."""
@@ -463,7 +462,7 @@ class SlurmWatch:
             rank=None,
             status=ErrorStatus.LOST_CONNECTION,
             severity=Severity.SEV1,
-            rule=SLURM_NOT_RESPONDING,
+            rule=decide.SLURM_NOT_RESPONDING,
             evidence=f"slurmctld: {info.name} {info.state} ({flags}) {info.reason}; agent silent",
             confirmed_by=Confirmation.SLURM,
         )

@@ -25,6 +25,7 @@ from unicornd.actions import (
     SendCommand,
 )
 from unicornd.decide import (
+    SLURM_NOT_RESPONDING,
     SSH_UNREACHABLE,
     Finding,
     on_finding,
@@ -460,13 +461,17 @@ def test_finding_from_a_detect_classification() -> None:
     assert sorted(n for n, _ in commands(d, AgentAction.RESTART_RANKS)) == ["n1", "n2"]
 
 
-def test_only_a_node_the_probe_could_not_reach_is_set_down_before_the_drain() -> None:
+def test_only_a_node_confirmed_dead_is_set_down_before_the_drain() -> None:
+    """Unreachable over SSH, or NOT_RESPONDING in slurmctld's view while its agent is silent:
+    DOWN first, so the job loses the node before any requeue (Slurm 22.05 starts a job
+    requeued while a node of it still completes with an empty GRES allocation)."""
     snap = two_tasks()
     lost = replace(finding("f1", 1, "n2", E.LOST_CONNECTION), rule=SSH_UNREACHABLE)
+    by_slurm = replace(finding("f4", 1, "n2", E.LOST_CONNECTION), rule=SLURM_NOT_RESPONDING)
     silent = finding("f2", 1, "n2", E.LOST_CONNECTION)  # heartbeat only: unconfirmed
     ecc = finding("f3", 1, "n2", E.ECC_ERROR)
-    drains = [of_kind(on_finding(snap, f, T0).actions, DrainNode) for f in (lost, silent, ecc)]
-    assert [[a.down for a in d] for d in drains] == [[True], [False], [False]]  # type: ignore[attr-defined]
+    drains = [of_kind(on_finding(snap, f, T0).actions, DrainNode) for f in (lost, by_slurm, silent, ecc)]
+    assert [[a.down for a in d] for d in drains] == [[True], [True], [False], [False]]  # type: ignore[attr-defined]
 
 
 def test_the_same_code_error_after_a_restart_stops_the_task_and_drains_nothing() -> None:

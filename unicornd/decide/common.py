@@ -36,6 +36,14 @@ commanding the gone one. If the node is in fact dead, that start fails and Slurm
 the probe's confirmation isolates it."""
 SSH_UNREACHABLE: Final = "ssh_unreachable"
 """The out-of-band probe could not reach the node: dead, its drain sets it DOWN first."""
+SLURM_NOT_RESPONDING: Final = "slurm_not_responding"
+"""slurmctld reports the node NOT_RESPONDING or DOWN while its agent is silent: dead."""
+DEAD_NODE_RULES: Final = frozenset({SSH_UNREACHABLE, SLURM_NOT_RESPONDING})
+"""Rules that confirm a node dead by a second source: its drain sets it DOWN first, what
+slurmctld does by itself only after ``SlurmdTimeout``. A job must lose the node before
+unicorn requeues it: Slurm 22.05 starts a job requeued while a node of it still completes
+with an empty GRES allocation (``_step_get_gres_cnt JobId=J node offset invalid``), and
+every step of it then fails ("Invalid generic resource (gres) specification")."""
 
 
 RUNG_OF_SEVERITY: Final[dict[Severity, LadderStage]] = {

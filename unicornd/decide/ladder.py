@@ -27,10 +27,10 @@ from unicornd.actions import (
 )
 from unicornd.decide.common import (
     AGENT_RULES,
+    DEAD_NODE_RULES,
     EVIDENCE_CHARS,
     RUNG_LEVEL,
     RUNG_OF_SEVERITY,
-    SSH_UNREACHABLE,
     WAITING_FOR_PLAN,
     Draft,
     Fault,
@@ -152,7 +152,7 @@ def _drain(draft: Draft, inc: Incident, fault: Fault, *, confirmed: bool) -> Inc
         )
     )
     step = step_id(inc, _L.ISOLATE, inc.attempts_at(_L.ISOLATE), "drain", node)
-    draft.act(DrainNode(step, node, reason, down=fault.rule == SSH_UNREACHABLE))
+    draft.act(DrainNode(step, node, reason, down=fault.rule in DEAD_NODE_RULES))
     if held and not rec.held:
         draft.notes.append(
             f"node {node}: {len(failures)} failures in {pol.node_failure_window_s:g} s; "
