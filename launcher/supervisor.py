@@ -1,6 +1,7 @@
 """Start and supervise one node's training processes: torchrun (or any command) and its ranks.
 
-The training command runs in its own session, its stdout and stderr merged into one pipe
+The training command runs in its own session (through :mod:`launcher.deathsig`, so that
+it gets SIGTERM if the agent dies without stopping it), its stdout and stderr merged into one pipe
 that the agent reads (:class:`OutputPump`). torchrun starts each worker in a session of
 its own, so the supervisor discovers the ranks as descendants of the command (through
 ``/proc/<pid>/task/<tid>/children``) and reads ``RANK``, ``LOCAL_RANK`` and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from launcher import deathsig
 from unicorn_core.errors import CommandNotFound
 from unicorn_core.logs import get_logger
 
@@ -148,6 +151,21 @@ def read_environ(pid: int, names: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def _check_runnable(command: str, path: str, cwd: str | None) -> None:
+    """:class:`CommandNotFound` unless ``command`` can be executed as ``execvp`` would find
+    it. The command starts through :mod:`launcher.deathsig`, so its own ``exec`` failing
+    would otherwise read as a training that exited 127."""
+    if "/" not in command:
+        if shutil.which(command, path=path) is None:
+            raise CommandNotFound([command], None, message=f"executable not found: {command}")
+        return
+    where = Path(cwd or ".") / command
+    if not where.exists():
+        raise CommandNotFound([command], None, message=f"executable not found: {command}")
+    if where.is_dir() or not os.access(where, os.X_OK):
+        raise CommandNotFound([command], None, message=f"not executable: {command}")
+
+
 def _opt_int(value: str | None) -> int | None:
     try:
         return int(value) if value is not None else None
@@ -265,9 +283,10 @@ class Supervisor:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        _check_runnable(self.argv[0], self.env.get("PATH", os.defpath), self.cwd)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                *self.argv,
+                *deathsig.argv_for(os.getpid(), self.argv),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
