@@ -21,6 +21,7 @@ from detect.builtin_rules import BUILTIN_RULES
 from detect.literals import Gate, NeedleSet, gates, lowered
 from detect.rules import Rule, RuleKind, load_rules_file, merge_rules, parse_rules
 from detect.statuses import ErrorStatus, Severity, worst
+from detect.unraisable import IgnoredBlocks
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.protocol import GpuFaultKind
 
@@ -170,7 +171,10 @@ class Classifier:
 
     def _best(self, text: str) -> _Match | None:
         best: _Match | None = None
+        ignored = IgnoredBlocks()
         for position, line in enumerate(text.splitlines()):
+            if ignored.inside(line):
+                continue
             rule = self._line_rule(line)
             if rule is None or rule.status is ErrorStatus.NONE:
                 continue
@@ -182,7 +186,8 @@ class Classifier:
     def classify_text(self, text: str) -> Classification:
         """The most telling line classification in ``text``.
 
-        A specific rule beats a generic catch-all (the final ``RuntimeError:`` or
+        Lines of Python's reports of ignored exceptions (:mod:`detect.unraisable`) are not
+        evidence. A specific rule beats a generic catch-all (the final ``RuntimeError:`` or
         ``terminate called`` line of a crash only summarises a cause stated earlier);
         then the most severe wins; then the earliest line.
         """

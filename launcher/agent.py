@@ -49,6 +49,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from detect import SLOW_STEP_TIMEOUT_S, Classifier, IterationMonitor, load_classifier
+from detect.unraisable import IgnoredBlocks
 from launcher import megatron
 from launcher.ckptagent import CkptPlan
 from launcher.gpu import FaultFile, GpuMonitor
@@ -171,6 +172,7 @@ class Agent:
         self._decoder = SafeDecoder()
         self._cmd_decoder = SafeDecoder()
         self._recent_faults: dict[tuple[str, int | None], float] = {}
+        self._ignored = IgnoredBlocks()
         self._stop = asyncio.Event()
         self._exit_status = 0
         self._client: aioredis.Redis | None = None
@@ -450,6 +452,8 @@ class Agent:
     def _on_line(self, line: str) -> None:
         if self._follow_megatron and (it := megatron.parse_iteration_line(line)) is not None:
             self._on_megatron_iteration(it)
+            return
+        if self._ignored.inside(line):  # Python's report of an exception it ignored
             return
         result = self.classifier.classify_line(line)
         if result.severity is None:

@@ -1,8 +1,8 @@
 """The built-in rules against the real-line corpus (tests/detect/data/corpus/, README there).
 
-Rules are written from the train halves only. The held-out halves are read by the bench
-(scripts/bench/classify.py) alone, and only its aggregate figures are checked here, so a
-failure never prints a held-out line.
+Rules are written from the train and dev sets only. The blind held-out set (``fresh/``) is
+read by the bench (scripts/bench/classify.py) alone, and only its aggregate figures are
+checked here, so a failure never prints a held-out line.
 """
 
 from __future__ import annotations
@@ -21,9 +21,16 @@ from detect.classify import Classifier, load_classifier
 
 REPO = Path(__file__).resolve().parents[2]
 
-HELD_OUT_STATUS_FLOOR = 0.82
-"""The held-out status accuracy measured when the rules were last changed (0.833 on 126
-lines), less a small margin: a regression below it fails."""
+HELD_OUT_STATUS_FLOOR = 0.85
+"""The blind held-out set's status accuracy (``corpus/fresh/*-errors``) measured when the
+rules were last changed (0.860 on 157 lines), less a small margin: a regression fails."""
+HELD_OUT_BENIGN_FIRES_CEILING = 1
+"""Held-out benign lines classified SEV1/SEV2 when the rules were last changed: the exception
+line of an ``Exception ignored in`` report, which only the agent's stream context
+(:mod:`detect.unraisable`) can tell from a crash. More fails."""
+DEV_STATUS_FLOOR = 0.92
+"""The dev set's status accuracy (the first held-out half, read to write rules on 2026-11-25:
+0.929 on 126 lines), less a small margin."""
 
 KNOWN_TRAIN_MISSES: dict[str, tuple[str, str | None, str]] = {
     # line prefix: (status, severity) we give it, and why that differs from the label
@@ -107,8 +114,17 @@ def test_known_misses_are_in_the_train_half() -> None:
 
 
 def test_benign_lines_never_restart_or_drain(figures: dict[str, object]) -> None:
-    # both halves, as a count only (a held-out line is never printed)
-    assert figures["benign_n"] and figures["benign_fires"] == 0
+    # the sets the rules were written from; the held-out set as a count only (never printed)
+    assert figures["train_benign_n"] and figures["train_benign_fires"] == 0
+    assert figures["dev_benign_n"] and figures["dev_benign_fires"] == 0
+    assert figures["held_out_benign_n"]
+    fired = figures["held_out_benign_fires"]
+    assert isinstance(fired, int) and fired <= HELD_OUT_BENIGN_FIRES_CEILING, fired
+
+
+def test_dev_accuracy_stays_above_the_floor(figures: dict[str, object]) -> None:
+    accuracy = figures["dev_status_acc"]
+    assert isinstance(accuracy, float) and accuracy >= DEV_STATUS_FLOOR, accuracy
 
 
 def test_held_out_accuracy_stays_above_the_floor(figures: dict[str, object]) -> None:

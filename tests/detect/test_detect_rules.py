@@ -28,9 +28,9 @@ REAL_LINES: list[tuple[str, str, str]] = [
     (str(entry["text"]), str(entry["status"]), str(entry["rule"]))
     for entry in tomllib.loads((DATA / "real-log-lines.toml").read_text())["line"]
 ]
-CORPUS_TRAIN: list[str] = [
+CORPUS_TRAIN: list[str] = [  # the rules' sources: train, and the spent first held-out half ("dev")
     str(entry["text"])
-    for name in ("errors-train", "benign-train")
+    for name in ("errors-train", "benign-train", "errors-heldout", "benign-heldout")
     if (DATA / "corpus" / f"{name}.toml").exists()
     for entry in tomllib.loads((DATA / "corpus" / f"{name}.toml").read_text())["line"]
 ]
@@ -109,10 +109,18 @@ NOT_EVIDENCE = [
     ),
     ("Ignoring exception in on_train_end callback: RuntimeError: CUDA error", "ignored_exception"),
     ("Sending process 2630 closing signal SIGTERM", "torchelastic_closing_signal"),
+    # constructed: srun's SIGTERM to the other tasks once one failed, and NCCL without verbs
+    ("srun: error: node-7: tasks 0-3,5-7: Terminated", "srun_terminated_the_rest"),
+    (
+        "node-1:2494:2756 [1] misc/ibvwrap.cc:63 NCCL WARN Failed to open libibverbs.so[.1]",
+        "nccl_no_ib_fallback",
+    ),
+    ("AssertionError: can only join a child process", "interpreter_shutdown_noise"),
 ]
 
 # The same phrasing with error evidence in it still fires: the vetoes are not blanket.
 STILL_EVIDENCE = [
+    ("srun: error: node-7: task 4: Killed", "slurm_task_failed"),
     ("NVLink errors: 0, NVLink CRC errors: 3", "nvlink_failure"),
     ("Connection refused by store at node-0:29500, giving up after 5 retries", "connection_refused"),
     (
