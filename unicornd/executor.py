@@ -22,6 +22,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any, Final, cast
 
 import redis.asyncio as aioredis
@@ -34,6 +35,7 @@ from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import get_logger
 from unicorn_core.paths import CKPT_RING_ENV, agent_run_dir
 from unicorn_core.slurm.backend import ResizeUnsupported, SlurmBackend, StepHandle
+from unicornd import decide
 from unicornd.actions import (
     ALLOCATION,
     Action,
@@ -71,6 +73,11 @@ NODE_CHECK_VERDICT: Final = "unhealthy:"
 """How ``unicorn-node-check`` starts the line that names what failed (its verdict)."""
 PAIRED_CHECK_TIMEOUT_S: Final = 60.0
 """Per test of the paired check (each test: an all-gather and a matmul on 2-3 nodes)."""
+LAUNCH_WATCH_S: Final = 5.0
+"""How long after its start an agent's srun step that exits non-zero fails its launch. srun
+exits at once when it cannot create the step (the allocation changed under it, or Slurm
+broke it: 22.05 after a requeue, "Invalid generic resource (gres) specification"); the rung
+then fails at once, instead of after a heartbeat timeout of silence (30 s by default)."""
 LAUNCH_CONCURRENCY: Final = 16
 """Agents' srun steps started at once by one launch: each is a slurmctld RPC (step
 creation, 27 ms on the dev cluster) plus a job lookup; a few in flight overlap their
@@ -134,6 +141,7 @@ class Executor:
         self.agent_users = agent_users
         self.config_path = config_path
         self.steps: dict[tuple[int, str], StepHandle] = {}
+        self._watches: set[asyncio.Task[None]] = set()
         self.actions_run = 0
         self._running: dict[str, asyncio.Task[None]] = {}
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[str]]] = {
@@ -180,8 +188,9 @@ class Executor:
                     raise t.exception()  # type: ignore[misc]  # a bug: end unicornd
 
     def in_flight(self) -> list[asyncio.Task[None]]:
-        """The actions being performed now (cancelled when unicornd stops)."""
-        return list(self._running.values())
+        """The actions being performed now, and the launches being watched (cancelled when
+        unicornd stops)."""
+        return [*self._running.values(), *self._watches]
 
     def _start(self, group: list[Owed]) -> None:
         """Perform ``group``: one action, or drains done in one Slurm call (:func:`_drain_group`)."""
@@ -431,13 +440,39 @@ class Executor:
             config_path=self.config_path,
             launch_id=action.action_id,
         )
-        self.steps[(action.job_id, cmd.node)] = await self.slurm.launch_step(
+        step = await self.slurm.launch_step(
             action.job_id,
             [cmd.node],
             logged(argv, agent_run_dir(self.keys.prefix, action.job_id, cmd.node)),
             env=env,
             capture=False,
         )
+        self.steps[(action.job_id, cmd.node)] = step
+        watch = asyncio.create_task(self._watch_launch(action, cmd.node, step), name=f"watch:{cmd.node}")
+        self._watches.add(watch)
+        watch.add_done_callback(self._watches.discard)
+
+    async def _watch_launch(self, action: LaunchAgents, node: str, step: StepHandle) -> None:
+        """Fail ``action`` on ``node`` if its srun exits non-zero within :data:`LAUNCH_WATCH_S`
+        (the launch itself was done once srun started). A step this executor stopped or
+        replaced meanwhile is not a failure; a stale outcome is only noted by the decision."""
+        try:
+            code = await asyncio.wait_for(step.wait(), LAUNCH_WATCH_S)
+        except TimeoutError:
+            return
+        if code == 0 or self.steps.get((action.job_id, node)) is not step:
+            return
+        detail = (
+            f"the agent's srun step on {node} exited {code} within {LAUNCH_WATCH_S:g} s of its start "
+            "(Slurm did not create the step, or the agent could not start; slurmctld's log says why)"
+        )
+        log.warning("agent_launch_exited", action=action.action_id, node=node, exit_code=code)
+        outcome = Outcome(action.action_id, action.kind, OutcomeStatus.FAILED, detail, node)
+        now = time.time()
+        try:
+            await self.core.decide(now, partial(decide.on_outcome, outcome=outcome, now_s=now))
+        except UnicornError as e:  # Redis away: the silence that follows still finds it
+            log.error("launch_watch_failed", action=action.action_id, node=node, error=str(e))
 
     async def _notify(self, action: NotifyOperator) -> str:
         log.error("operator_needed", incident=action.incident_id, why=action.why)

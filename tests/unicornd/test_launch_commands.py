@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from unicorn_core.errors import CommandFailed
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.protocol import AgentAction, AgentCommand, encode
 from unicorn_core.slurm.backend import StepHandle
-from unicornd.actions import LaunchAgents, NodeArgv
+from unicornd.actions import LaunchAgents, NodeArgv, Outcome, OutcomeStatus
 from unicornd.executor import LAUNCH_CONCURRENCY
 
 PREFIX = "launchcmd"
@@ -110,3 +111,52 @@ async def test_a_node_whose_launch_fails_fails_the_action_but_not_the_other_node
     with pytest.raises(CommandFailed, match="n3: step creation failed"):
         await _launch_on(slurm, redis_url, _on_nodes(6))
     assert sorted(s.nodes[0] for s in slurm.steps) == ["n1", "n2", "n4", "n5", "n6"]
+
+
+class _ExitingSlurm(FakeSlurm):
+    """Each node's step runs the command given for it (srun failing to create a step exits
+    1 at once; a running agent does not exit)."""
+
+    def __init__(self, runs: dict[str, tuple[str, ...]]) -> None:
+        names = sorted(runs)
+        super().__init__([idle_node(n) for n in names], [running_job(7, names)], local_steps=True)
+        self.runs = runs
+
+    async def launch_step(
+        self, job_id: int, nodes: Sequence[str], argv: Sequence[str], **kw: Any
+    ) -> StepHandle:
+        return await super().launch_step(job_id, nodes, self.runs[nodes[0]], **kw)
+
+
+async def test_an_srun_that_exits_at_once_fails_its_launch_on_that_node_only(redis_url: str) -> None:
+    """The launch is done once its sruns started; one that then exits non-zero within
+    LAUNCH_WATCH_S is reported as the launch failing on its node (a decision's input), so
+    the rung fails at once instead of after a heartbeat timeout of silence."""
+    slurm = _ExitingSlurm({"n1": ("sh", "-c", "exit 3"), "n2": ("sleep", "30"), "n3": ("true",)})
+    launch = LaunchAgents(
+        "plan-3/t/launch", "t", 7, tuple(NodeArgv(n, ("agent",)) for n in ("n1", "n2", "n3"))
+    )
+    outcomes: list[Outcome] = []
+    reported = asyncio.Event()
+    async with running_daemon(slurm, redis_url, PREFIX, exits_cleanly=False) as daemon:
+        real = daemon.core.decide
+
+        async def spy(now_s: float, fn: Any) -> Any:
+            if isinstance(fn, partial) and "outcome" in fn.keywords:
+                outcomes.append(fn.keywords["outcome"])
+                reported.set()
+            return await real(now_s, fn)
+
+        daemon.core.decide = spy  # type: ignore[method-assign]
+        try:
+            await daemon.executor._launch(launch)
+            await asyncio.wait_for(reported.wait(), 10)
+            await asyncio.sleep(0.3)  # n3's clean exit and n2's run must add nothing
+            got = [(o.action_id, o.status, o.node) for o in outcomes]  # before the steps are killed
+        finally:
+            for step in slurm.steps:
+                if step.process.returncode is None:
+                    step.process.kill()
+                await step.process.wait()
+    assert got == [("plan-3/t/launch", OutcomeStatus.FAILED, "n1")]
+    assert "exited 3 within" in outcomes[0].detail
