@@ -6,16 +6,19 @@ Starts a private dev cluster (4 nodes x 1 GPU) and, per scenario, a fresh real u
 torchrun ranks of the built-in trainer:
 
 - ``benign_fires``: every rank of a 2-node task prints every line of the benign corpora
-  (``tests/detect/data/corpus/benign-*.toml``) before it trains, through the agents'
-  real output path. Counted: the agents' fault reports at SEV1/SEV2 on the job's stream.
+  (``tests/detect/data/corpus/benign-*.toml`` and ``fresh/*-benign.toml``) before it
+  trains, through the agents' real output path. Counted: the agents' fault reports at
+  SEV1/SEV2 on the job's stream.
 - ``user_bug_drains``: rank 1 raises the same ``RuntimeError`` at iteration 5 of every
   launch. Counted: nodes drained. Also reported: how the task ended.
 - ``unconfirmed_drains``: the agent on n2 is SIGSTOPped (the node stays reachable) until
   unicornd has replaced it. Counted: nodes drained.
 - ``true_isolations`` of 2 faults injected: ``dev-cluster kill-node n2`` (a dead node);
-  and a rank that keeps reporting NCCL timeouts on n1 while n2 is the bad node (the
-  paired check's all-gather on n2 is corrupt, ``UNICORN_PAIRTEST_FAULT_NODE``). Counted:
-  the faulty node drained and no other.
+  and a bad node n2 that stalls the job's collectives: its training ranks are SIGSTOPped
+  whenever they run (so every restart stalls again, as on a node whose GPU or NIC hangs
+  collectives), while a rank on n1 reports the NCCL timeouts it sees every 15 s, naming
+  no culprit (the paired check's all-gather on n2 is corrupt,
+  ``UNICORN_PAIRTEST_FAULT_NODE``). Counted: the faulty node drained and no other.
 - ``false_alarms``: a fault-free run of ``--quiet-minutes`` (default 20) of a 2-node task
   with a CPU hog (a busy loop) beside it. Counted: incidents opened.
 - ``healthy_nodes_drained``: over all scenarios, drains of nodes that were not the
@@ -44,6 +47,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from launcher.probe import find_agents  # noqa: E402
+from launcher.supervisor import descendants, process_state, read_environ  # noqa: E402
 from tests.conftest import DevCluster, start_cluster  # noqa: E402
 from tests.system.coordinator import (  # noqa: E402
     PLANNER_MODEL,
@@ -100,8 +104,12 @@ def reset(cluster: DevCluster) -> None:
 
 def benign(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
     lines = []
-    for name in ("benign-train.toml", "benign-heldout.toml"):
-        lines += [str(e["text"]) for e in tomllib.loads((CORPUS / name).read_text())["line"]]
+    for path in [
+        CORPUS / "benign-train.toml",
+        CORPUS / "benign-heldout.toml",
+        *sorted(CORPUS.glob("fresh/*-benign.toml")),
+    ]:
+        lines += [str(e["text"]) for e in tomllib.loads(path.read_text())["line"]]
     text = tmp / "benign.txt"
     text.write_text("".join(line.replace("\n", " ") + "\n" for line in lines))
     script = tmp / "print_then_train.py"
@@ -185,34 +193,71 @@ def node_kill(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
         return {"isolated": drained(snap) == ["n2"], "drained": drained(snap)}
 
 
+def stall_ranks(job_id: int, node: str, stopped: set[int]) -> None:
+    """SIGSTOP every training rank of ``job_id`` on ``node`` that runs (adds them to ``stopped``)."""
+    for agent in find_agents(job_id, node):
+        for pid in descendants(agent.pid):
+            if "LOCAL_RANK" in read_environ(pid, ("LOCAL_RANK",)) and process_state(pid) not in (None, "T"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.add(pid)
+
+
 def paired(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
     env = {"UNICORN_PAIRTEST_FAULT_NODE": "n2"}
+    stopped: set[int] = set()
     with coordinator(cluster, tmp, **env) as c:
         task = start(c, "p", "n1,n2,n3,n4", tmp)
         c.wait(lambda s: running(s, "p", 3), "p training", 300)
         deadline = time.monotonic() + 600
         n = 0
         snap = c.snapshot()
-        while snap is not None and not drained(snap) and time.monotonic() < deadline:
-            n += 1  # a rank on n1 keeps timing out in its collectives, as a stalled peer causes
-            report = FaultReport(
-                job_id=task.job_id or 0,
-                node="n1",
-                wall_time_s=time.time(),
-                status="nccl_timeout",
-                severity="SEV3",
-                rule="nccl_watchdog_timeout",
-                rank=0,
-                evidence=f"[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum={n})",
-            )
-            with c.client() as r:
-                r.xadd(c.keys.events(report.job_id), {PAYLOAD_FIELD: encode(report)})
-            t_next = time.monotonic() + 15
-            while time.monotonic() < t_next and snap is not None and not drained(snap):
-                time.sleep(1)
-                snap = c.snapshot()
+        try:
+            while snap is not None and not drained(snap) and time.monotonic() < deadline:
+                snap = _stall_and_report(c, task, n := n + 1, stopped)
+        finally:
+            for pid in stopped:  # whatever still lives of the stalled ranks
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
         assert snap is not None
-        return {"isolated": drained(snap) == ["n2"], "drained": drained(snap), "timeouts_reported": n}
+        incidents = sorted(snap.incidents.values(), key=lambda i: i.opened_s)
+        return {
+            "isolated": drained(snap) == ["n2"],
+            "drained": drained(snap),
+            "timeouts_reported": n,
+            "ranks_stalled": len(stopped),
+            "incidents": [
+                {"rule": i.rule, "stages": [e.stage.value for e in i.timeline], "note": i.note}
+                for i in incidents
+            ],
+        }
+
+
+def _stall_and_report(c: Coordinator, task: TaskRecord, n: int, stopped: set[int]) -> Snapshot | None:
+    """One round of the bad node: n2's ranks stalled, n1's rank reporting the timeout it sees,
+    then 15 s of the ranks on n2 kept stalled (a restart starts new ones)."""
+    job = task.job_id or 0
+    stall_ranks(job, "n2", stopped)
+    # a rank on n1 times out in its collectives, as the stalled peer causes
+    report = FaultReport(
+        job_id=job,
+        node="n1",
+        wall_time_s=time.time(),
+        status="nccl_timeout",
+        severity="SEV3",
+        rule="nccl_watchdog_timeout",
+        rank=0,
+        evidence=f"[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum={n})",
+    )
+    with c.client() as r:
+        r.xadd(c.keys.events(report.job_id), {PAYLOAD_FIELD: encode(report)})
+    t_next = time.monotonic() + 15
+    snap = c.snapshot()
+    while time.monotonic() < t_next and snap is not None and not drained(snap):
+        time.sleep(0.5)
+        stall_ranks(job, "n2", stopped)
+        snap = c.snapshot()
+    return snap
 
 
 def quiet(cluster: DevCluster, tmp: Path, minutes: float) -> dict[str, Any]:
