@@ -21,8 +21,9 @@ most severe explanation of a line comes first:
 Every line rule is exercised by a line in ``tests/detect``: a real line with its public
 source (``data/real-log-lines.toml``, the corpus's train and dev sets) or, where none
 exists yet, a constructed example marked as such. Accuracy on real lines is measured by
-``scripts/bench/classify.py`` on the corpus's blind held-out set (``corpus/fresh/``), which
-no rule was written from.
+``scripts/bench/classify.py`` on the corpus's blind held-out set (``corpus/fresh/``): no
+rule was written from its error lines (a few benign-line rules were, after its blind
+measurement; BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -667,7 +668,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "cuda_device_assert",
         "status": "cuda_error",
         "pattern": r"device-side assert triggered"
-        r"|\.cu:\d+: [^:]+: block: \[\d+"
+        r"|\.cu:\d+: .{1,300}?: block: \[\d+"
         r"|cudaErrorAssert",
     },
     {
@@ -724,7 +725,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "segfault",
         "status": "exited_abnormally",
-        "pattern": r"Segmentation fault|segmentation fault|SIGSEGV|segfault at [0-9a-f]+",
+        "pattern": r"Segmentation fault|segmentation fault (?:encountered|\(core dumped\))|SIGSEGV|"
+        r"segfault at [0-9a-f]+",
     },
     {
         "name": "bus_error",
@@ -754,7 +756,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|returned\s+a non-zero exit code"
         r"|exited with non-zero status"
         r"|Worker group FAILED"
-        r"|^-- Process \d+ terminated with the following error",
+        r"|(?:^|\]:\s?)-- Process \d+ terminated with the following error",
         "doc": "a process died of a signal (the shell's 'Killed' / '(core dumped)', torch.multiprocessing's "
         "'terminated with signal', torchelastic's 'Signal 9 (SIGKILL) received by PID')",
     },
@@ -818,9 +820,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "slurm_execve_failed",
         "status": "other_software_error",
-        "pattern": r"^\s*slurmstepd(?:-\S+)?: error: execve\(\): ",
-        "doc": "the job's own program could not be started (a wrong path or a script without its "
-        "interpreter): the user's error, not the node's",
+        "pattern": r"^\s*slurmstepd(?:-\S+)?: error: execve\(\): .*(?:No such file or directory|Permission "
+        r"denied|Exec format error)",
+        "doc": "the job's own program could not be started (a wrong path, no execute permission, a script "
+        "without its interpreter): the user's error, not the node's (an I/O error is left to slurm_error)",
     },
     {
         "name": "slurm_error",
@@ -948,7 +951,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"Got async event : port error|IBV_EVENT_PORT_ERR|Link DOWN\b|Link UP\b|Link down\b|"
         r"Link ACTIVE\b|link status definitely (?:down|up)|link status up again|NIC Link is (?:Down|Up)|"
         r"[Ll]ost carrier|carrier (?:lost|off)\b|\blink is (?:down|up)\b|link state changed to (?:UP|DOWN)\b|"
-        r"port \d+ state changed to (?:UP|DOWN|ACTIVE)\b|\bstate DOWN physical_state\b",
+        r"port \d+ state changed to (?:UP|DOWN|ACTIVE)\b|\bstate DOWN physical_state (?!DISABLED)",
         "unless": r"\bSATA\b|\bata\d+",
         "doc": "a NIC or InfiniBand port went down or came back up while the job ran: a flap (not a disk's "
         "SATA link)",

@@ -358,6 +358,7 @@ class Agent:
         }
         generation = self._generation
         self.monitor = self._new_monitor()
+        self._ignored = IgnoredBlocks()  # a report the last run's ranks left unfinished ends here
         self._hang_reported = None
         self._follow_log(argv)
         sup = Supervisor(

@@ -9,7 +9,13 @@ process when its parent dies, and it survives the ``execve`` into the command: t
 stops its workers on SIGTERM (a SIGKILLed torchrun would orphan them in turn).
 
 This is a program, not a ``preexec_fn``: code between ``fork`` and ``exec`` in a process
-with threads (the agent has them) may deadlock on a lock another thread held.
+with threads (the agent has them) may deadlock on a lock another thread held. The command
+gets the environment and signal dispositions it would have had without this wrapper.
+
+Limits: the signal fires when the *thread* that forked this process ends, so the agent
+starts it from its event loop's (main) thread. It reaches the command itself only; a
+command that does not stop its children on SIGTERM (a shell script running torchrun in
+the foreground, without ``exec``) leaves them running as before.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import ctypes
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Final
 
 PR_SET_PDEATHSIG: Final = 1  # <linux/prctl.h>
@@ -33,13 +40,27 @@ def argv_for(parent_pid: int, argv: list[str]) -> list[str]:
 def arm(parent_pid: int) -> bool:
     """Ask for SIGTERM when the parent dies; False if the parent is gone already.
 
-    Where ``prctl`` fails (not Linux) the command still runs, without the signal."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        print(f"deathsig: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}", file=sys.stderr)
+    Where ``prctl`` is missing or fails (not Linux) the command still runs, without it."""
+    try:
+        failed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0
+        why = os.strerror(ctypes.get_errno()) if failed else ""
+    except AttributeError:
+        failed, why = True, "no prctl in this C library"
+    if failed:
+        print(f"deathsig: prctl(PR_SET_PDEATHSIG) failed: {why}", file=sys.stderr)
     # The parent may have died before prctl: then this process was reparented already.
     return os.getppid() == parent_pid
+
+
+def initial_environment() -> dict[str, str]:
+    """The environment this process was started with. Python's start-up may have changed
+    its own (PEP 538 sets ``LC_CTYPE`` under the C locale); the command gets the original."""
+    try:
+        raw = Path("/proc/self/environ").read_bytes()
+    except OSError:
+        return dict(os.environ)
+    pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+    return {os.fsdecode(k): os.fsdecode(v) for k, v in pairs}
 
 
 def main(args: list[str] | None = None) -> int:
@@ -50,9 +71,14 @@ def main(args: list[str] | None = None) -> int:
     if not arm(int(args[0])):
         return EXIT_PARENT_GONE
     command = args[2:]
+    # Python ignores these at start-up and execve keeps ignored signals ignored; the command
+    # gets the defaults, as subprocess's restore_signals gave it before this wrapper.
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
     try:
-        os.execvp(command[0], command)  # noqa: S606 (the caller's argv, by design no shell)
-    except OSError as e:  # execvp returns only by raising
+        os.execvpe(command[0], command, initial_environment())  # noqa: S606 (the caller's argv, no shell)
+    except OSError as e:  # execvpe returns only by raising
         print(f"deathsig: cannot run {command[0]}: {e}", file=sys.stderr)
     return 127
 

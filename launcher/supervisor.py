@@ -156,6 +156,9 @@ def _check_runnable(command: str, path: str, cwd: str | None) -> None:
     it. The command starts through :mod:`launcher.deathsig`, so its own ``exec`` failing
     would otherwise read as a training that exited 127."""
     if "/" not in command:
+        # relative PATH entries as the command's exec sees them: from its own cwd
+        base = Path(cwd or ".")
+        path = os.pathsep.join(str(base / (entry or ".")) for entry in path.split(os.pathsep))
         if shutil.which(command, path=path) is None:
             raise CommandNotFound([command], None, message=f"executable not found: {command}")
         return

@@ -450,7 +450,12 @@ class Executor:
         self.steps[(action.job_id, cmd.node)] = step
         watch = asyncio.create_task(self._watch_launch(action, cmd.node, step), name=f"watch:{cmd.node}")
         self._watches.add(watch)
-        watch.add_done_callback(self._watches.discard)
+        watch.add_done_callback(self._watch_done)
+
+    def _watch_done(self, watch: asyncio.Task[None]) -> None:
+        self._watches.discard(watch)
+        if not watch.cancelled() and watch.exception() is not None:  # a bug: say so loudly
+            log.error("launch_watch_crashed", task=watch.get_name(), error=repr(watch.exception()))
 
     async def _watch_launch(self, action: LaunchAgents, node: str, step: StepHandle) -> None:
         """Fail ``action`` on ``node`` if its srun exits non-zero within :data:`LAUNCH_WATCH_S`
@@ -462,6 +467,9 @@ class Executor:
             return
         if code == 0 or self.steps.get((action.job_id, node)) is not step:
             return
+        task = self.core.snap.tasks.get(action.task_id)
+        if task is None or task.job_id != action.job_id or task.requeue is not None or node not in task.nodes:
+            return  # the job was requeued or moved meanwhile: Slurm ended the step on purpose
         detail = (
             f"the agent's srun step on {node} exited {code} within {LAUNCH_WATCH_S:g} s of its start "
             "(Slurm did not create the step, or the agent could not start; slurmctld's log says why)"

@@ -216,9 +216,10 @@ def paired(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
             while snap is not None and not drained(snap) and time.monotonic() < deadline:
                 snap = _stall_and_report(c, task, n := n + 1, stopped)
         finally:
-            for pid in stopped:  # whatever still lives of the stalled ranks
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
+            for pid in stopped:  # whatever still lives of the stalled ranks (a reused pid is not stopped)
+                if process_state(pid) == "T":
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
         assert snap is not None
         incidents = sorted(snap.incidents.values(), key=lambda i: i.opened_s)
         return {

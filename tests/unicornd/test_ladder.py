@@ -505,3 +505,13 @@ def test_the_same_code_error_after_a_restart_stops_the_task_and_drains_nothing()
     d = on_finding(snap, other, T0 + snap.policy.settle_s + 1)
     assert not of_kind(d.actions, DrainNode)
     assert [a.node for a in of_kind(d.actions, CheckNode)] == ["n2"]  # type: ignore[union-attr]
+
+
+def test_a_held_back_drain_of_a_node_confirmed_dead_is_set_down_when_the_operator_confirms() -> None:
+    snap = world(4, [task("a", 1, ["n1", "n2"]), task("b", 2, ["n3", "n4"])])  # limit: 1 drain
+    snap = apply(snap, on_finding(snap, finding("f1", 1, "n1", E.ECC_ERROR), T0))
+    dead = replace(finding("f2", 2, "n3", E.LOST_CONNECTION), rule=SLURM_NOT_RESPONDING)
+    snap = apply(snap, on_finding(snap, dead, T0 + 5))
+    assert snap.incidents["b.1"].pending_drain == "n3"
+    d = on_operator_confirm_drain(snap, "b.1", T0 + 6)
+    assert [(a.node, a.down) for a in of_kind(d.actions, DrainNode)] == [("n3", True)]  # type: ignore[union-attr]

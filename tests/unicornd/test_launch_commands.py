@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 import redis
 
 from tests.fakes.slurm import FakeSlurm, idle_node, running_job
+from tests.unicornd.coord_world import task
 from tests.unicornd.redis_world import running_daemon
 from unicorn_core.errors import CommandFailed
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
@@ -26,6 +28,7 @@ from unicorn_core.protocol import AgentAction, AgentCommand, encode
 from unicorn_core.slurm.backend import StepHandle
 from unicornd.actions import LaunchAgents, NodeArgv, Outcome, OutcomeStatus
 from unicornd.executor import LAUNCH_CONCURRENCY
+from unicornd.state import RequeueWait
 
 PREFIX = "launchcmd"
 
@@ -148,6 +151,8 @@ async def test_an_srun_that_exits_at_once_fails_its_launch_on_that_node_only(red
             return await real(now_s, fn)
 
         daemon.core.decide = spy  # type: ignore[method-assign]
+        snap = daemon.core.snap  # the launch's task, on the three nodes (as a plan left it)
+        daemon.core.snapshot = replace(snap, tasks={**snap.tasks, "t": task("t", 7, ("n1", "n2", "n3"))})
         try:
             await daemon.executor._launch(launch)
             await asyncio.wait_for(reported.wait(), 10)
@@ -160,3 +165,31 @@ async def test_an_srun_that_exits_at_once_fails_its_launch_on_that_node_only(red
                 await step.process.wait()
     assert got == [("plan-3/t/launch", OutcomeStatus.FAILED, "n1")]
     assert "exited 3 within" in outcomes[0].detail
+
+
+async def test_a_step_that_ends_while_its_job_is_requeued_is_no_launch_failure(redis_url: str) -> None:
+    """Slurm ends the steps of a job unicorn requeues: not a failed launch."""
+    slurm = _ExitingSlurm({"n1": ("sh", "-c", "sleep 0.3; exit 143")})
+    outcomes: list[object] = []
+    async with running_daemon(slurm, redis_url, PREFIX, exits_cleanly=False) as daemon:
+        real = daemon.core.decide
+
+        async def spy(now_s: float, fn: Any) -> Any:
+            if isinstance(fn, partial) and "outcome" in fn.keywords:
+                outcomes.append(fn.keywords["outcome"])
+            return await real(now_s, fn)
+
+        daemon.core.decide = spy  # type: ignore[method-assign]
+        snap = daemon.core.snap
+        waiting = task("t", 7, ("n1",), requeue=RequeueWait("plan-4/t/requeue", time.time() + 60))
+        daemon.core.snapshot = replace(snap, tasks={**snap.tasks, "t": waiting})
+        try:
+            await daemon.executor._launch(LaunchAgents("plan-3/t/launch", "t", 7, (NodeArgv("n1", ("a",)),)))
+            await asyncio.wait_for(slurm.steps[0].process.wait(), 10)
+            await asyncio.sleep(0.3)
+        finally:
+            for step in slurm.steps:
+                if step.process.returncode is None:
+                    step.process.kill()
+                await step.process.wait()
+    assert outcomes == []

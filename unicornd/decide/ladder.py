@@ -758,8 +758,13 @@ def on_operator_confirm_drain(snapshot: Snapshot, incident_id: str, now_s: float
         raise InvalidArgument(f"incident {incident_id!r} has no drain waiting for confirmation")
     draft = Draft(snapshot, now_s)
     task = snapshot.tasks.get(inc.task_id) if inc.task_id is not None else None
+    rule = inc.rule if inc.pending_drain == inc.node else ""  # a dead node is set DOWN first
     fault = Fault(
-        inc.pending_drain, inc.status.value, "confirmed by operator", confirmed_by=Confirmation.OPERATOR
+        inc.pending_drain,
+        inc.status.value,
+        "confirmed by operator",
+        rule=rule,
+        confirmed_by=Confirmation.OPERATOR,
     )
     _isolate(draft, task, inc, fault, confirmed=True)
     return draft.decision()
