@@ -66,7 +66,7 @@ from ckpt.errors import InvalidArgument, ShardUnavailable
 from ckpt.format import ShardMeta, dtype_name, read_meta, torch_dtype
 from ckpt.shard import OpenShard, seal_shard
 from ckpt.snapshot import SnapshotHandle, SnapshotWriter
-from ckpt.tier import TierDir, listing
+from ckpt.tier import TierDir
 from unicorn_core.logs import get_logger
 
 EXTRA_KEY: Final = "dcp"
@@ -167,7 +167,7 @@ def world_hint(sources: Sequence[TierDir], iteration: int, opened: Iterable[Open
     """The largest saved world any shard metadata of ``iteration`` in ``sources`` names (at least 1)."""
     sizes = [shard.meta.world_size for shard in opened]
     for tier in sources:
-        for path in listing(tier.shard(iteration, 0).directory, "shard-*.json"):
+        for path in tier.metas(iteration):
             with contextlib.suppress(OSError, msgspec.MsgspecError, ShardUnavailable):
                 sizes.append(read_meta(path).world_size)
     return max(sizes, default=1)

@@ -48,7 +48,7 @@ import msgspec
 from ckpt.errors import InvalidArgument
 from ckpt.format import ShardState, check_job_id, now_unix_s, read_meta, write_atomic
 from ckpt.snapshot import SnapshotHandle, SnapshotWriter
-from ckpt.tier import TierDir, listing
+from ckpt.tier import TierDir
 from unicorn_core.logs import get_logger
 
 REQUEST_FILE: Final = "jit-request.json"
@@ -81,8 +81,7 @@ def jit_responses(shm: TierDir, request_id: str) -> dict[int, int]:
     """Agent side: rank -> iteration of the snapshots taken for ``request_id`` (copied or sealed)."""
     found: dict[int, int] = {}
     for iteration in shm.iterations():
-        directory = shm.shard(iteration, 0).directory
-        for meta_path in listing(directory, "shard-*.json"):
+        for meta_path in shm.metas(iteration):
             try:
                 meta = read_meta(meta_path)
             except (OSError, msgspec.MsgspecError):

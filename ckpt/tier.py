@@ -100,6 +100,11 @@ class TierDir:
             return []
         return sorted(i for i in found if i is not None)
 
+    def metas(self, iteration: int) -> list[Path]:
+        """The metadata files (``shard-*.json``) of every shard of ``iteration`` here, sorted;
+        [] when its folder is gone (:func:`listing`)."""
+        return listing(iteration_dir(self.root, self.job_id, iteration), "shard-*.json")
+
     def done_ranks(self, iteration: int) -> set[int]:
         directory = iteration_dir(self.root, self.job_id, iteration)
         ranks = set()

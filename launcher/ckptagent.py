@@ -489,12 +489,9 @@ def _new_shards(snap: TierDir, seen: set[ShardKey]) -> list[tuple[ShardKey, int,
     The key is (path, inode, mtime): a slot reused for another snapshot gets a new
     metadata file (written by rename), hence a new key.
     """
-    from ckpt.tier import listing  # the engine: imported once the agent runs (module doc)
-
     found = []
     for iteration in snap.iterations():
-        directory = snap.shard(iteration, 0).directory
-        for meta_path in listing(directory, "shard-*.json"):
+        for meta_path in snap.metas(iteration):
             stem = meta_path.stem.removeprefix("shard-")
             key = _meta_key(meta_path)
             if stem.isdigit() and key is not None and key not in seen:

@@ -52,7 +52,7 @@ from ckpt.jit import JitCheckpointer
 from ckpt.restore import PeerAddress, Restorer, RestoreReport
 from ckpt.shard import OpenShard, seal_shard
 from ckpt.snapshot import SnapshotWriter
-from ckpt.tier import Tier, TierDir, listing
+from ckpt.tier import Tier, TierDir
 from launcher.trainer.config import SnapshotOptions, format_ranges, skipped_before
 
 RESTORE_LOCK: Final = ".restore.lock"
@@ -297,8 +297,7 @@ class MemoryCheckpoints:
     def _seal_copied(self, iteration: int) -> None:
         """Seal this node's shm copies of ``iteration`` the agent has not sealed yet (no agent,
         or a rank restarting before its agent got to them). Sealing is idempotent."""
-        directory = self.snap.shard(iteration, 0).directory
-        for meta_path in listing(directory, "shard-*.json"):
+        for meta_path in self.snap.metas(iteration):
             stem = meta_path.stem.removeprefix("shard-")
             try:
                 if stem.isdigit() and read_meta(meta_path).state is ShardState.COPIED:

@@ -47,7 +47,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from launcher.probe import find_agents  # noqa: E402
-from launcher.supervisor import descendants, process_state, read_environ  # noqa: E402
+from launcher.supervisor import process_state, rank_processes  # noqa: E402
 from tests.conftest import DevCluster, start_cluster  # noqa: E402
 from tests.system.coordinator import (  # noqa: E402
     PLANNER_MODEL,
@@ -196,8 +196,8 @@ def node_kill(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
 def stall_ranks(job_id: int, node: str, stopped: set[int]) -> None:
     """SIGSTOP every training rank of ``job_id`` on ``node`` that runs (adds them to ``stopped``)."""
     for agent in find_agents(job_id, node):
-        for pid in descendants(agent.pid):
-            if "LOCAL_RANK" in read_environ(pid, ("LOCAL_RANK",)) and process_state(pid) not in (None, "T"):
+        for pid, _env in rank_processes(agent.pid):
+            if process_state(pid) not in (None, "T"):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGSTOP)
                     stopped.add(pid)
