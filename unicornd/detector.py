@@ -22,6 +22,7 @@ agents stopped or jobs requeued or ended are forgotten. No executor calls in her
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from detect import (
     SLOW_STEP_TIMEOUT_S,
@@ -52,6 +53,9 @@ from unicorn_core.protocol import (
 from unicornd.actions import Decision, LaunchAgents, Requeue, SendCommand
 from unicornd.seed import expected_agents
 from unicornd.state import ENDED_STATES, LIVE_TASK_STATES, Snapshot
+
+STOPPED: Final = "\x00stopped"
+"""The launch id of an agent unicornd stopped on purpose (never a command's id)."""
 
 
 @dataclass(frozen=True)
@@ -103,11 +107,12 @@ class Detector:
     """Per job: loss health (:mod:`detect.losshealth`). Kept across restarts (a spike at
     the same data after a restart is found again without a second warm-up)."""
     _launches: dict[tuple[int, str], str] = field(init=False, default_factory=dict)
-    """Per (job, node): the id of the launch or restart this unicornd last commanded there.
-    Loss reports stamped with another launch id come from ranks being replaced (they keep
-    training until the agent stops them): they are not judged, so they cannot mark an
-    iteration as seen before the new ranks report it. Unknown (e.g. after a takeover):
-    every report is judged."""
+    """Per (job, node): the id of the launch or restart this unicornd last commanded there,
+    :data:`STOPPED` once it stopped that agent on purpose. Iteration reports stamped with
+    another launch id (or from a stopped agent) come from ranks being replaced (they keep
+    training until the agent stops them): they are neither timed nor judged, so they
+    cannot register a rank the new layout lacks or mark an iteration as seen before the
+    new ranks report it. Unknown (e.g. after a takeover): every report counts."""
     _stragglers: dict[int, StragglerMonitor] = field(init=False, default_factory=dict)
     """Per job: the straggler statistic (:mod:`detect.stragglers`), relearned at every
     (re)launch (the layout decides which ranks do the same work)."""
@@ -152,7 +157,7 @@ class Detector:
         """The agent was stopped on purpose: its silence means nothing."""
         self.liveness.forget(job_id, node)
         self._lost.discard((job_id, node))
-        self._launches.pop((job_id, node), None)
+        self._launches[(job_id, node)] = STOPPED  # its ranks' last reports are stale
         job = self._jobs.get(job_id)
         if job is not None:
             job.monitor.forget_source(node)  # its reports stop; the others' silence still counts
@@ -311,6 +316,14 @@ class Detector:
         return job is not None and job.final
 
     def _timing(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:
+        current = self._launches.get((msg.job_id, msg.node))
+        if current == STOPPED or (current is not None and msg.launch_id and msg.launch_id != current):
+            # A replaced launch's ranks, still running until the agent stops them. They
+            # must not reach the new launch's monitor: a rank of the old layout the new one
+            # lacks would be watched from its last report on and, once the new layout's
+            # timing is learned, judged hung (found in CI: "rank 3 reported no iteration for
+            # 9.81 s" after a 4-rank job went on with 3).
+            return []
         job = self._job(msg.job_id)
         job.monitor.observe(msg.rank, msg.iteration, msg.interval_s, msg.phase, now_s=now_s)
         job.rank_nodes[msg.rank] = msg.node
@@ -320,9 +333,6 @@ class Detector:
             job.final = True
             job.monitor.reset()
             job.hang_reported = None
-        current = self._launches.get((msg.job_id, msg.node))
-        if current is not None and msg.launch_id and msg.launch_id != current:
-            return []  # a replaced launch's ranks, still running until the agent stops them
         return [*self._stragglers_of(msg, now_s), *self._loss_health(msg, now_s)]
 
     def _stragglers_of(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:

@@ -50,9 +50,11 @@ def inject_replicated(c: Coordinator, a: TaskRecord, node: str, evidence: str) -
     return entry
 
 
-def primary_port(cluster: DevCluster) -> int:
+def primary_port(cluster: DevCluster) -> int | None:
+    """The port a majority of the sentinels names as primary (None: no majority answered)."""
     status = json.loads(cluster.script("status", "--json").stdout)
-    return int(status["redis_primary_port"])
+    port = status["redis_primary_port"]
+    return None if port is None else int(port)
 
 
 @pytest.mark.timeout(600)

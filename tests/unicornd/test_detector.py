@@ -171,6 +171,49 @@ def test_a_replaced_launchs_loss_report_does_not_hide_the_new_ranks_report() -> 
     assert found[0].launch_id == restart.action_id
 
 
+def stamped(rank: int, iteration: int, node: str, launch: str) -> IterationTiming:
+    return msgspec.structs.replace(timing(rank, iteration, node), launch_id=launch)
+
+
+def test_a_replaced_or_stopped_launchs_ranks_are_not_watched_by_the_new_layout() -> None:
+    """Found in CI (the paired-check system test): a 4-rank job went on with 3 ranks; the
+    old rank 3, still running until its agent stopped it, reported one more iteration after
+    the relaunch and was watched from then on; once the new layout's timing was learned it
+    was judged hung ("rank 3 reported no iteration for 9.81 s") and, with no restarts
+    left, the task was stopped. A replaced launch's reports (another launch id) and a
+    stopped agent's never reach the new monitor; the new ranks' own stall is still found."""
+    d = Detector(DetectConfig(warmup_iterations=1), AgentConfig(), load_classifier(None))
+    empty = Snapshot(tasks={}, nodes={}, gpus_per_node=8)
+    nodes = ("n1", "n2", "n3", "n4")
+    first = LaunchAgents("plan-1/launch/4", "a", 4, tuple(NodeArgv(n, ("train",)) for n in nodes))
+    d.follow(empty, empty, Decision(actions=(first,)), 1.0)
+    now = 1.0
+    for it in range(1, 10):
+        now += 0.1
+        for rank, node in enumerate(nodes):
+            d.on_message(stamped(rank, it, node, first.action_id), now)
+    stop = SendCommand("inc.1/stop/n2", 4, "n2", AgentAction.STOP, deadline_s=60.0)
+    new = [
+        SendCommand(f"plan-2/relaunch/{n}", 4, n, AgentAction.RELAUNCH, deadline_s=60.0)
+        for n in ("n1", "n3", "n4")
+    ]
+    d.follow(empty, empty, Decision(actions=(stop, *new)), now)
+    now += 0.05
+    d.on_message(stamped(3, 10, "n4", first.action_id), now)  # the old rank 3, replaced
+    d.on_message(stamped(1, 10, "n2", first.action_id), now)  # the old rank 1, its agent stopped
+    assert d.last_iteration(4) is None  # neither counts as the new layout's progress
+    for it in range(5, 40):
+        now += 0.1
+        for rank, cmd in enumerate(new):
+            d.on_message(stamped(rank, it, cmd.node, cmd.action_id), now)
+    assert d.check(now + 0.1) == [] and d.last_iteration(4) == 39
+    now += 0.1
+    for rank, cmd in enumerate(new[:2]):  # rank 2 (n4) stops reporting
+        d.on_message(stamped(rank, 40, cmd.node, cmd.action_id), now)
+    found = d.check(now + 1.0)
+    assert [(f.evidence.rank, f.evidence.node) for f in found] == [(2, "n4")], found
+
+
 def test_teardown_noise_after_the_last_iteration_is_no_finding() -> None:
     """Seen in CI: after the run's last iteration, the last rank to tear down logged its
     peers' closed sockets (SEV3, a retry in place that cannot help). Before the last
