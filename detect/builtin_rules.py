@@ -355,8 +355,11 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "log_level_python",
         "status": "none",
-        "pattern": _each(r"^\s*@:[\w.]+:|\[@\s*[]|]|\| @\s+\||\s- @ -\s|^@ \d\d-\d\d ", *_LEVELS),
-        "doc": "a Python logging line at INFO or WARNING level (logging's 'WARNING:name:', DeepSpeed's "
+        "pattern": _each(
+            r"^\s*@:[\w.]+:|\[@\s*[]|]|\| @\s+\||\s- @ -\s|^@ \d\d-\d\d |\b@: [a-z_]\w*(?:\.\w+)+:", *_LEVELS
+        ),
+        "doc": "a Python logging line at INFO or WARNING level (logging's 'WARNING:name:' or, behind a "
+        "prefix, 'WARNING: torch.distributed.x:', DeepSpeed's "
         "'[INFO]', torch.distributed.run's '[WARNING]', loguru's '| INFO |', vLLM's 'INFO 03-07')",
     },
     {
@@ -380,7 +383,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         + r"|\bUncorr\w*\.?\s+ECC\b\D*\b0\b(?![.\d])",
         "unless": rf"\b{_ERRORS}(?:\s+count)?\s*[:=]?\s*[1-9]|\b[1-9]\d*\s+(?:[\w.-]+\s+)?{_ERRORS}\b"
         # CUDA's error string for a status that is an error ("...: No error" is its text for 0)
-        r"|no CUDA-capable device is detected",
+        r"|no CUDA-capable device is detected"
+        # gloo prints the errno's text, "no error" when errno was 0, after the failure
+        r"|connectFullMesh failed",
         "ignore_case": True,
         "doc": "a zero count ('NVLink errors: 0', '0 errors', 'no errors', 'error count 0', "
         "'Uncorr. ECC ... 0', "
@@ -509,7 +514,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|NVRM: BAR\d is 0M @ 0x0"
         r"|BIOS may have misconfigured your GPU"
         r"|NVIDIA probe routine was not called"
-        r"|No NVIDIA devices probed",
+        r"|No NVIDIA devices probed"
+        r"|'nvidia\.com/gpu' device marked unhealthy"
+        r"|nvidia_p2p_get_pages\(.*\) failed"
+        r"|NVRM: .*\bCannot attach gpu",
         "ignore_case": True,
         "doc": "the driver lost the GPU or could not bring it up (NV_ERR_GPU_IS_LOST, RmInitAdapter)",
     },
@@ -690,7 +698,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|CUDA Exception"
         r"|DeferredCudaCallError"
         r"|nvrtc: error|NVRTC_ERROR"
-        r"|\bcuda[A-Z]\w*(?:\(\))? failed",
+        r"|\bcuda[A-Z]\w*(?:\(\))? failed"
+        r"|^!!!! kernel execution error\.",
         "ignore_case": True,
         "generic": True,
     },
@@ -710,7 +719,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"DUE TO NODE FAILURE|Node failure on \S+|NODE_FAIL\b"
         r"|Communication connection failure"
         r"|due to failure of node \S+"
-        r"|on failed node \S+",
+        r"|on failed node \S+"
+        r"|\bjob \w+ \(node failure\)",
         "ignore_case": True,
         "doc": "Slurm lost a node of the job (slurmd unreachable; also a cloud scheduler's node_fail event)",
     },
@@ -719,7 +729,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "status": "exited_abnormally",
         "pattern": r"Out of memory: Kill(?:ed)? process|invoked oom-killer|\boom-kill:|oom_reaper: reaped|"
         r"Memory cgroup out of memory|Detected \d+ oom[-_]kill event"
-        r"|Exceeded (?:step|job) memory limit",
+        r"|Exceeded (?:step|job) memory limit"
+        r"|\bKilled process \d+ \([^)]*\) total-vm:"
+        r"|\b[1-9]\d* Workers? \(tasks / actors\) killed due to memory pressure \(OOM\)",
         "doc": "the kernel's OOM killer (host memory) killed a process",
     },
     {
@@ -756,6 +768,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|returned\s+a non-zero exit code"
         r"|exited with non-zero status"
         r"|Worker group FAILED"
+        r"|\*\*\* Process received signal \*\*\*|\] Failing at address: (?:0x[0-9a-f]+|\(nil\))"
+        r"|\] Signal code: .*\(-?\d+\)$"
+        r"|Per user-direction, the job has been aborted"
         r"|(?:^|\]:\s?)-- Process \d+ terminated with the following error",
         "doc": "a process died of a signal (the shell's 'Killed' / '(core dumped)', torch.multiprocessing's "
         "'terminated with signal', torchelastic's 'Signal 9 (SIGKILL) received by PID')",
@@ -951,7 +966,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"Got async event : port error|IBV_EVENT_PORT_ERR|Link DOWN\b|Link UP\b|Link down\b|"
         r"Link ACTIVE\b|link status definitely (?:down|up)|link status up again|NIC Link is (?:Down|Up)|"
         r"[Ll]ost carrier|carrier (?:lost|off)\b|\blink is (?:down|up)\b|link state changed to (?:UP|DOWN)\b|"
-        r"port \d+ state changed to (?:UP|DOWN|ACTIVE)\b|\bstate DOWN physical_state (?!DISABLED)",
+        r"port \d+ state changed to (?:UP|DOWN|ACTIVE)\b|\bstate DOWN physical_state (?!DISABLED)|"
+        r"link status down for interface|check_hw_ib:\s+No IB port \S+ is ACTIVE",
         "unless": r"\bSATA\b|\bata\d+",
         "doc": "a NIC or InfiniBand port went down or came back up while the job ran: a flap (not a disk's "
         "SATA link)",
@@ -987,7 +1003,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|Could not resolve hostname"
         r"|failed to resolve"
         r"|socket\.timeout"
-        r"|ConnectionAbortedError",
+        r"|ConnectionAbortedError"
+        r"|Wait timeout (?:after \d+ seconds )?for key\(s\)"
+        r"|RuntimeError: Wait timeout$"
+        r"|HTTP GET request failed too many times",
         "ignore_case": True,
     },
     # 7. generic catch-alls
@@ -1020,6 +1039,22 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "unless": r"^\s*(?:raise|except|from|import|class|def|assert|return)\b|^\s*File \"",
         "generic": True,
         "doc": "an exception line of a Python traceback that no specific rule explains",
+    },
+    {
+        "name": "bare_exception",
+        "status": "other_software_error",
+        "pattern": r"^Exception: ",
+        "generic": True,
+        "doc": "an exception of the base class itself ('Exception: Current loss scale already at "
+        "minimum'), which python_exception's named-class pattern does not cover",
+    },
+    {
+        "name": "hydra_job_error",
+        "status": "other_software_error",
+        "pattern": r"^Error executing job with overrides: \[",
+        "generic": True,
+        "doc": "Hydra's report that the training function raised (the exception follows, or is "
+        "hidden until HYDRA_FULL_ERROR=1)",
     },
     {
         "name": "error_level_line",

@@ -22,16 +22,17 @@ from detect.classify import Classifier, load_classifier
 
 REPO = Path(__file__).resolve().parents[2]
 
-HELD_OUT_STATUS_FLOOR = 0.85
+HELD_OUT_STATUS_FLOOR = 0.87
 """The blind held-out set's status accuracy (``corpus/fresh/*-errors``) measured when the
-rules were last changed (0.860 on 157 lines), less a small margin: a regression fails."""
+rules were last changed (0.879 on 157 lines, 2026-11-25 after the second train batch), less
+a small margin: a regression fails."""
 HELD_OUT_BENIGN_FIRES_CEILING = 1
 """Held-out benign lines classified SEV1/SEV2 when the rules were last changed: the exception
 line of an ``Exception ignored in`` report, which only the agent's stream context
 (:mod:`detect.unraisable`) can tell from a crash. More fails."""
-DEV_STATUS_FLOOR = 0.92
-"""The dev set's status accuracy (the first held-out half, read to write rules on 2026-11-25:
-0.929 on 126 lines), less a small margin."""
+DEV_STATUS_FLOOR = 0.91
+"""The dev set's status accuracy (the first held-out half and the second batch's hash half,
+both read to write rules on 2026-11-25: 0.922 on 205 lines), less a small margin."""
 
 KNOWN_TRAIN_MISSES: dict[str, tuple[str, str | None, str]] = {
     # line prefix: (status, severity) we give it, and why that differs from the label
@@ -58,11 +59,55 @@ KNOWN_TRAIN_MISSES: dict[str, tuple[str, str | None, str]] = {
         "a WARNING-level line: by design no INFO or WARNING line fires (issue 17 item 1); the rendezvous "
         "failure is also reported at ERROR level",
     ),
-    "Fri Aug 11 12:31:45 2023[1,0]<stdout>:tomte401": (
+    "Fri Aug 11 12:31:45 2023[1,0]<stdout>:tomte401:1850301:1881358 [0] proxy.cc:1485": (
         "other_network_error",
         "SEV3",
         "labelled from the thread's diagnosis (a CUDA error elsewhere); the line itself only says NCCL's "
         "service thread failed a Connect with res=3 (ncclInternalError)",
+    ),
+    "Current thread 0x00007f4ebf9d3740 (most recent call first):": (
+        "none",
+        None,
+        "faulthandler's stack header: also printed by dump_traceback_later (a hang watchdog) with no "
+        "crash; a crash is named by the 'Fatal Python error' line above it",
+    ),
+    "srun: error: Nodes hpcsmall-debug-ghpc-[0-2] are still not ready": (
+        "exited_abnormally",
+        "SEV2",
+        "cloud nodes that did not boot within ResumeTimeout: Slurm's power saving sets them DOWN itself; "
+        "to unicorn a failed launch, not proof that a node of the job was lost",
+    ),
+    "Killing container with id docker://notebook:Need to kill Pod": (
+        "none",
+        None,
+        "the kubelet kills a pod's containers when the pod is deleted too: no evidence by itself",
+    ),
+    "ConnectionResetError: [Errno 104] Connection reset by peer": (
+        "connection_refused_reset",
+        "SEV3",
+        "benign inside the 'Exception ignored in' report it came from; alone, a reset. The agent reads "
+        "the report across lines (detect.unraisable); line by line it is SEV3 (retry in place) at most",
+    ),
+    "BrokenPipeError: [Errno 32] Broken pipe": (
+        "connection_refused_reset",
+        "SEV3",
+        "as above: a broken pipe printed at shutdown, SEV3 when read alone",
+    ),
+}
+
+KNOWN_DEV_BENIGN_FIRES: dict[str, str] = {
+    # dev benign lines classified SEV1/SEV2, and why only context tells them from a fault
+    "AttributeError: '_DataLoaderIter' object has no attribute 'pin_memory_thread'": (
+        "the exception line of an 'Exception ignored in' report at shutdown: the agent's stream context "
+        "(detect.unraisable) vetoes it, a single line cannot"
+    ),
+    "srun: error: taurusi2031: tasks 10-11: Exited with exit code 1": (
+        "the thread's tasks were ended by the user's own killall; the line is srun's report of any task "
+        "that exited 1"
+    ),
+    "|    -> NVLINK system       | Failure": (
+        "DCGM's diagnostic reporting an NVLink failure on a PCIe GPU without NVLink (a DCGM false "
+        "positive, NVSentinel PR 1481): the line is a failure report"
     ),
 }
 
@@ -117,10 +162,20 @@ def test_known_misses_are_in_the_train_half() -> None:
 def test_benign_lines_never_restart_or_drain(figures: dict[str, object]) -> None:
     # the sets the rules were written from; the held-out set as a count only (never printed)
     assert figures["train_benign_n"] and figures["train_benign_fires"] == 0
-    assert figures["dev_benign_n"] and figures["dev_benign_fires"] == 0
+    assert figures["dev_benign_n"] and figures["dev_benign_fires"] == len(KNOWN_DEV_BENIGN_FIRES)
     assert figures["held_out_benign_n"]
     fired = figures["held_out_benign_fires"]
     assert isinstance(fired, int) and fired <= HELD_OUT_BENIGN_FIRES_CEILING, fired
+
+
+def test_only_the_known_dev_benign_lines_fire(classifier: Classifier) -> None:
+    fired = [
+        line.text
+        for line in BENCH.load("benign-heldout")
+        if BENCH.severity_of(classifier.classify_line(line.text)) in ("SEV1", "SEV2")
+    ]
+    known = [next((p for p in KNOWN_DEV_BENIGN_FIRES if text.startswith(p)), text) for text in fired]
+    assert sorted(known) == sorted(KNOWN_DEV_BENIGN_FIRES), fired
 
 
 def test_dev_accuracy_stays_above_the_floor(figures: dict[str, object]) -> None:
@@ -149,7 +204,11 @@ def test_bench_prints_one_json_object_without_held_out_lines() -> None:
         "benign_fires",
         "held_out_status_acc_by_status",
     } <= set(doc)
-    held_out = {line.text for line in BENCH.load("errors-heldout") + BENCH.load("benign-heldout")}
+    held_out = {
+        line.text
+        for name in ("errors-heldout", "benign-heldout", "fresh/*-errors", "fresh/*-benign")
+        for line in BENCH.load(name)
+    }
     assert not any(text in done.stderr for text in held_out if len(text) > 20)
 
 

@@ -43,6 +43,10 @@ BENIGN_LINES = [
     "tj5-sc-ai-h800r-dev01:533:1765 [2] NCCL INFO 16 coll channels, 0 collnet channels, 16 nvls channels, "
     "16 p2p channels, 2 p2p channels per peer",
     "node-1:100:200 [0] NCCL INFO Call to connect returned Connection refused, retrying",
+    # constructed: a count of zero in the raylet's report, and a shell's 'Exception: ' that is text
+    "(raylet) [2024-08-25 19:21:02,241 E 1 1] (raylet) node_manager.cc:3064: 0 Workers (tasks / actors) "
+    "killed due to memory pressure (OOM), 0 Workers crashed due to other reasons at node",
+    "Raise Exception: the docs' heading, mid-line",
     "node-1:100:200 [0] NCCL INFO Channel 00 : 0[0] -> 1[1] via P2P/NVLink",
     # hpcaitech/ColossalAI#3514
     "WARNING:torch.distributed.elastic.multiprocessing.api:Sending process 812914 closing signal SIGTERM",
