@@ -1,7 +1,9 @@
 """``unicorn-agent``: one per node of a training job; supervises, watches and reports.
 
-Launched by unicornd with ``srun --jobid=J -w NODE --overlap unicorn-agent ... -- CMD``
-(or by hand). It
+Launched by unicornd with ``srun --jobid=J -w NODE --overlap unicorn-agent ... -- CMD``,
+or, for a whole job's nodes, one ``srun`` step whose agents read each node's command from
+Redis (``--await-launch``); or by hand. It ends the agent before it on its node first
+(:mod:`launcher.supersede`), then
 
 - writes a heartbeat every ``agent.heartbeat_interval_s`` (a TTL key and an ``hb``
   event carrying pids and the last iteration);
@@ -50,7 +52,7 @@ import redis.asyncio as aioredis
 
 from detect import SLOW_STEP_TIMEOUT_S, Classifier, IterationMonitor, load_classifier
 from detect.unraisable import IgnoredBlocks
-from launcher import megatron
+from launcher import megatron, supersede
 from launcher.ckptagent import CkptPlan
 from launcher.gpu import FaultFile, GpuMonitor
 from launcher.hook import ENV_JOB_ID, ENV_NODE, ENV_SOCKET, MAX_DATAGRAM
@@ -91,6 +93,9 @@ _SOCKET_PATH_MAX: Final = 100
 _DATAGRAMS_PER_WAKEUP: Final = 256
 _COMMAND_BLOCK_MS: Final = 500
 _ANSWERS_KEPT: Final = 256
+_SUPERSEDE_MARGIN_S: Final = 10.0
+"""Beyond its ranks' grace, what an agent being replaced on its node is given to stop (its
+events flushed, up to 5 s) before the new one SIGKILLs it."""
 _HANG_CHECK_S: Final = 0.02
 _CPU_WAIT_SAMPLE_S: Final = 0.1
 """How often the agent reads its ranks' run-queue wait (one small /proc read per rank);
@@ -141,6 +146,7 @@ class Agent:
         exit_with_training: bool = False,
         grace_s: float = 5.0,
         launch_id: str = "",
+        await_launch: bool = False,
     ) -> None:
         self.cfg = cfg
         self.launch_id = launch_id
@@ -159,6 +165,10 @@ class Agent:
         )
         self.inject_gpu_faults = inject_gpu_faults
         self.exit_with_training = exit_with_training
+        self.await_launch = await_launch
+        """No command line training: it is stored in Redis under this agent's launch id
+        (:meth:`unicorn_core.keys.RedisKeys.agent_launch`; one srun step started the whole
+        job's agents, each node's training command differs)."""
         self.grace_s = grace_s
         self.keys = RedisKeys(cfg.redis.key_prefix)
         self.counters = AgentCounters()
@@ -174,6 +184,10 @@ class Agent:
         self._recent_faults: dict[tuple[str, int | None], float] = {}
         self._ignored = IgnoredBlocks()
         self._stop = asyncio.Event()
+        self._ready = asyncio.Event()
+        """Set once the job's environment is read: commands wait for it (a relaunch queued
+        before this agent started, as unicornd launches a whole job's agents, must start the
+        training in the job's environment, as a command line's training does)."""
         self._exit_status = 0
         self._client: aioredis.Redis | None = None
         self._outbox: Outbox | None = None
@@ -213,6 +227,10 @@ class Agent:
 
     async def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Before anything else: the agent this one replaces on the node is gone first.
+        ended = await asyncio.to_thread(supersede.claim, self.run_dir, self.grace_s + _SUPERSEDE_MARGIN_S)
+        if ended is not None:
+            log.warning("agent_superseded", job_id=self.job_id, node=self.node, pid=ended)
         loop = self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
@@ -243,8 +261,11 @@ class Agent:
         log.info("agent_started", job_id=self.job_id, node=self.node, run_dir=str(self.run_dir))
         try:
             self.job_env = await self._job_environment()
+            self._ready.set()
             if self.argv:
                 await self._start_training(self.argv, {})
+            elif self.await_launch:
+                await self._start_stored_training()
             await self._stop.wait()
         finally:
             if self.supervisor is not None:
@@ -260,6 +281,7 @@ class Agent:
                 faults.stop()
             self._close_hook_socket()
             await self._client.aclose()
+            supersede.release(self.run_dir)
             log.info(
                 "agent_stopped",
                 status=self._exit_status,
@@ -315,6 +337,40 @@ class Agent:
                 except TimeoutError:
                     proc.kill()
                     await proc.wait()
+
+    async def _start_stored_training(self, timeout_s: float = 10.0) -> None:
+        """Start the training command unicornd stored for this agent's launch id. A start
+        that fails, or a command that is not there within ``timeout_s``, is answered as the
+        failed command of that launch (an agent of a whole-job step that fails alone does
+        not end the step, so the step's exit cannot say so); a start that works is not
+        answered (hundreds of answers for one launch would each be a decision)."""
+        assert self._client is not None
+        key = self.keys.agent_launch(self.job_id, self.node)
+        deadline = time.monotonic() + timeout_s
+        why = f"no training command for launch {self.launch_id!r} in {timeout_s:g} s"
+        while time.monotonic() < deadline:
+            try:
+                raw = await redis_io.call(("GET", key), self._client.get(key))
+            except RedisCallError as e:
+                why = f"no training command for launch {self.launch_id!r} in {timeout_s:g} s (Redis: {e})"
+                raw = None
+            cmd = self._cmd_decoder.decode(cast(bytes, raw)) if raw is not None else None
+            if (
+                isinstance(cmd, AgentCommand)
+                and cmd.command_id == self.launch_id
+                and (cmd.job_id, cmd.node) == (self.job_id, self.node)
+                and cmd.action == AgentAction.RELAUNCH
+                and cmd.argv
+            ):
+                try:
+                    await self._start_training(cmd.argv, dict(cmd.env))
+                except Exception as e:  # a command that cannot start: the launch failed here
+                    why = f"{type(e).__name__}: {e}"
+                    break
+                return
+            await asyncio.sleep(0.2)
+        log.error("stored_launch_failed", launch_id=self.launch_id, why=why)
+        self._emit(CommandResult(**self._env(), command_id=self.launch_id, ok=False, detail=why[:4096]))
 
     async def _job_environment(self, timeout_s: float = 10.0) -> JobEnvironment | None:
         """The job's exported variables and working directory, stored by unicornd at
@@ -629,6 +685,7 @@ class Agent:
     async def _commands(self) -> None:
         assert self._client is not None
         stream = self.keys.agent_commands(self.job_id, self.node)
+        await self._ready.wait()
         backoff = 0.1
         while True:
             try:
@@ -885,6 +942,12 @@ def _describe_exit(info: ExitInfo) -> str:
     default="",
     help="Id of the coordinator action that started this agent (tags its ranks' iterations).",
 )
+@click.option(
+    "--await-launch",
+    is_flag=True,
+    help="Read the training command stored for --launch-id in Redis (one srun step started "
+    "every agent of the job) instead of taking COMMAND.",
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def cli(  # noqa: PLR0917 - click passes options positionally
     config_path: Path | None,
@@ -895,6 +958,7 @@ def cli(  # noqa: PLR0917 - click passes options positionally
     exit_with_training: bool,
     grace_s: float,
     launch_id: str,
+    await_launch: bool,
     command: tuple[str, ...],
 ) -> None:
     """Supervise COMMAND (e.g. torchrun ...) on this node and report to unicornd through Redis."""
@@ -919,6 +983,8 @@ def cli(  # noqa: PLR0917 - click passes options positionally
         raise click.UsageError(str(e)) from None
     if exit_with_training and not command:
         raise click.UsageError("--exit-with-training needs a COMMAND")
+    if await_launch and (command or not launch_id):
+        raise click.UsageError("--await-launch takes no COMMAND and needs --launch-id")
     # Per installation (key prefix), job and node: job ids repeat across clusters.
     run_dir = run_dir or agent_run_dir(cfg.redis.key_prefix, job_id, node)
     agent = Agent(
@@ -931,6 +997,7 @@ def cli(  # noqa: PLR0917 - click passes options positionally
         exit_with_training=exit_with_training,
         grace_s=grace_s,
         launch_id=launch_id,
+        await_launch=await_launch,
     )
     sys.exit(asyncio.run(agent.run()))
 

@@ -100,6 +100,13 @@ class RedisKeys:
         """Stream: coordinator -> the agent of ``job_id`` on ``node``."""
         return self._key("cmd", _job_id(job_id), _component("node", node))
 
+    def agent_launch(self, job_id: int, node: str) -> str:
+        """String: the training command of the agent of ``job_id`` on ``node`` that one srun
+        step for the whole job started (an :class:`~unicorn_core.protocol.AgentCommand`
+        ``relaunch`` whose id is that agent's launch id). Beside, not in, the command stream:
+        an agent it replaces never reads it."""
+        return self._key("cmd", _job_id(job_id), _component("node", node), "launch")
+
     def command_results(self, job_id: int) -> str:
         """Stream: the agents of ``job_id`` -> coordinator, one CommandResult per AgentCommand."""
         return self._key("cmd-results", _job_id(job_id))

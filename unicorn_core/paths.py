@@ -26,10 +26,15 @@ def etc_dir() -> Path:
     return Path(sys.prefix) / "share" / "unicorn" / "etc"
 
 
+def agent_runs_root(key_prefix: str, job_id: int) -> Path:
+    """The folder of a job's agents' run folders, one per node (:func:`agent_run_dir`)."""
+    return AGENT_RUN_ROOT / key_prefix / str(job_id)
+
+
 def agent_run_dir(key_prefix: str, job_id: int, node: str) -> Path:
     """The node agent's default run folder (``train.log``, the hook socket's neighbours):
     per installation (Redis key prefix), job and node, because job ids repeat across clusters."""
-    return AGENT_RUN_ROOT / key_prefix / str(job_id) / node
+    return agent_runs_root(key_prefix, job_id) / node
 
 
 CKPT_RING_ENV: Final = "UNICORN_CKPT_RING"

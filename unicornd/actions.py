@@ -117,7 +117,9 @@ class NodeArgv:
 
 @dataclass(frozen=True)
 class LaunchAgents:
-    """``srun --jobid=J -w NODE --overlap unicorn-agent ... -- ARGV`` on each node of ``commands``."""
+    """``unicorn-agent`` supervising each node's ``ARGV`` on the nodes of ``commands``: one
+    ``srun --jobid=J --overlap`` step for all of them (each node's ARGV stored in Redis),
+    or ``srun -w NODE ... -- ARGV`` for one node (``unicornd.executor``)."""
 
     kind: ClassVar[str] = "launch_agents"
     action_id: str

@@ -33,7 +33,8 @@ from unicorn_core.config import Config
 from unicorn_core.errors import CommandFailed, CommandTimeout, InvalidArgument, UnicornError
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import get_logger
-from unicorn_core.paths import CKPT_RING_ENV, agent_run_dir
+from unicorn_core.paths import CKPT_RING_ENV, agent_run_dir, agent_runs_root
+from unicorn_core.protocol import AgentAction, AgentCommand
 from unicorn_core.slurm.backend import ResizeUnsupported, SlurmBackend, StepHandle
 from unicornd import decide
 from unicornd.actions import (
@@ -60,7 +61,7 @@ from unicornd.actions import (
 )
 from unicornd.agentusers import AgentUsers
 from unicornd.core import Core
-from unicornd.launch import agent_argv, bin_dir, logged
+from unicornd.launch import agent_argv, bin_dir, logged, logged_on_each_node
 from unicornd.leader import Lease
 from unicornd.store import Owed
 
@@ -78,10 +79,11 @@ LAUNCH_WATCH_S: Final = 5.0
 exits at once when it cannot create the step (the allocation changed under it, or Slurm
 broke it: 22.05 after a requeue, "Invalid generic resource (gres) specification"); the rung
 then fails at once, instead of after a heartbeat timeout of silence (30 s by default)."""
-LAUNCH_CONCURRENCY: Final = 16
-"""Agents' srun steps started at once by one launch: each is a slurmctld RPC (step
-creation, 27 ms on the dev cluster) plus a job lookup; a few in flight overlap their
-latencies without flooding slurmctld's RPC queue."""
+LAUNCH_COMMAND_DEADLINE_S: Final = 60.0
+"""What an agent of a whole-job step is given to start its stored training command."""
+LAUNCH_KEY_TTL_S: Final = 3600
+"""How long a stored training command is kept: an agent reads it within seconds of its
+srun step's start; the key is not needed after that, and no job's keys pile up."""
 
 
 class CheckFailed(UnicornError):
@@ -396,29 +398,20 @@ class Executor:
         return f"{action.action.value} sent"
 
     async def _launch(self, action: LaunchAgents) -> str:
-        """One srun step per node, :data:`LAUNCH_CONCURRENCY` at a time (a 512-node job
-        launched one node after the other waited 512 slurmctld round trips in a row). The
-        action fails with the first node's error if any launch fails (the others are
-        logged); the other nodes are started all the same."""
+        """The agents of ``action``: one srun step for all its nodes
+        (:meth:`_launch_job_step`), or for its one node (:meth:`_launch_node`)."""
         credentials = await self.agent_users.env(action.job_id)
         # The checkpoint ring: the task's nodes as committed with this launch (an agent
         # restarted alone joins its task's ring, not a ring of one).
         task = self.core.snap.tasks.get(action.task_id)
         ring = task.nodes if task is not None and set(action.nodes) <= set(task.nodes) else action.nodes
         env = {**action.env, **credentials, CKPT_RING_ENV: ",".join(ring)}
-        slots = asyncio.Semaphore(LAUNCH_CONCURRENCY)
-
-        async def one(cmd: NodeArgv) -> None:
-            async with slots:
-                await self._launch_node(action, cmd, env)
-
-        results = await asyncio.gather(*(one(cmd) for cmd in action.commands), return_exceptions=True)
-        failed = [(cmd.node, r) for cmd, r in zip(action.commands, results, strict=True) if r is not None]
-        for node, error in failed[1:]:
-            log.warning("agent_launch_failed", action=action.action_id, node=node, error=repr(error))
-        if failed:
-            raise failed[0][1]
-        return f"agents on {','.join(action.nodes)}"
+        if len(action.commands) > 1:
+            await self._launch_job_step(action, env)
+            return f"agents on {','.join(action.nodes)} (one step)"
+        (cmd,) = action.commands
+        await self._launch_node(action, cmd, env)
+        return f"agent on {cmd.node}"
 
     async def _launch_node(self, action: LaunchAgents, cmd: NodeArgv, env: Mapping[str, str]) -> None:
         # A new agent reads its command stream from the start: whatever is queued there
@@ -428,10 +421,7 @@ class Executor:
         # with a restart written for that node three cycles earlier.
         stream = self.keys.agent_commands(action.job_id, cmd.node)
         await redis_io.call(("DEL", stream), self.client.delete(stream))
-        old = self.steps.pop((action.job_id, cmd.node), None)
-        if old is not None:
-            with contextlib.suppress(UnicornError, ProcessLookupError):
-                await old.stop(grace_s=5.0)
+        await self._stop_replaced(action.job_id, (cmd.node,))
         argv = agent_argv(
             self.cfg.agent,
             action.job_id,
@@ -448,7 +438,67 @@ class Executor:
             capture=False,
         )
         self.steps[(action.job_id, cmd.node)] = step
-        watch = asyncio.create_task(self._watch_launch(action, cmd.node, step), name=f"watch:{cmd.node}")
+        self._watch(action, (cmd.node,), step)
+
+    async def _launch_job_step(self, action: LaunchAgents, env: Mapping[str, str]) -> None:
+        """One srun step starts the agents of all of ``action``'s nodes: one slurmctld RPC and
+        two head-node processes for the whole job, where a step per node costs one RPC and
+        two processes (~3.8 MiB) per node for as long as the agents run (BENCHMARKS.md).
+
+        Each node's training command differs (node rank, rendezvous), and one step runs one
+        command line: each node's is stored in Redis first, as a ``relaunch`` command under
+        the launch's id (:meth:`RedisKeys.agent_launch`), together with clearing what the
+        node's command stream holds for an agent before it (one round trip for all). The
+        agents learn their node from ``$SLURMD_NODENAME`` and read their command
+        (``--await-launch``). The step is ``--no-kill``: a node that fails ends only its
+        own agent (Slurm otherwise signals every task of a step with a failed node)."""
+        fence = self.lease.token if self.lease is not None else 0
+        now = time.time()
+        pipe = self.client.pipeline(transaction=False)
+        for cmd in action.commands:
+            message = AgentCommand(
+                job_id=action.job_id,
+                node=cmd.node,
+                wall_time_s=now,
+                command_id=action.action_id,
+                action=AgentAction.RELAUNCH,
+                argv=list(cmd.argv),
+                deadline_s=LAUNCH_COMMAND_DEADLINE_S,
+                fence=fence,
+            )
+            launch_key = self.keys.agent_launch(action.job_id, cmd.node)
+            pipe.delete(self.keys.agent_commands(action.job_id, cmd.node))
+            pipe.set(launch_key, protocol.encode(message), ex=LAUNCH_KEY_TTL_S)
+        await redis_io.call(("DEL+SET", f"launch of job {action.job_id}"), pipe.execute())
+        await self._stop_replaced(action.job_id, action.nodes)
+        argv = agent_argv(
+            self.cfg.agent, action.job_id, None, (), config_path=self.config_path, launch_id=action.action_id
+        )
+        step = await self.slurm.launch_step(
+            action.job_id,
+            action.nodes,
+            logged_on_each_node(argv, agent_runs_root(self.keys.prefix, action.job_id)),
+            env=env,
+            options=("--no-kill", "--wait=0"),
+            capture=False,
+        )
+        for node in action.nodes:
+            self.steps[(action.job_id, node)] = step
+        self._watch(action, action.nodes, step)
+
+    async def _stop_replaced(self, job_id: int, nodes: Sequence[str]) -> None:
+        """Stop the steps of the agents that new ones on ``nodes`` replace, where a step runs
+        on none but those nodes. An older step that also runs elsewhere is left running: the
+        new agent ends its predecessor on its own node (:mod:`launcher.supersede`)."""
+        olds = {id(old): old for n in nodes if (old := self.steps.pop((job_id, n), None)) is not None}
+        for old in olds.values():
+            if not set(old.nodes) <= set(nodes):
+                continue
+            with contextlib.suppress(UnicornError, ProcessLookupError):
+                await old.stop(grace_s=5.0)
+
+    def _watch(self, action: LaunchAgents, nodes: tuple[str, ...], step: StepHandle) -> None:
+        watch = asyncio.create_task(self._watch_launch(action, nodes, step), name=f"watch:{','.join(nodes)}")
         self._watches.add(watch)
         watch.add_done_callback(self._watch_done)
 
@@ -457,30 +507,39 @@ class Executor:
         if not watch.cancelled() and watch.exception() is not None:  # a bug: say so loudly
             log.error("launch_watch_crashed", task=watch.get_name(), error=repr(watch.exception()))
 
-    async def _watch_launch(self, action: LaunchAgents, node: str, step: StepHandle) -> None:
-        """Fail ``action`` on ``node`` if its srun exits non-zero within :data:`LAUNCH_WATCH_S`
-        (the launch itself was done once srun started). A step this executor stopped or
-        replaced meanwhile is not a failure; a stale outcome is only noted by the decision."""
+    async def _watch_launch(self, action: LaunchAgents, nodes: tuple[str, ...], step: StepHandle) -> None:
+        """Fail ``action`` on ``nodes`` if their srun exits non-zero within
+        :data:`LAUNCH_WATCH_S` (the launch itself was done once srun started). A step this
+        executor stopped or replaced meanwhile is not a failure; a stale outcome is only
+        noted by the decision. (One agent of a whole-job step that fails alone does not end
+        the step: it answers its launch as failed itself, ``launcher.agent``.)"""
         try:
             code = await asyncio.wait_for(step.wait(), LAUNCH_WATCH_S)
         except TimeoutError:
             return
-        if code == 0 or self.steps.get((action.job_id, node)) is not step:
+        if code == 0 or any(self.steps.get((action.job_id, n)) is not step for n in nodes):
             return
         task = self.core.snap.tasks.get(action.task_id)
-        if task is None or task.job_id != action.job_id or task.requeue is not None or node not in task.nodes:
+        if (
+            task is None
+            or task.job_id != action.job_id
+            or task.requeue is not None
+            or not set(nodes) <= set(task.nodes)
+        ):
             return  # the job was requeued or moved meanwhile: Slurm ended the step on purpose
+        where = ",".join(nodes)
         detail = (
-            f"the agent's srun step on {node} exited {code} within {LAUNCH_WATCH_S:g} s of its start "
+            f"the agents' srun step on {where} exited {code} within {LAUNCH_WATCH_S:g} s of its start "
             "(Slurm did not create the step, or the agent could not start; slurmctld's log says why)"
         )
-        log.warning("agent_launch_exited", action=action.action_id, node=node, exit_code=code)
+        log.warning("agent_launch_exited", action=action.action_id, nodes=where, exit_code=code)
+        node = nodes[0] if len(nodes) == 1 else ""
         outcome = Outcome(action.action_id, action.kind, OutcomeStatus.FAILED, detail, node)
         now = time.time()
         try:
             await self.core.decide(now, partial(decide.on_outcome, outcome=outcome, now_s=now))
         except UnicornError as e:  # Redis away: the silence that follows still finds it
-            log.error("launch_watch_failed", action=action.action_id, node=node, error=str(e))
+            log.error("launch_watch_failed", action=action.action_id, nodes=where, error=str(e))
 
     async def _notify(self, action: NotifyOperator) -> str:
         log.error("operator_needed", incident=action.incident_id, why=action.why)

@@ -109,19 +109,27 @@ def renderer(cfg: AgentConfig, gpus_per_node: int, generation: int) -> Render:
 def agent_argv(
     cfg: AgentConfig,
     job_id: int,
-    node: str,
+    node: str | None,
     command: Sequence[str],
     *,
     config_path: str | None = None,
     launch_id: str = "",
 ) -> list[str]:
     """``unicorn-agent`` for (job, node) supervising ``command`` (run by srun on that node);
-    ``launch_id``: the action starting it (the agent tags its ranks' iterations with it)."""
-    argv = [str(bin_dir(cfg) / "unicorn-agent"), "--job-id", str(job_id), "--node", node]
+    ``launch_id``: the action starting it (the agent tags its ranks' iterations with it).
+
+    ``node`` None and no ``command``: one agent of a step over the whole job, which learns
+    its node from ``$SLURMD_NODENAME`` and its training command from Redis
+    (``--await-launch``, :meth:`unicorn_core.keys.RedisKeys.agent_launch`)."""
+    argv = [str(bin_dir(cfg) / "unicorn-agent"), "--job-id", str(job_id)]
+    if node is not None:
+        argv += ["--node", node]
     if launch_id:
         argv += ["--launch-id", launch_id]
     if config_path:
         argv += ["--config", config_path]
+    if node is None and not command:
+        return [*argv, "--await-launch"]
     return [*argv, "--", *command]
 
 
@@ -132,4 +140,13 @@ def logged(argv: Sequence[str], run_dir: Path) -> list[str]:
     folder holds its other logs and goes with them, so nothing is left in /tmp."""
     out = run_dir / "agent.out"
     script = f"mkdir -p {shlex.quote(str(run_dir))} && exec {shlex.join(argv)} >>{shlex.quote(str(out))} 2>&1"
+    return ["/bin/sh", "-c", script]
+
+
+def logged_on_each_node(argv: Sequence[str], runs_root: Path) -> list[str]:
+    """:func:`logged` for one step over many nodes: the run folder is
+    ``runs_root/$SLURMD_NODENAME`` (what :func:`unicorn_core.paths.agent_run_dir` gives
+    for that node), as slurmstepd sets the variable for each task."""
+    root = shlex.quote(str(runs_root))
+    script = f'd={root}/"$SLURMD_NODENAME" && mkdir -p "$d" && exec {shlex.join(argv)} >>"$d/agent.out" 2>&1'
     return ["/bin/sh", "-c", script]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import shlex
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -155,7 +156,10 @@ class _Templates:
 
 
 def step_launch_id(argv: Sequence[str]) -> str:
-    """The ``--launch-id`` of a ``unicorn-agent`` argv (:func:`unicornd.launch.agent_argv`)."""
+    """The ``--launch-id`` of a ``unicorn-agent`` argv (:func:`unicornd.launch.agent_argv`),
+    also inside the ``/bin/sh -c`` that logs its output (:func:`unicornd.launch.logged`)."""
+    if len(argv) == 3 and argv[1] == "-c" and argv[0].endswith("sh"):
+        argv = shlex.split(argv[2])
     for i, word in enumerate(argv[:-1]):
         if word == "--":
             break

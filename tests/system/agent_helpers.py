@@ -110,10 +110,14 @@ def run_agent(
     job_id: int = 1,
     node: str = "n1",
     env: dict[str, str] | None = None,
+    prefix: str | None = None,
+    run_dir: Path | None = None,
 ) -> Iterator[AgentRun]:
-    prefix = f"t{os.getpid()}x{next(_prefixes)}"
-    run_dir = tmp / f"agent-{prefix}"
-    run_dir.mkdir(parents=True)
+    """A real agent (``prefix``: its Redis key prefix, new by default; ``run_dir``: its
+    run folder, new by default: give another agent's to replace that agent)."""
+    prefix = prefix or f"t{os.getpid()}x{next(_prefixes)}"
+    run_dir = run_dir or tmp / f"agent-{prefix}"
+    run_dir.mkdir(parents=True, exist_ok=True)
     full_env = {
         **os.environ,
         "UNICORN_REDIS__URL": redis_url,
@@ -123,7 +127,7 @@ def run_agent(
     argv = [str(AGENT), "--job-id", str(job_id), "--node", node, "--run-dir", str(run_dir), *extra]
     if command:
         argv += ["--", *command]
-    with (run_dir / "agent.stderr").open("wb") as err:
+    with (run_dir / "agent.stderr").open("ab") as err:
         proc = subprocess.Popen(
             argv, env=full_env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
         )

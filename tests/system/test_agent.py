@@ -19,6 +19,7 @@ from tests.system.agent_helpers import run_agent, torchrun, toy
 from unicorn_core.config import AgentConfig, DetectConfig
 from unicorn_core.protocol import (
     AgentAction,
+    AgentCommand,
     CommandResult,
     ExceptionReport,
     FaultReport,
@@ -28,6 +29,7 @@ from unicorn_core.protocol import (
     IterationTiming,
     Message,
     ProcessExit,
+    encode,
 )
 
 pytestmark = pytest.mark.system
@@ -136,6 +138,47 @@ def test_commands_relaunch_checkpoint_and_stop(cluster: DevCluster, tmp_path: Pa
         assert a.proc.wait(timeout=20) == 0
         # Handled commands are removed from the stream: a restarted agent will not redo them.
         assert a.client.xlen(a.keys.agent_commands(a.job_id, a.node)) == 0
+
+
+def test_a_whole_jobs_agent_runs_its_stored_command_and_replaces_the_agent_before_it(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    """One srun step starts every agent of a job with the same command line; each reads its
+    node's training command, stored under its launch id (--await-launch). A later agent
+    for the same run folder ends the first (SIGTERM: it stops its training and exits 0)
+    before it starts its own."""
+    launch = "plan-1/t/launch"
+    with run_agent(cluster.redis_url, tmp_path, (), "--launch-id", launch, "--await-launch") as first:
+        stored = AgentCommand(
+            job_id=first.job_id,
+            node=first.node,
+            wall_time_s=time.time(),
+            command_id=launch,
+            action=AgentAction.RELAUNCH,
+            argv=toy("--iter-s", "0.02"),
+            deadline_s=60.0,
+        )
+        first.client.set(first.keys.agent_launch(first.job_id, first.node), encode(stored))
+        _, it = first.wait_for(is_(IterationTiming, iteration=3))
+        assert isinstance(it, IterationTiming) and it.launch_id == launch
+        again = "plan-2/t/launch"
+        with run_agent(
+            cluster.redis_url,
+            tmp_path,
+            (),
+            "--launch-id",
+            again,
+            "--await-launch",
+            prefix=first.keys.prefix,
+            run_dir=first.run_dir,
+        ) as second:
+            assert first.proc.wait(timeout=30) == 0  # ended by its successor, gracefully
+            first.poll()
+            assert any(isinstance(m, ProcessExit) and m.exit_code == 0 for _, m in first.seen)
+            # No command is stored for the second launch: it says so, as its launch failing.
+            _, res = second.wait_for(is_(CommandResult, command_id=again), timeout_s=30)
+            assert isinstance(res, CommandResult) and not res.ok and "no training command" in res.detail
+            assert second.proc.poll() is None
 
 
 def test_garbage_command_changes_nothing(cluster: DevCluster, tmp_path: Path) -> None:

@@ -57,6 +57,8 @@ async def test_an_agent_user_writes_only_its_own_job(redis_url: str) -> None:
     assert [e for _, e in agent.xread({KEYS.agent_commands(7, "n1"): "0-0"})[0][1]] == [{b"msg": b"c"}]
     assert agent.xdel(KEYS.agent_commands(7, "n1"), cmd) == 1
     assert agent.delete(KEYS.heartbeat(7, "n1")) == 1
+    admin.set(KEYS.agent_launch(7, "n1"), b"launch")  # a whole-job step's training command
+    assert agent.get(KEYS.agent_launch(7, "n1")) == b"launch"
     assert admin.xlen(KEYS.events(7)) == 1 and admin.xlen(KEYS.command_results(7)) == 1
 
     # Another job's streams and keys, and everything of the coordinator: refused, unchanged.
@@ -68,6 +70,7 @@ async def test_an_agent_user_writes_only_its_own_job(redis_url: str) -> None:
         lambda: agent.xadd(KEYS.command_results(8), {PAYLOAD_FIELD: b"forged"}),
         lambda: agent.set(KEYS.heartbeat(8, "n2"), b"forged"),
         lambda: agent.xread({KEYS.agent_commands(8, "n2"): "0-0"}),
+        lambda: agent.get(KEYS.agent_launch(8, "n2")),
         lambda: agent.xadd(KEYS.agent_commands(8, "n2"), {PAYLOAD_FIELD: b"forged"}),
         lambda: agent.xadd(KEYS.control(), {PAYLOAD_FIELD: encode_request(Stop(task="t"))}),
         lambda: agent.xadd(KEYS.operator_control(), {PAYLOAD_FIELD: encode_request(Drain("n1", "x"))}),

@@ -17,6 +17,7 @@ def test_default_names() -> None:
     keys = RedisKeys()
     assert keys.events(42) == "unicorn:events:42"
     assert keys.agent_commands(42, "gpu-a01") == "unicorn:cmd:42:gpu-a01"
+    assert keys.agent_launch(42, "gpu-a01") == "unicorn:cmd:42:gpu-a01:launch"
     assert keys.command_results(42) == "unicorn:cmd-results:42"
     assert keys.heartbeat(42, "node.12") == "unicorn:hb:42:node.12"
     assert keys.daemon_liveness() == "unicorn:unicornd:alive"
@@ -116,7 +117,7 @@ calls = st.one_of(
     st.tuples(
         st.sampled_from(["events", "command_results", "agent_password", "job_env"]), st.tuples(job_ids)
     ),
-    st.tuples(st.sampled_from(["agent_commands", "heartbeat"]), st.tuples(job_ids, names)),
+    st.tuples(st.sampled_from(["agent_commands", "agent_launch", "heartbeat"]), st.tuples(job_ids, names)),
 )
 
 
@@ -146,6 +147,7 @@ def test_calls_strategy_covers_every_method() -> None:
         "job_env",
         "reply",
         "agent_commands",
+        "agent_launch",
         "heartbeat",
         "leader",
         "fence",
@@ -200,7 +202,7 @@ def test_distinct_keys_over_a_grid_of_look_alike_inputs() -> None:
         ]
         inputs += [
             (prefix, (method, (job_id, part)))
-            for method in ["agent_commands", "heartbeat"]
+            for method in ["agent_commands", "agent_launch", "heartbeat"]
             for job_id in job_ids_
             for part in parts
         ]

@@ -24,10 +24,9 @@ from tests.unicornd.coord_world import task
 from tests.unicornd.redis_world import running_daemon
 from unicorn_core.errors import CommandFailed
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
-from unicorn_core.protocol import AgentAction, AgentCommand, encode
+from unicorn_core.protocol import AgentAction, AgentCommand, decode, encode
 from unicorn_core.slurm.backend import StepHandle
 from unicornd.actions import LaunchAgents, NodeArgv, Outcome, OutcomeStatus
-from unicornd.executor import LAUNCH_CONCURRENCY
 from unicornd.state import RequeueWait
 
 PREFIX = "launchcmd"
@@ -70,50 +69,103 @@ async def _launch_on(slurm: FakeSlurm, redis_url: str, launch: LaunchAgents) -> 
                 await step.process.wait()
 
 
-class _SlowSlurm(FakeSlurm):
-    """Each step takes a while to start (slurmctld's step creation); counts how many are
-    being started at once, and refuses to start one on ``bad``."""
+class _RecordingSlurm(FakeSlurm):
+    """Records each step's nodes, command line and options, and runs ``sleep`` instead of
+    the agent; refuses to create a step on ``bad``."""
 
     def __init__(self, nodes: int, bad: str = "") -> None:
         names = [f"n{i}" for i in range(1, nodes + 1)]
         super().__init__([idle_node(n) for n in names], [running_job(7, names)], local_steps=True)
         self.bad = bad
-        self.in_flight = 0
-        self.most = 0
+        self.launched: list[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = []
 
     async def launch_step(
         self, job_id: int, nodes: Sequence[str], argv: Sequence[str], **kw: Any
     ) -> StepHandle:
-        self.in_flight += 1
-        self.most = max(self.most, self.in_flight)
-        try:
-            await asyncio.sleep(0.02)
-            if nodes[0] == self.bad:
-                raise CommandFailed(("srun",), 1, "", f"srun: error: {self.bad}: step creation failed")
-            return await super().launch_step(job_id, nodes, argv, **kw)
-        finally:
-            self.in_flight -= 1
+        self.launched.append((tuple(nodes), tuple(argv), tuple(kw.get("options", ()))))
+        if self.bad in nodes:
+            raise CommandFailed(("srun",), 1, "", f"srun: error: {self.bad}: step creation failed")
+        return await super().launch_step(job_id, nodes, ("sleep", "30"), **kw)
 
 
 def _on_nodes(count: int) -> LaunchAgents:
     return LaunchAgents(
-        "plan-3/t/launch", "t", 7, tuple(NodeArgv(f"n{i}", ("true",)) for i in range(1, count + 1))
+        "plan-3/t/launch",
+        "t",
+        7,
+        tuple(NodeArgv(f"n{i}", ("train", f"--node-rank={i - 1}")) for i in range(1, count + 1)),
     )
 
 
-async def test_a_large_launch_starts_its_agents_a_bounded_number_at_a_time(redis_url: str) -> None:
-    slurm = _SlowSlurm(40)
-    await _launch_on(slurm, redis_url, _on_nodes(40))
-    started = sorted(c[2][0] for c in slurm.calls if c[0] == "launch_step")
-    assert started == sorted(f"n{i}" for i in range(1, 41))
-    assert slurm.most == LAUNCH_CONCURRENCY  # overlapped, never more than the bound
+async def test_a_whole_jobs_agents_start_in_one_step_each_with_its_own_stored_command(redis_url: str) -> None:
+    """Issue 20: one srun step (one slurmctld RPC, two head-node processes) for a 40-node
+    job, not 40. Its agents share one command line; each node's training command is stored
+    under the launch's id, and what an earlier agent left queued on each node is gone."""
+    keys = RedisKeys(PREFIX)
+    sync = redis.Redis.from_url(redis_url)
+    try:
+        stale = AgentCommand(
+            job_id=7,
+            node="n5",
+            wall_time_s=time.time(),
+            command_id="old",
+            action=AgentAction.STOP,
+            deadline_s=9.0,
+        )
+        sync.xadd(keys.agent_commands(7, "n5"), {PAYLOAD_FIELD: encode(stale)})
+        slurm = _RecordingSlurm(40)
+        await _launch_on(slurm, redis_url, _on_nodes(40))
+        ((nodes, argv, options),) = slurm.launched
+        assert nodes == tuple(f"n{i}" for i in range(1, 41))
+        assert "--no-kill" in options and "--wait=0" in options  # a failed node ends only its agent
+        script = argv[-1]
+        assert (
+            "--await-launch" in script and "--launch-id plan-3/t/launch" in script and "--node" not in script
+        )
+        assert '"$SLURMD_NODENAME"' in script  # each agent's run folder and log are its node's
+        for i in (1, 17, 40):
+            stored = decode(sync.get(keys.agent_launch(7, f"n{i}")) or b"")
+            assert isinstance(stored, AgentCommand) and stored.action is AgentAction.RELAUNCH
+            assert (stored.command_id, stored.node, stored.argv) == (
+                "plan-3/t/launch",
+                f"n{i}",
+                ["train", f"--node-rank={i - 1}"],
+            )
+            assert 0 < sync.ttl(keys.agent_launch(7, f"n{i}")) <= 3600
+        assert sync.xlen(keys.agent_commands(7, "n5")) == 0
+    finally:
+        sync.close()
 
 
-async def test_a_node_whose_launch_fails_fails_the_action_but_not_the_other_nodes(redis_url: str) -> None:
-    slurm = _SlowSlurm(6, bad="n3")
+async def test_a_step_slurm_refuses_fails_the_launch(redis_url: str) -> None:
+    slurm = _RecordingSlurm(6, bad="n3")
     with pytest.raises(CommandFailed, match="n3: step creation failed"):
         await _launch_on(slurm, redis_url, _on_nodes(6))
-    assert sorted(s.nodes[0] for s in slurm.steps) == ["n1", "n2", "n4", "n5", "n6"]
+    assert [len(nodes) for nodes, _, _ in slurm.launched] == [6] and not slurm.steps
+
+
+async def test_an_agent_restarted_alone_leaves_the_whole_jobs_step_running(redis_url: str) -> None:
+    """A node's agent replaced on its own (RestartAgent) is a step of that node; the step of
+    the whole job, which runs the other nodes' agents, is not stopped (the new agent ends
+    its predecessor on its node itself, launcher.supersede)."""
+    slurm = _RecordingSlurm(3)
+    async with running_daemon(slurm, redis_url, PREFIX, exits_cleanly=False) as daemon:
+        try:
+            await daemon.executor._launch(_on_nodes(3))
+            await daemon.executor._launch(
+                LaunchAgents("a.1/restart_agent/n2", "t", 7, (NodeArgv("n2", ("train",)),))
+            )
+            whole, alone = slurm.steps
+            assert whole.nodes == ("n1", "n2", "n3") and alone.nodes == ("n2",)
+            await asyncio.sleep(0.2)
+            assert whole.process.returncode is None  # still running n1's and n3's agents
+            await daemon.executor._launch(_on_nodes(3))  # the whole job again: both replaced
+            assert whole.process.returncode is not None and alone.process.returncode is not None
+        finally:
+            for step in slurm.steps:
+                if step.process.returncode is None:
+                    step.process.kill()
+                await step.process.wait()
 
 
 class _ExitingSlurm(FakeSlurm):
@@ -131,14 +183,20 @@ class _ExitingSlurm(FakeSlurm):
         return await super().launch_step(job_id, nodes, self.runs[nodes[0]], **kw)
 
 
-async def test_an_srun_that_exits_at_once_fails_its_launch_on_that_node_only(redis_url: str) -> None:
-    """The launch is done once its sruns started; one that then exits non-zero within
-    LAUNCH_WATCH_S is reported as the launch failing on its node (a decision's input), so
-    the rung fails at once instead of after a heartbeat timeout of silence."""
+@pytest.mark.parametrize(
+    ("nodes", "node"), [(("n1",), "n1"), (("n1", "n2", "n3"), "")], ids=["one node", "whole job"]
+)
+async def test_an_srun_that_exits_at_once_fails_its_launch(
+    redis_url: str, nodes: tuple[str, ...], node: str
+) -> None:
+    """The launch is done once its srun started; one that then exits non-zero within
+    LAUNCH_WATCH_S is reported as the launch failing (on its node, for a one-node step; a
+    decision's input), so the rung fails at once instead of after a heartbeat timeout of
+    silence. A step that exits 0, or one still running, adds nothing."""
     slurm = _ExitingSlurm({"n1": ("sh", "-c", "exit 3"), "n2": ("sleep", "30"), "n3": ("true",)})
-    launch = LaunchAgents(
-        "plan-3/t/launch", "t", 7, tuple(NodeArgv(n, ("agent",)) for n in ("n1", "n2", "n3"))
-    )
+    launch = LaunchAgents("plan-3/t/launch", "t", 7, tuple(NodeArgv(n, ("agent",)) for n in nodes))
+    clean = LaunchAgents("plan-3/t/launch", "t", 7, (NodeArgv("n3", ("agent",)),))
+    running = LaunchAgents("plan-3/t/launch", "t", 7, (NodeArgv("n2", ("agent",)),))
     outcomes: list[Outcome] = []
     reported = asyncio.Event()
     async with running_daemon(slurm, redis_url, PREFIX, exits_cleanly=False) as daemon:
@@ -154,6 +212,8 @@ async def test_an_srun_that_exits_at_once_fails_its_launch_on_that_node_only(red
         snap = daemon.core.snap  # the launch's task, on the three nodes (as a plan left it)
         daemon.core.snapshot = replace(snap, tasks={**snap.tasks, "t": task("t", 7, ("n1", "n2", "n3"))})
         try:
+            await daemon.executor._launch(clean)
+            await daemon.executor._launch(running)
             await daemon.executor._launch(launch)
             await asyncio.wait_for(reported.wait(), 10)
             await asyncio.sleep(0.3)  # n3's clean exit and n2's run must add nothing
@@ -163,7 +223,7 @@ async def test_an_srun_that_exits_at_once_fails_its_launch_on_that_node_only(red
                 if step.process.returncode is None:
                     step.process.kill()
                 await step.process.wait()
-    assert got == [("plan-3/t/launch", OutcomeStatus.FAILED, "n1")]
+    assert got == [("plan-3/t/launch", OutcomeStatus.FAILED, node)]
     assert "exited 3 within" in outcomes[0].detail
 
 
