@@ -118,8 +118,8 @@ def agent_argv(
     """``unicorn-agent`` for (job, node) supervising ``command`` (run by srun on that node);
     ``launch_id``: the action starting it (the agent tags its ranks' iterations with it).
 
-    ``node`` None and no ``command``: one agent of a step over the whole job, which learns
-    its node from ``$SLURMD_NODENAME`` and its training command from Redis
+    ``node`` None and no ``command``: one agent of a step over the whole job, whose node
+    :func:`logged_on_each_node` adds and which reads its training command from Redis
     (``--await-launch``, :meth:`unicorn_core.keys.RedisKeys.agent_launch`)."""
     argv = [str(bin_dir(cfg) / "unicorn-agent"), "--job-id", str(job_id)]
     if node is not None:
@@ -144,9 +144,12 @@ def logged(argv: Sequence[str], run_dir: Path) -> list[str]:
 
 
 def logged_on_each_node(argv: Sequence[str], runs_root: Path) -> list[str]:
-    """:func:`logged` for one step over many nodes: the run folder is
-    ``runs_root/$SLURMD_NODENAME`` (what :func:`unicorn_core.paths.agent_run_dir` gives
-    for that node), as slurmstepd sets the variable for each task."""
+    """:func:`logged` for the agent ``argv`` (without ``--node``) of one step over many
+    nodes: slurmstepd sets ``$SLURMD_NODENAME`` for each task, and the shell passes it as
+    the agent's ``--node`` (its command line names its node, as ``unicorn-probe`` looks
+    agents up) and makes ``runs_root/$SLURMD_NODENAME`` its run folder (what
+    :func:`unicorn_core.paths.agent_run_dir` gives for that node)."""
     root = shlex.quote(str(runs_root))
-    script = f'd={root}/"$SLURMD_NODENAME" && mkdir -p "$d" && exec {shlex.join(argv)} >>"$d/agent.out" 2>&1'
+    agent = f'{shlex.quote(argv[0])} --node "$SLURMD_NODENAME" {shlex.join(argv[1:])}'
+    script = f'd={root}/"$SLURMD_NODENAME" && mkdir -p "$d" && exec {agent} >>"$d/agent.out" 2>&1'
     return ["/bin/sh", "-c", script]
