@@ -516,7 +516,6 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|NVIDIA probe routine was not called"
         r"|No NVIDIA devices probed"
         r"|'nvidia\.com/gpu' device marked unhealthy"
-        r"|nvidia_p2p_get_pages\(.*\) failed"
         r"|NVRM: .*\bCannot attach gpu",
         "ignore_case": True,
         "doc": "the driver lost the GPU or could not bring it up (NV_ERR_GPU_IS_LOST, RmInitAdapter)",
@@ -720,7 +719,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|Communication connection failure"
         r"|due to failure of node \S+"
         r"|on failed node \S+"
-        r"|\bjob \w+ \(node failure\)",
+        r"|\bjob (?:preempted|requeued|killed|aborted) \(node failure\)",
         "ignore_case": True,
         "doc": "Slurm lost a node of the job (slurmd unreachable; also a cloud scheduler's node_fail event)",
     },

@@ -93,6 +93,9 @@ _SOCKET_PATH_MAX: Final = 100
 _DATAGRAMS_PER_WAKEUP: Final = 256
 _COMMAND_BLOCK_MS: Final = 500
 _ANSWERS_KEPT: Final = 256
+_LAUNCH_READ_S: Final = 30.0
+"""How long an agent of a whole-job step looks for its stored training command (unicornd
+stores it before srun starts; a Redis failover in between takes seconds)."""
 _SUPERSEDE_MARGIN_S: Final = 10.0
 """Beyond its ranks' grace, what an agent being replaced on its node is given to stop (its
 events flushed, up to 5 s) before the new one SIGKILLs it."""
@@ -185,9 +188,9 @@ class Agent:
         self._ignored = IgnoredBlocks()
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
-        """Set once the job's environment is read: commands wait for it (a relaunch queued
-        before this agent started, as unicornd launches a whole job's agents, must start the
-        training in the job's environment, as a command line's training does)."""
+        """Set once the job's environment is read and the first training started (or failed
+        to): commands wait for it, so a command queued before this agent started runs in
+        the job's environment, and none (a stop, a relaunch) interleaves with that start."""
         self._exit_status = 0
         self._client: aioredis.Redis | None = None
         self._outbox: Outbox | None = None
@@ -261,11 +264,13 @@ class Agent:
         log.info("agent_started", job_id=self.job_id, node=self.node, run_dir=str(self.run_dir))
         try:
             self.job_env = await self._job_environment()
-            self._ready.set()
-            if self.argv:
-                await self._start_training(self.argv, {})
-            elif self.await_launch:
-                await self._start_stored_training()
+            try:
+                if self.argv:
+                    await self._start_training(self.argv, {})
+                elif self.await_launch:
+                    await self._start_stored_training()
+            finally:  # commands run only after the first start: a stop cannot come before it
+                self._ready.set()
             await self._stop.wait()
         finally:
             if self.supervisor is not None:
@@ -338,7 +343,7 @@ class Agent:
                     proc.kill()
                     await proc.wait()
 
-    async def _start_stored_training(self, timeout_s: float = 10.0) -> None:
+    async def _start_stored_training(self, timeout_s: float = _LAUNCH_READ_S) -> None:
         """Start the training command unicornd stored for this agent's launch id. A start
         that fails, or a command that is not there within ``timeout_s``, is answered as the
         failed command of that launch (an agent of a whole-job step that fails alone does
@@ -362,6 +367,7 @@ class Agent:
                 and cmd.action == AgentAction.RELAUNCH
                 and cmd.argv
             ):
+                self.fence = max(self.fence, cmd.fence)  # a deposed unicornd's commands are refused
                 try:
                     await self._start_training(cmd.argv, dict(cmd.env))
                 except Exception as e:  # a command that cannot start: the launch failed here

@@ -17,6 +17,7 @@ takeover (the new leader holds no step handles). So the agent does it itself, on
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Final
 
 PIDFILE: Final = "agent.pid"
+LOCKFILE: Final = "agent.lock"
 _POLL_S: Final = 0.05
 _KILL_WAIT_S: Final = 10.0
 """How long a SIGKILLed agent may take to go (a process in uninterruptible sleep, e.g. on a
@@ -63,6 +65,14 @@ def claim(run_dir: Path, wait_s: float, *, pid: int | None = None) -> int | None
     Returns the pid of the agent it ended (None: there was none)."""
     pid = os.getpid() if pid is None else pid
     run_dir.mkdir(parents=True, exist_ok=True)
+    # One claim at a time: a third agent that starts while the second still waits for the
+    # first must then end the second, not also outwait the first and run beside it.
+    with (run_dir / LOCKFILE).open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _claim_locked(run_dir, wait_s, pid)
+
+
+def _claim_locked(run_dir: Path, wait_s: float, pid: int) -> int | None:
     ended = None
     old = recorded(run_dir)
     if old is not None and old[0] != pid and _alive(*old):

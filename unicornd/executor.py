@@ -491,11 +491,12 @@ class Executor:
         on none but those nodes. An older step that also runs elsewhere is left running: the
         new agent ends its predecessor on its own node (:mod:`launcher.supersede`)."""
         olds = {id(old): old for n in nodes if (old := self.steps.pop((job_id, n), None)) is not None}
-        for old in olds.values():
-            if not set(old.nodes) <= set(nodes):
-                continue
+
+        async def stop(old: StepHandle) -> None:
             with contextlib.suppress(UnicornError, ProcessLookupError):
                 await old.stop(grace_s=5.0)
+
+        await asyncio.gather(*(stop(old) for old in olds.values() if set(old.nodes) <= set(nodes)))
 
     def _watch(self, action: LaunchAgents, nodes: tuple[str, ...], step: StepHandle) -> None:
         watch = asyncio.create_task(self._watch_launch(action, nodes, step), name=f"watch:{','.join(nodes)}")

@@ -77,6 +77,13 @@ KNOWN_TRAIN_MISSES: dict[str, tuple[str, str | None, str]] = {
         "cloud nodes that did not boot within ResumeTimeout: Slurm's power saving sets them DOWN itself; "
         "to unicorn a failed launch, not proof that a node of the job was lost",
     ),
+    "gdrdrv:nvidia_p2p_get_pages(va=704fe0000": (
+        "none",
+        None,
+        "GDRCopy's pinning call failed with EINVAL: in the thread a driver/CUDA version mismatch, "
+        "more often the caller's pinning or configuration; not proof enough to drain a node (a "
+        "review of the rule that matched it)",
+    ),
     "Killing container with id docker://notebook:Need to kill Pod": (
         "none",
         None,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -85,4 +86,27 @@ def test_release_removes_only_its_own_record(tmp_path: Path, procs: list[subproc
     supersede.release(tmp_path)  # not ours: kept
     assert supersede.recorded(tmp_path) is not None
     supersede.release(tmp_path, pid=other.pid)
-    assert supersede.recorded(tmp_path) is None and not list(tmp_path.iterdir())
+    assert supersede.recorded(tmp_path) is None
+    assert [p.name for p in tmp_path.iterdir()] == [supersede.LOCKFILE]  # no temporary file left
+
+
+def test_of_two_agents_started_at_once_the_later_ends_the_earlier(
+    tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    """Found in review: both waited for the first agent, both outlived it, both recorded
+    themselves and ran side by side. Claims now take turns: the later ends the earlier."""
+    first = old_agent(procs, STUBBORN)
+    second = old_agent(procs, GRACEFUL)
+    third = old_agent(procs, GRACEFUL)
+    supersede.claim(tmp_path, 5.0, pid=first.pid)
+    with ThreadPoolExecutor(2) as pool:
+        ending_first = pool.submit(supersede.claim, tmp_path, 1.0, pid=second.pid)
+        time.sleep(0.3)  # the second claim is waiting out the stubborn first agent
+        ending_second = pool.submit(supersede.claim, tmp_path, 5.0, pid=third.pid)
+        assert ending_first.result(timeout=30) == first.pid
+        assert ending_second.result(timeout=30) == second.pid
+    assert first.wait(timeout=5) == -signal.SIGKILL and second.wait(timeout=5) == 0
+    assert third.poll() is None and supersede.recorded(tmp_path) == (
+        third.pid,
+        supersede.start_time(third.pid),
+    )

@@ -176,7 +176,7 @@ def test_a_whole_jobs_agent_runs_its_stored_command_and_replaces_the_agent_befor
             first.poll()
             assert any(isinstance(m, ProcessExit) and m.exit_code == 0 for _, m in first.seen)
             # No command is stored for the second launch: it says so, as its launch failing.
-            _, res = second.wait_for(is_(CommandResult, command_id=again), timeout_s=30)
+            _, res = second.wait_for(is_(CommandResult, command_id=again), timeout_s=60)
             assert isinstance(res, CommandResult) and not res.ok and "no training command" in res.detail
             assert second.proc.poll() is None
 
