@@ -34,7 +34,7 @@ from unicorn_core.errors import CommandFailed, CommandTimeout, InvalidArgument, 
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.logs import get_logger
 from unicorn_core.paths import CKPT_RING_ENV, agent_run_dir, agent_runs_root
-from unicorn_core.protocol import AgentAction, AgentCommand
+from unicorn_core.protocol import AgentAction
 from unicorn_core.slurm.backend import ResizeUnsupported, SlurmBackend, StepHandle
 from unicornd import decide
 from unicornd.actions import (
@@ -392,10 +392,13 @@ class Executor:
 
     async def _send(self, action: SendCommand) -> str:
         stream = self.keys.agent_commands(action.job_id, action.node)
-        fence = self.lease.token if self.lease is not None else 0
-        payload = {PAYLOAD_FIELD: protocol.encode(action.message(time.time(), fence=fence))}
+        payload = {PAYLOAD_FIELD: protocol.encode(action.message(time.time(), fence=self._fence()))}
         await redis_io.call(("XADD", stream), self.client.xadd(stream, payload))  # type: ignore[arg-type]
         return f"{action.action.value} sent"
+
+    def _fence(self) -> int:
+        """This unicornd's fencing token for the commands it writes (0: no lease)."""
+        return self.lease.token if self.lease is not None else 0
 
     async def _launch(self, action: LaunchAgents) -> str:
         """The agents of ``action``: one srun step for all its nodes
@@ -452,20 +455,20 @@ class Executor:
         agents learn their node from ``$SLURMD_NODENAME`` and read their command
         (``--await-launch``). The step is ``--no-kill``: a node that fails ends only its
         own agent (Slurm otherwise signals every task of a step with a failed node)."""
-        fence = self.lease.token if self.lease is not None else 0
+        fence = self._fence()
         now = time.time()
         pipe = self.client.pipeline(transaction=False)
         for cmd in action.commands:
-            message = AgentCommand(
-                job_id=action.job_id,
-                node=cmd.node,
-                wall_time_s=now,
-                command_id=action.action_id,
-                action=AgentAction.RELAUNCH,
-                argv=list(cmd.argv),
+            # The relaunch this agent would be sent, under the launch's id (not sent: stored).
+            relaunch = SendCommand(
+                action.action_id,
+                action.job_id,
+                cmd.node,
+                AgentAction.RELAUNCH,
                 deadline_s=LAUNCH_COMMAND_DEADLINE_S,
-                fence=fence,
+                argv=tuple(cmd.argv),
             )
+            message = relaunch.message(now, fence=fence)
             launch_key = self.keys.agent_launch(action.job_id, cmd.node)
             pipe.delete(self.keys.agent_commands(action.job_id, cmd.node))
             pipe.set(launch_key, protocol.encode(message), ex=LAUNCH_KEY_TTL_S)
