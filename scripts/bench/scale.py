@@ -602,6 +602,8 @@ def run_size(n_nodes: int, args: argparse.Namespace, folder: Path) -> dict[str, 
             "slurm_timings": dataclasses.asdict(SlurmTimings()),
             "deaths": deaths(schedule),
             "out": str(folder / "daemon.json"),
+            "tracemalloc_every_s": args.tracemalloc_every_s,
+            "tracemalloc_frames": args.tracemalloc_frames,
         }
         (folder / "spec.json").write_text(json.dumps(spec))
         daemon = spawn_daemon(folder, env)
@@ -853,6 +855,7 @@ def _analyse(
         "loop_lag_samples_over_100ms": len(late),
         "python_slope_per_h_per_h": _slope_per_h(dump.get("blocks", []), w0, w1),
         "object_types": {str(when): dict(top[:15]) for when, top in dump.get("object_types", [])},
+        **({"tracemalloc_growth": dump["tracemalloc"]} if dump.get("tracemalloc") else {}),
         "loop_lag_over_100ms_during_gc_share": _r(late_with_gc / len(late)) if late else None,
         "commits_per_s": _r(len(commits) / max(1e-9, w1 - w0), 2),
         "commit_bytes_p50": percentile([c[1] for c in commits], 0.5),
@@ -1034,6 +1037,14 @@ def main() -> None:
         default=None,
         help="unicornd's [redis] stream_retention_s (default: its default, 600 s)",
     )
+    ap.add_argument(
+        "--tracemalloc-every-s",
+        type=float,
+        default=0.0,
+        help="diagnostic: unicornd's memory growth by call site, a tracemalloc snapshot this often "
+        "from the window's start (slows unicornd: not for figures)",
+    )
+    ap.add_argument("--tracemalloc-frames", type=int, default=4, help="frames per call site (with the above)")
     ap.add_argument("--quick", action="store_true", help="N = 64 and 256 only, 20 s each (a smoke run)")
     ap.add_argument("--plot", type=Path, default=None, help="also draw the curves (log-log) into this PNG")
     ap.add_argument(

@@ -11,7 +11,11 @@ the process measures itself:
 - every commit's cost (:attr:`unicornd.store.Store.on_commit`);
 - every commit that opened or changed an incident, with its wall time, the findings it
   took in and its actions (a :class:`unicornd.core.Core` follower);
-- Python's full garbage collections (``gc.callbacks``): when, how long they held the loop.
+- Python's full garbage collections (``gc.callbacks``): when, how long they held the loop;
+- with ``spec["tracemalloc_every_s"]`` > 0 (``scale.py --tracemalloc-every-s``; a
+  diagnostic that slows every allocation, so its run's timings are not figures): a
+  :mod:`tracemalloc` snapshot that often from the window's start, each compared with the one
+  before, the biggest growths by allocating call site recorded (where RSS growth comes from).
 
 Configuration comes from the environment (``UNICORN_*``), as for unicornd. The node deaths
 of the fault schedule are scripted relative to the measurement window's start, which the
@@ -26,6 +30,7 @@ import gc
 import json
 import sys
 import time
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 from typing import Any, Final
@@ -76,6 +81,8 @@ class Recorder:
         """(wall time, ``sys.getallocatedblocks()``) every :data:`BLOCKS_EVERY` lag samples:
         whether RSS growth is Python objects or the allocator's own."""
         self.types_at: list[tuple[str, list[tuple[str, int]]]] = []
+        self.traced: list[dict[str, Any]] = []
+        """Growth between tracemalloc snapshots (:meth:`trace_growth`), when asked for."""
 
     def commit(self, cost: CommitCost) -> None:
         self.commits.append((time.time(), cost.state_bytes, cost.serialise_s, cost.total_s))
@@ -127,6 +134,33 @@ class Recorder:
             if n % BLOCKS_EVERY == 0:  # Python's allocated blocks: O(1) to read
                 self.blocks.append((time.time(), sys.getallocatedblocks()))
 
+    async def trace_growth(self, every_s: float, frames: int, top: int = 12) -> None:
+        """Every ``every_s``: what grew since the last snapshot, by allocating call site
+        (``frames`` innermost frames), biggest first. Only the latest snapshot is kept."""
+        skip = (tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__))
+        last: tracemalloc.Snapshot | None = None
+        while True:
+            await asyncio.sleep(every_s)
+            snap = tracemalloc.take_snapshot().filter_traces(skip)
+            if last is not None:
+                stats = snap.compare_to(last, "traceback")[:top]
+                self.traced.append(
+                    {
+                        "t": time.time(),
+                        "traced_mib": round(tracemalloc.get_traced_memory()[0] / 2**20, 1),
+                        "top": [
+                            {
+                                "kib": round(s.size_diff / 1024, 1),
+                                "blocks": s.count_diff,
+                                "at": [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in s.traceback],
+                            }
+                            for s in stats
+                        ],
+                    }
+                )
+            last = snap
+            del snap
+
     def object_types(self, top: int = 25) -> list[tuple[str, int]]:
         """The most numerous types among the objects the collector tracks (a walk of the
         whole heap: taken at the window's edges, outside the measurement)."""
@@ -136,6 +170,9 @@ class Recorder:
 
 async def main(spec: dict[str, Any]) -> int:
     """Run unicornd until it stops, then write what it measured about itself; its status."""
+    every_s = float(spec.get("tracemalloc_every_s") or 0)
+    if every_s > 0:
+        tracemalloc.start(int(spec.get("tracemalloc_frames") or 3))
     cfg = load_config()
     configure_logging(cfg.log.level, "json")
     prefix = cfg.redis.key_prefix
@@ -165,6 +202,9 @@ async def main(spec: dict[str, Any]) -> int:
                 t0 = float(raw)
                 slurm.schedule_deaths({n: t0 + float(s) for n, s in spec["deaths"].items()})
                 rec.types_at.append(("window_start", rec.object_types()))
+                if every_s > 0:
+                    frames = tracemalloc.get_traceback_limit()
+                    helpers.append(asyncio.create_task(rec.trace_growth(every_s, frames)))
                 return
             await asyncio.sleep(0.1)
 
@@ -189,6 +229,7 @@ async def main(spec: dict[str, Any]) -> int:
         "gcs": rec.gcs,
         "blocks": rec.blocks,
         "object_types": rec.types_at,
+        "tracemalloc": rec.traced,
         "slurm_calls": [e.to_dict() for e in slurm.calls],
         "solves": {
             "hits": daemon.core.ctx.solves.hits,
