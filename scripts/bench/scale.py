@@ -92,6 +92,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -583,6 +584,8 @@ def run_size(n_nodes: int, args: argparse.Namespace, folder: Path) -> dict[str, 
     daemon: subprocess.Popen[bytes] | None = None
     try:
         env = child_env(port, args.lookup_min_nodes, args.stream_retention_s)
+        if args.tracemalloc_every_s > 0:  # tracing slows every allocation: no timeout for it
+            env["UNICORN_REDIS__SOCKET_TIMEOUT_S"] = "60"
         cfg = load_config(None, env=env)
         ctx = PlanContext.from_config(cfg)
         cluster = build_cluster(n_nodes, jobs_for(n_nodes, args.jobs), cfg, ctx, time.time())
@@ -855,7 +858,7 @@ def _analyse(
         "loop_lag_samples_over_100ms": len(late),
         "python_slope_per_h_per_h": _slope_per_h(dump.get("blocks", []), w0, w1),
         "object_types": {str(when): dict(top[:15]) for when, top in dump.get("object_types", [])},
-        **({"tracemalloc_growth": dump["tracemalloc"]} if dump.get("tracemalloc") else {}),
+        **({"tracemalloc_growth": _trace_growth(dump["tracemalloc"])} if dump.get("tracemalloc") else {}),
         "loop_lag_over_100ms_during_gc_share": _r(late_with_gc / len(late)) if late else None,
         "commits_per_s": _r(len(commits) / max(1e-9, w1 - w0), 2),
         "commit_bytes_p50": percentile([c[1] for c in commits], 0.5),
@@ -933,6 +936,30 @@ def _slope_per_h(blocks: Sequence[Sequence[float]], w0: float, w1: float) -> flo
     mb = statistics.fmean(b for _, b in pts)
     var = sum((t - mt) ** 2 for t, _ in pts)
     return _r(sum((t - mt) * (b - mb) for t, b in pts) / var * 3600, 0) if var > 0 else None
+
+
+def _trace_growth(snaps: Sequence[Sequence[Any]], top: int = 12) -> list[dict[str, Any]]:
+    """``--tracemalloc-every-s``: what grew between consecutive snapshots (written by
+    unicornd's forked children), by allocating call site (oldest frame first), biggest first."""
+    out: list[dict[str, Any]] = []
+    last: tracemalloc.Snapshot | None = None
+    for t, path in snaps:
+        if not Path(path).exists():
+            continue
+        snap = tracemalloc.Snapshot.load(path)
+        if last is not None:
+            traced = sum(s.size for s in snap.statistics("filename"))
+            growth = [
+                {
+                    "kib": _r(s.size_diff / 1024, 1),
+                    "blocks": s.count_diff,
+                    "at": [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in s.traceback],
+                }
+                for s in snap.compare_to(last, "traceback")[:top]
+            ]
+            out.append({"t": t, "traced_mib": _r(traced / 2**20, 1), "top": growth})
+        last = snap
+    return out
 
 
 def _lookup(dump: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,8 +14,9 @@ the process measures itself:
 - Python's full garbage collections (``gc.callbacks``): when, how long they held the loop;
 - with ``spec["tracemalloc_every_s"]`` > 0 (``scale.py --tracemalloc-every-s``; a
   diagnostic that slows every allocation, so its run's timings are not figures): a
-  :mod:`tracemalloc` snapshot that often from the window's start, each compared with the one
-  before, the biggest growths by allocating call site recorded (where RSS growth comes from).
+  :mod:`tracemalloc` snapshot that often from the window's start, written by a forked child;
+  the bench compares each with the one before, by allocating call site (where RSS growth
+  comes from).
 
 Configuration comes from the environment (``UNICORN_*``), as for unicornd. The node deaths
 of the fault schedule are scripted relative to the measurement window's start, which the
@@ -28,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import sys
 import time
 import tracemalloc
@@ -81,8 +83,8 @@ class Recorder:
         """(wall time, ``sys.getallocatedblocks()``) every :data:`BLOCKS_EVERY` lag samples:
         whether RSS growth is Python objects or the allocator's own."""
         self.types_at: list[tuple[str, list[tuple[str, int]]]] = []
-        self.traced: list[dict[str, Any]] = []
-        """Growth between tracemalloc snapshots (:meth:`trace_growth`), when asked for."""
+        self.traced: list[tuple[float, str]] = []
+        """(wall time, file) of each tracemalloc snapshot (:meth:`trace_snapshots`), when asked for."""
 
     def commit(self, cost: CommitCost) -> None:
         self.commits.append((time.time(), cost.state_bytes, cost.serialise_s, cost.total_s))
@@ -134,32 +136,23 @@ class Recorder:
             if n % BLOCKS_EVERY == 0:  # Python's allocated blocks: O(1) to read
                 self.blocks.append((time.time(), sys.getallocatedblocks()))
 
-    async def trace_growth(self, every_s: float, frames: int, top: int = 12) -> None:
-        """Every ``every_s``: what grew since the last snapshot, by allocating call site
-        (``frames`` innermost frames), biggest first. Only the latest snapshot is kept."""
-        skip = (tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__))
-        last: tracemalloc.Snapshot | None = None
+    async def trace_snapshots(self, every_s: float, folder: Path) -> None:
+        """Every ``every_s``: a :mod:`tracemalloc` snapshot written to ``folder`` by a forked
+        child (the copy of this process at that instant), so that taking it (seconds, at
+        4,096 nodes) never stalls the loop; the bench compares them after the run."""
+        n = 0
         while True:
             await asyncio.sleep(every_s)
-            snap = tracemalloc.take_snapshot().filter_traces(skip)
-            if last is not None:
-                stats = snap.compare_to(last, "traceback")[:top]
-                self.traced.append(
-                    {
-                        "t": time.time(),
-                        "traced_mib": round(tracemalloc.get_traced_memory()[0] / 2**20, 1),
-                        "top": [
-                            {
-                                "kib": round(s.size_diff / 1024, 1),
-                                "blocks": s.count_diff,
-                                "at": [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in s.traceback],
-                            }
-                            for s in stats
-                        ],
-                    }
-                )
-            last = snap
-            del snap
+            n += 1
+            path = folder / f"trace-{n:03d}.snap"
+            pid = os.fork()
+            if pid == 0:  # the child: only the snapshot, then out without any cleanup
+                try:
+                    tracemalloc.take_snapshot().dump(str(path))
+                finally:
+                    os._exit(0)
+            self.traced.append((time.time(), str(path)))
+            await asyncio.to_thread(os.waitpid, pid, 0)
 
     def object_types(self, top: int = 25) -> list[tuple[str, int]]:
         """The most numerous types among the objects the collector tracks (a walk of the
@@ -201,10 +194,11 @@ async def main(spec: dict[str, Any]) -> int:
             if raw is not None:
                 t0 = float(raw)
                 slurm.schedule_deaths({n: t0 + float(s) for n, s in spec["deaths"].items()})
-                rec.types_at.append(("window_start", rec.object_types()))
-                if every_s > 0:
-                    frames = tracemalloc.get_traceback_limit()
-                    helpers.append(asyncio.create_task(rec.trace_growth(every_s, frames)))
+                if every_s > 0:  # (a walk of the heap under tracemalloc stalls the loop for seconds)
+                    folder = Path(spec["out"]).parent
+                    helpers.append(asyncio.create_task(rec.trace_snapshots(every_s, folder)))
+                else:
+                    rec.types_at.append(("window_start", rec.object_types()))
                 return
             await asyncio.sleep(0.1)
 
@@ -217,7 +211,8 @@ async def main(spec: dict[str, Any]) -> int:
         error = repr(e)[:500]
         print(f"unicornd failed: {error}", file=sys.stderr)
         status = 1
-    rec.types_at.append(("end", rec.object_types()))
+    if every_s <= 0:
+        rec.types_at.append(("end", rec.object_types()))
     # Written before anything else can hang: a unicornd whose root tasks did not end
     # within its shutdown time ("shutdown_stuck") may never finish asyncio's own cleanup.
     out = {

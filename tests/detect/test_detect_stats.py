@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 from collections import deque
@@ -12,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detect.stats import HangVerdict, IterationMonitor, Samples, StragglerReference
+from detect.stats import CounterSeries, HangVerdict, IterationMonitor, Samples, StragglerReference
 from detect.statuses import ErrorStatus, Severity
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.protocol import IterationPhase
@@ -443,3 +444,36 @@ def test_samples_keep_the_newest_like_a_bounded_deque(capacity: int, values: lis
 def test_samples_need_room_for_one() -> None:
     with pytest.raises(InvalidArgument, match="capacity"):
         Samples(0)
+
+
+def _interpolated(samples: list[tuple[float, float]], t: float) -> float:
+    """The reference: a counter's value at ``t`` from (time, value) samples, oldest first."""
+    if t < samples[0][0]:
+        return samples[0][1]
+    for (t0, v0), (t1, v1) in itertools.pairwise(samples):
+        if t0 <= t < t1:
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+    return samples[-1][1]
+
+
+@given(
+    st.integers(1, 9),
+    st.lists(st.tuples(st.floats(0.01, 5.0), st.floats(0.0, 3.0)), min_size=1, max_size=40),
+    st.floats(-2.0, 250.0),
+)
+def test_a_counter_series_keeps_the_newest_samples_and_interpolates_between_them(
+    capacity: int, steps: list[tuple[float, float]], t: float
+) -> None:
+    series, reference = CounterSeries(capacity), deque[tuple[float, float]](maxlen=capacity)
+    now, value = 0.0, 0.0
+    for dt, dv in steps:
+        now, value = now + dt, value + dv
+        series.append(now, value)
+        reference.append((now, value))
+        assert len(series) == len(reference) and series.last() == reference[-1]
+    assert series.at(t) == pytest.approx(_interpolated(list(reference), t))
+
+
+def test_a_counter_series_needs_room_for_one() -> None:
+    with pytest.raises(InvalidArgument, match="capacity"):
+        CounterSeries(0)
