@@ -61,7 +61,15 @@ SCALE_FLOOR: Final = 1e-3
 not make every wobble an infinite z-score (the ratio test guards as well)."""
 _MAD_TO_SIGMA: Final = 1.4826 / math.sqrt(2.0)
 """MAD of successive differences to the standard deviation of one value (normal noise)."""
-_SEEN_CAP: Final = 4096
+_SEEN_CAP: Final = 64
+"""Iterations a node's stream remembers as judged: ranks of a node report an iteration
+within a few iterations of each other (they train in lock-step), so a report older than
+the 64 newest judged is not a duplicate to skip. At 4,096 it held up to 4,096 entries per
+node (a gigabyte at 4,096 nodes after an hour of 1 s iterations)."""
+RECENT_ITERATIONS: Final = 16
+"""Iterations whose every node's verdict :class:`LossHealth` keeps for the SDC test; older
+ones are kept (up to ``sdc_window``) only where a node's report was anomalous, because an
+iteration with no anomaly can never count towards a finding (see ``_record``)."""
 _NAMED_ITERATION: Final = re.compile(r"\biteration #?(\d+)\b")
 
 
@@ -179,7 +187,9 @@ class LossHealth:
         self._streams: dict[str, _Stream] = {}
         self._fired: set[tuple[ErrorStatus, int]] = set()
         self._history: dict[int, dict[str, bool]] = {}
-        """Per iteration: each reporting node, and whether its report was anomalous."""
+        """Per iteration: each reporting node, and whether its report was anomalous (the
+        newest :data:`RECENT_ITERATIONS`, and older ones with an anomaly)."""
+        self._newest = -1
         self._sdc_fired: set[str] = set()
 
     def restarted(self) -> None:
@@ -315,10 +325,24 @@ class LossHealth:
         return True
 
     def _record(self, node: str, iteration: int, anomalous: bool) -> None:
+        """Keep ``node``'s verdict on ``iteration``. Once an iteration is older than the
+        newest :data:`RECENT_ITERATIONS` (every node of a lock-step job has reported it) and
+        no report of it was anomalous, it is forgotten: only an anomalous node's iterations
+        count towards an SDC finding. A report that arrives later still for a forgotten
+        iteration is judged without the others' (it can then miss a finding, never make one).
+        Before, every node's verdict on the last ``sdc_window`` iterations was kept: 1,000 x
+        the job's nodes, walked on every report."""
         at = self._history.setdefault(iteration, {})
         at[node] = at.get(node, False) or anomalous
-        newest = max(self._history)
-        for old in [i for i in self._history if i <= newest - self.cfg.sdc_window]:
+        if iteration <= self._newest:
+            return
+        self._newest = iteration
+        window, recent = self._newest - self.cfg.sdc_window, self._newest - RECENT_ITERATIONS
+        for old in [
+            i
+            for i, nodes in self._history.items()
+            if i <= window or (i <= recent and not any(nodes.values()))
+        ]:
             del self._history[old]
 
     def _sdc(self, iteration: int) -> list[tuple[str, str]]:

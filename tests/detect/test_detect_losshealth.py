@@ -6,7 +6,15 @@ import math
 
 from detect.classify import load_classifier
 from detect.isolation import Isolation, isolation_of
-from detect.losshealth import LossFinding, LossHealth, LossHealthConfig, LossSample, named_iteration
+from detect.losshealth import (
+    _SEEN_CAP,
+    RECENT_ITERATIONS,
+    LossFinding,
+    LossHealth,
+    LossHealthConfig,
+    LossSample,
+    named_iteration,
+)
 from detect.statuses import ErrorStatus
 from tests.detect.loss_curves import HELDOUT_SEEDS, real, run, synthetic, with_explosion, with_spike
 
@@ -160,3 +168,21 @@ def test_every_node_anomalous_together_is_no_corruption() -> None:
     for i, x in enumerate([*flat(40), 9.0, 3.0, 9.0, 3.0, 9.0]):
         out += h.observe(LossSample("n1", i, loss=x)) + h.observe(LossSample("n2", i, loss=x))
     assert {f.status for f in out} == {ErrorStatus.LOSS_SPIKE}
+
+
+def test_what_a_task_keeps_stays_small_over_a_long_run_and_corruption_far_apart_is_still_found() -> None:
+    """3,000 iterations of 8 nodes, node n3 alone anomalous at two iterations 900 apart
+    (within ``sdc_window`` = 1,000): the SDC finding still comes, while the verdicts kept
+    are the last :data:`RECENT_ITERATIONS` and the anomalous ones, and each node remembers
+    at most :data:`_SEEN_CAP` judged iterations (before: every node's verdict on 1,000
+    iterations and 4,096 judged iterations per node)."""
+    h = LossHealth()
+    nodes = [f"n{k}" for k in range(8)]
+    found: list[tuple[ErrorStatus, str]] = []
+    for i in range(3000):
+        for node in nodes:
+            bad = node == "n3" and i in (1000, 1900)
+            found += [(f.status, f.node) for f in h.observe(LossSample(node, i, loss=9.0 if bad else 3.0))]
+        assert len(h._history) <= RECENT_ITERATIONS + 3
+        assert all(len(s.seen) <= _SEEN_CAP for s in h._streams.values())
+    assert (ErrorStatus.SILENT_DATA_CORRUPTION, "n3") in found
