@@ -67,9 +67,10 @@ within a few iterations of each other (they train in lock-step), so a report old
 the 64 newest judged is not a duplicate to skip. At 4,096 it held up to 4,096 entries per
 node (a gigabyte at 4,096 nodes after an hour of 1 s iterations)."""
 RECENT_ITERATIONS: Final = 16
-"""Iterations whose every node's verdict :class:`LossHealth` keeps for the SDC test; older
-ones are kept (up to ``sdc_window``) only where a node's report was anomalous, because an
-iteration with no anomaly can never count towards a finding (see ``_record``)."""
+"""Iteration numbers (not reports: with a log interval of 10, two reports) behind the newest
+for which :class:`LossHealth` keeps every node's verdict for the SDC test; older ones are
+kept (up to ``sdc_window``) only where a node's report was anomalous, because an iteration
+with no anomaly can never count towards a finding (see ``_record``)."""
 _NAMED_ITERATION: Final = re.compile(r"\biteration #?(\d+)\b")
 
 
@@ -190,10 +191,14 @@ class LossHealth:
         """Per iteration: each reporting node, and whether its report was anomalous (the
         newest :data:`RECENT_ITERATIONS`, and older ones with an anomaly)."""
         self._newest = -1
+        """The newest iteration ever reported (the SDC window's end)."""
+        self._front = -1
+        """The newest iteration reported since the last restart."""
         self._sdc_fired: set[str] = set()
 
     def restarted(self) -> None:
         """The task's processes restart from saved state: iterations will be reported again."""
+        self._front = -1
         for stream in self._streams.values():
             stream.seen.clear()
             stream.spiking = stream.exploding = stream.skipped_fired = False
@@ -325,23 +330,34 @@ class LossHealth:
         return True
 
     def _record(self, node: str, iteration: int, anomalous: bool) -> None:
-        """Keep ``node``'s verdict on ``iteration``. Once an iteration is older than the
-        newest :data:`RECENT_ITERATIONS` (every node of a lock-step job has reported it) and
-        no report of it was anomalous, it is forgotten: only an anomalous node's iterations
-        count towards an SDC finding. A report that arrives later still for a forgotten
-        iteration is judged without the others' (it can then miss a finding, never make one).
-        Before, every node's verdict on the last ``sdc_window`` iterations was kept: 1,000 x
-        the job's nodes, walked on every report."""
+        """Keep ``node``'s verdict on ``iteration``, for the last ``sdc_window`` iterations
+        of the newest ever reported (``_newest``; a report older than that is dropped, as it
+        always was). Within them, an iteration more than :data:`RECENT_ITERATIONS` behind
+        the newest reported since the last restart (``_front``: every node of a lock-step job
+        has reported it by then) is forgotten when no report of it was anomalous: only an
+        anomalous node's iterations count towards an SDC finding. A report that arrives
+        later still for a forgotten iteration is judged without the others' (it can then
+        miss a finding, never make one). Before, every node's verdict on the last
+        ``sdc_window`` iterations was kept (1,000 x the job's nodes) and walked on every
+        report; now the walks run only when the newest iteration moves."""
+        if iteration <= self._newest - self.cfg.sdc_window:
+            return
         at = self._history.setdefault(iteration, {})
         at[node] = at.get(node, False) or anomalous
-        if iteration <= self._newest:
+        window = recent = None
+        if iteration > self._newest:
+            self._newest = iteration
+            window = self._newest - self.cfg.sdc_window
+        if iteration > self._front:
+            self._front = iteration
+            recent = self._front - RECENT_ITERATIONS
+        if window is None and recent is None:
             return
-        self._newest = iteration
-        window, recent = self._newest - self.cfg.sdc_window, self._newest - RECENT_ITERATIONS
         for old in [
             i
             for i, nodes in self._history.items()
-            if i <= window or (i <= recent and not any(nodes.values()))
+            if (window is not None and i <= window)
+            or (recent is not None and i <= recent and not any(nodes.values()))
         ]:
             del self._history[old]
 

@@ -27,9 +27,11 @@ stops (as unicornd does) and this process writes what it measured to ``spec["out
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
+import signal
 import sys
 import time
 import tracemalloc
@@ -54,6 +56,8 @@ from unicornd.store import CommitCost  # noqa: E402
 
 LAG_PERIOD_S: Final = 0.05
 GC_RECORD_S: Final = 0.01
+SNAPSHOT_WAIT_S: Final = 120.0
+"""How long a forked child may take to write a tracemalloc snapshot (~10 s at 4,096 nodes)."""
 BLOCKS_EVERY: Final = 600
 """Lag samples between two readings of Python's allocated blocks (30 s)."""
 
@@ -66,6 +70,20 @@ def slurm_stream(prefix: str) -> str:
 def t0_key(prefix: str) -> str:
     """The wall time the measurement window starts at (written by the bench)."""
     return f"{prefix}:bench:t0"
+
+
+def _exit_code(pid: int) -> int | None:
+    """The exit code of child ``pid`` once it has ended (reaping it), else None; never blocks."""
+    done, status = os.waitpid(pid, os.WNOHANG)
+    return os.waitstatus_to_exitcode(status) if done else None
+
+
+def _kill_and_reap(pid: int) -> None:
+    """End child ``pid`` if it still runs, and reap it; nothing when it was reaped already."""
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG) == (0, 0):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 class Recorder:
@@ -146,13 +164,26 @@ class Recorder:
             n += 1
             path = folder / f"trace-{n:03d}.snap"
             pid = os.fork()
-            if pid == 0:  # the child: only the snapshot, then out without any cleanup
+            if pid == 0:  # the child: only the snapshot (complete or absent), then out
+                status = 1
                 try:
-                    tracemalloc.take_snapshot().dump(str(path))
+                    tracemalloc.take_snapshot().dump(f"{path}.part")
+                    os.replace(f"{path}.part", path)
+                    status = 0
                 finally:
-                    os._exit(0)
-            self.traced.append((time.time(), str(path)))
-            await asyncio.to_thread(os.waitpid, pid, 0)
+                    os._exit(status)
+            try:  # a child stuck on a lock the fork copied is killed, never waited on forever
+                for _ in range(int(SNAPSHOT_WAIT_S / 0.1)):
+                    code = _exit_code(pid)
+                    if code is not None:
+                        if code == 0:
+                            self.traced.append((time.time(), str(path)))
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    raise TimeoutError(f"tracemalloc snapshot {n} took over {SNAPSHOT_WAIT_S} s")
+            finally:
+                _kill_and_reap(pid)
 
     def object_types(self, top: int = 25) -> list[tuple[str, int]]:
         """The most numerous types among the objects the collector tracks (a walk of the
@@ -165,7 +196,7 @@ async def main(spec: dict[str, Any]) -> int:
     """Run unicornd until it stops, then write what it measured about itself; its status."""
     every_s = float(spec.get("tracemalloc_every_s") or 0)
     if every_s > 0:
-        tracemalloc.start(int(spec.get("tracemalloc_frames") or 3))
+        tracemalloc.start(int(spec.get("tracemalloc_frames") or 4))
     cfg = load_config()
     configure_logging(cfg.log.level, "json")
     prefix = cfg.redis.key_prefix

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from detect.classify import load_classifier
 from detect.isolation import Isolation, isolation_of
 from detect.losshealth import (
-    _SEEN_CAP,
     RECENT_ITERATIONS,
     LossFinding,
     LossHealth,
@@ -172,9 +175,9 @@ def test_every_node_anomalous_together_is_no_corruption() -> None:
 
 def test_what_a_task_keeps_stays_small_over_a_long_run_and_corruption_far_apart_is_still_found() -> None:
     """3,000 iterations of 8 nodes, node n3 alone anomalous at two iterations 900 apart
-    (within ``sdc_window`` = 1,000): the SDC finding still comes, while the verdicts kept
-    are the last :data:`RECENT_ITERATIONS` and the anomalous ones, and each node remembers
-    at most :data:`_SEEN_CAP` judged iterations (before: every node's verdict on 1,000
+    (within ``sdc_window`` = 1,000): the findings are exactly its spike and its SDC, while
+    the verdicts kept are the last :data:`RECENT_ITERATIONS` and the anomalous ones, and each
+    node remembers at most 64 judged iterations (before: every node's verdict on 1,000
     iterations and 4,096 judged iterations per node)."""
     h = LossHealth()
     nodes = [f"n{k}" for k in range(8)]
@@ -184,5 +187,60 @@ def test_what_a_task_keeps_stays_small_over_a_long_run_and_corruption_far_apart_
             bad = node == "n3" and i in (1000, 1900)
             found += [(f.status, f.node) for f in h.observe(LossSample(node, i, loss=9.0 if bad else 3.0))]
         assert len(h._history) <= RECENT_ITERATIONS + 3
-        assert all(len(s.seen) <= _SEEN_CAP for s in h._streams.values())
-    assert (ErrorStatus.SILENT_DATA_CORRUPTION, "n3") in found
+        assert all(len(s.seen) <= 64 for s in h._streams.values())
+    assert found == [(ErrorStatus.LOSS_SPIKE, "n3"), (ErrorStatus.SILENT_DATA_CORRUPTION, "n3")]
+
+
+class _KeepEverything(LossHealth):
+    """The SDC bookkeeping as it was before the memory bound (the reference): every node's
+    verdict on the last ``sdc_window`` iterations, pruned on every report."""
+
+    def _record(self, node: str, iteration: int, anomalous: bool) -> None:
+        at = self._history.setdefault(iteration, {})
+        at[node] = at.get(node, False) or anomalous
+        newest = max(self._history)
+        for old in [i for i in self._history if i <= newest - self.cfg.sdc_window]:
+            del self._history[old]
+
+
+_STEP = st.one_of(
+    st.tuples(st.just("run"), st.integers(1, 60), st.sets(st.integers(0, 59), max_size=3)),
+    st.tuples(st.just("restart"), st.integers(1, 120), st.just(frozenset[int]())),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_STEP, min_size=1, max_size=8), st.randoms(use_true_random=False))
+def test_the_bounded_sdc_bookkeeping_never_finds_what_keeping_everything_would_not(
+    steps: list[tuple[str, int, frozenset[int]]], rng: random.Random
+) -> None:
+    """After a warm-up, runs of 3 nodes (each iteration's reports in a shuffled order, some
+    an iteration late), node n1 anomalous at chosen iterations, restarts that roll back and
+    repeat iterations: every SDC finding of the bounded bookkeeping is one that keeping
+    every verdict (the code before) makes too. ``sdc_window`` 30, so the window matters.
+    (It found the first bounded version's fault: after a restart, the repeated iterations
+    were never pruned by the window, so anomalies further apart than it combined.)"""
+    cfg = LossHealthConfig(sdc_window=30)
+    new, ref = LossHealth(cfg), _KeepEverything(cfg)
+    sdc: dict[str, set[str]] = {"new": set(), "ref": set()}
+    iteration, late = 0, list[LossSample]()
+    steps = [("run", 25, frozenset[int]()), *steps]
+    for kind, n, bad in steps:
+        if kind == "restart":
+            iteration = max(0, iteration - n)
+            new.restarted(), ref.restarted()
+            continue
+        for k in range(n):
+            reports = [
+                LossSample(f"n{j}", iteration, loss=9.0 if k * 3 + j in bad else 3.0) for j in range(3)
+            ]
+            rng.shuffle(reports)
+            late, now = [r for r in reports if rng.random() < 0.2], [*late]
+            now += [r for r in reports if r not in late]
+            for sample in now:
+                for name, h in (("new", new), ("ref", ref)):
+                    sdc[name] |= {
+                        f.node for f in h.observe(sample) if f.status is ErrorStatus.SILENT_DATA_CORRUPTION
+                    }
+            iteration += 1
+    assert sdc["new"] <= sdc["ref"]
