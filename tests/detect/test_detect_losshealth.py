@@ -232,7 +232,7 @@ def test_the_bounded_sdc_bookkeeping_never_finds_what_keeping_everything_would_n
             continue
         for k in range(n):
             reports = [
-                LossSample(f"n{j}", iteration, loss=9.0 if k * 3 + j in bad else 3.0) for j in range(3)
+                LossSample(f"n{j}", iteration, loss=9.0 if j == 1 and k in bad else 3.0) for j in range(3)
             ]
             rng.shuffle(reports)
             late, now = [r for r in reports if rng.random() < 0.2], [*late]
