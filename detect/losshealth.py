@@ -339,25 +339,20 @@ class LossHealth:
         later still for a forgotten iteration is judged without the others' (it can then
         miss a finding, never make one). Before, every node's verdict on the last
         ``sdc_window`` iterations was kept (1,000 x the job's nodes) and walked on every
-        report; now the walks run only when the newest iteration moves."""
+        report; now the walk runs only when ``_front`` moves."""
         if iteration <= self._newest - self.cfg.sdc_window:
             return
         at = self._history.setdefault(iteration, {})
         at[node] = at.get(node, False) or anomalous
-        window = recent = None
-        if iteration > self._newest:
-            self._newest = iteration
-            window = self._newest - self.cfg.sdc_window
-        if iteration > self._front:
-            self._front = iteration
-            recent = self._front - RECENT_ITERATIONS
-        if window is None and recent is None:
+        if iteration <= self._front:  # (``_front <= _newest``: nothing moved)
             return
+        self._front, self._newest = iteration, max(self._newest, iteration)
+        # Nothing older than the window is ever kept (dropped above, or here when it moved).
+        window, recent = self._newest - self.cfg.sdc_window, self._front - RECENT_ITERATIONS
         for old in [
             i
             for i, nodes in self._history.items()
-            if (window is not None and i <= window)
-            or (recent is not None and i <= recent and not any(nodes.values()))
+            if i <= window or (i <= recent and not any(nodes.values()))
         ]:
             del self._history[old]
 
