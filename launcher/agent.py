@@ -197,6 +197,9 @@ class Agent:
         self._sock: socket.socket | None = None
         self._sock_path: Path | None = None
         self._generation = 0
+        self._launch_of: dict[int, str] = {}
+        """The launch id each generation of ranks was started under: their exits and log
+        lines are stamped with it, even when read after a restart moved ``launch_id`` on."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done_commands: set[str] = set()
         self.monitor = self._new_monitor()
@@ -418,7 +421,8 @@ class Agent:
             ENV_NODE: self.node,
             "PYTHONUNBUFFERED": "1",
         }
-        generation = self._generation
+        generation, launch = self._generation, self.launch_id
+        self._launch_of[generation] = launch
         self.monitor = self._new_monitor()
         self._ignored = IgnoredBlocks()  # a report the last run's ranks left unfinished ends here
         self._hang_reported = None
@@ -427,7 +431,7 @@ class Agent:
             restart_rendezvous(argv, self.launch_id, self.cfg.agent.rendezvous_port_base),
             env,
             self.run_dir / "train.log",
-            on_line=self._on_line,
+            on_line=lambda line: self._on_line(line, launch),
             on_exit=lambda info: self._on_exit(info, generation),
             grace_s=self.grace_s,
             cwd=job_env.cwd if job_env is not None else None,
@@ -497,6 +501,7 @@ class Agent:
                 signal=info.signal,
                 error_file_text=info.error_file_text,
                 stderr_tail=tail[-_STDERR_TAIL_CHARS:],
+                launch_id=self._launch_of.get(generation, self.launch_id),
             )
         )
         log.info(
@@ -512,7 +517,9 @@ class Agent:
             self._exit_status = info.exit_code if info.exit_code is not None else 128 + (info.signal or 0)
             self._stop.set()
 
-    def _on_line(self, line: str) -> None:
+    def _on_line(self, line: str, launch_id: str | None = None) -> None:
+        """One line of the ranks' output; ``launch_id``: the launch that started them
+        (None: the current one)."""
         if self._follow_megatron and (it := megatron.parse_iteration_line(line)) is not None:
             self._on_megatron_iteration(it)
             return
@@ -538,6 +545,7 @@ class Agent:
                 rule=result.rule,
                 rank=rank,
                 evidence=line[:2048],
+                launch_id=self.launch_id if launch_id is None else launch_id,
             )
         )
 
@@ -668,6 +676,7 @@ class Agent:
                 self.monitor.expect_slow_step(msg.phase, now, iteration=msg.iteration, rank=msg.rank)
         else:
             log.info("rank_exception", rank=msg.rank, exc_type=msg.exc_type, message=msg.message[:200])
+            msg = msgspec.structs.replace(msg, launch_id=self.launch_id)
         self._emit(msg)
 
     # --- GPUs -------------------------------------------------------------------------
@@ -853,6 +862,7 @@ class Agent:
                     rule=c.rule,
                     rank=stopped[0],
                     evidence=evidence[:2048],
+                    launch_id=self.launch_id,
                 )
             )
 

@@ -135,6 +135,9 @@ class ProcessExit(Envelope, frozen=True, kw_only=True, tag="exit"):
     killed it (never both; both None when the status is unknown). ``error_file_text`` is
     the rank's torchelastic error file, and ``stderr_tail`` the end of its stderr, both
     truncated by the sender to keep the message under :data:`MAX_MESSAGE_BYTES`.
+    ``launch_id``: the coordinator action that started the process (as on
+    :class:`IterationTiming`; empty when unknown): the exit of ranks a later launch
+    replaced is no fault of that launch.
     """
 
     rank: int | None
@@ -144,6 +147,7 @@ class ProcessExit(Envelope, frozen=True, kw_only=True, tag="exit"):
     signal: int | None
     error_file_text: str | None
     stderr_tail: str
+    launch_id: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -162,12 +166,14 @@ class ProcessExit(Envelope, frozen=True, kw_only=True, tag="exit"):
 
 
 class ExceptionReport(Envelope, frozen=True, kw_only=True, tag="exc"):
-    """Agent -> coordinator: a training process raised (``rank`` None when unknown)."""
+    """Agent -> coordinator: a training process raised (``rank`` None when unknown).
+    ``launch_id``: set by the agent, as on :class:`ProcessExit`."""
 
     rank: int | None
     exc_type: str
     message: str
     traceback: str
+    launch_id: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -297,6 +303,7 @@ class FaultReport(Envelope, frozen=True, kw_only=True, tag="fault"):
     ``severity`` are the agent's classification (``detect`` status names, ``SEV1``..
     ``SEV3``); the coordinator may re-classify from ``evidence``. ``rule`` names the
     matching rule; ``rank`` is the rank the evidence points at (None when unknown).
+    ``launch_id``: the launch whose ranks the evidence is about, as on :class:`ProcessExit`.
     """
 
     status: str
@@ -304,6 +311,7 @@ class FaultReport(Envelope, frozen=True, kw_only=True, tag="fault"):
     rule: str
     rank: int | None
     evidence: str
+    launch_id: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()

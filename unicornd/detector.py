@@ -113,6 +113,8 @@ class Detector:
     training until the agent stops them): they are neither timed nor judged, so they
     cannot register a rank the new layout lacks or mark an iteration as seen before the
     new ranks report it. Unknown (e.g. after a takeover): every report counts."""
+    stale_reports: int = field(init=False, default=0)
+    """Exits, exceptions and fault reports of replaced ranks, dropped (:meth:`_replaced`)."""
     _stragglers: dict[int, StragglerMonitor] = field(init=False, default_factory=dict)
     """Per job: the straggler statistic (:mod:`detect.stragglers`), relearned at every
     (re)launch (the layout decides which ranks do the same work)."""
@@ -282,6 +284,19 @@ class Detector:
             return []
         if isinstance(msg, IterationTiming):
             return self._timing(msg, now_s)
+        if isinstance(msg, ProcessExit | ExceptionReport | FaultReport) and self._replaced(
+            msg.job_id, msg.node, msg.launch_id
+        ):
+            # Found in CI: the superseded agent of a shrunk job reported its ranks' SIGKILL
+            # after the shrink's incident had closed, and a new incident restarted the healthy
+            # new ranks. Ranks replaced on purpose end on purpose: their exits, exceptions and
+            # log lines are no fault of the launch that replaced them.
+            self.stale_reports += 1
+            return []
+        return self._classify(msg, now_s)
+
+    def _classify(self, msg: Message, now_s: float) -> list[JobEvidence]:
+        """The finding of an exit, exception, GPU event or agent fault report (none if benign)."""
         c: Classification | None = None
         rank: int | None = None
         source = ""
@@ -315,9 +330,14 @@ class Detector:
         job = self._jobs.get(msg.job_id)
         return job is not None and job.final
 
+    def _replaced(self, job_id: int, node: str, launch_id: str) -> bool:
+        """A report of ranks that this unicornd has since replaced on ``node`` (another
+        launch or restart there, or its agent stopped). Unknown either way: not replaced."""
+        current = self._launches.get((job_id, node))
+        return current == STOPPED or (current is not None and bool(launch_id) and launch_id != current)
+
     def _timing(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:
-        current = self._launches.get((msg.job_id, msg.node))
-        if current == STOPPED or (current is not None and msg.launch_id and msg.launch_id != current):
+        if self._replaced(msg.job_id, msg.node, msg.launch_id):
             # A replaced launch's ranks, still running until the agent stops them. They
             # must not reach the new launch's monitor: a rank of the old layout the new one
             # lacks would be watched from its last report on and, once the new layout's

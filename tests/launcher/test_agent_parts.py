@@ -437,6 +437,31 @@ def test_a_rank_exit_of_unknown_status_is_settled_by_torchruns_exit(tmp_path: Pa
     assert asyncio.run(run(main(0), final=False)) == [(101, None), (99, 0)]  # mid-run: at once
 
 
+def test_exits_and_log_lines_carry_the_launch_that_started_their_ranks(tmp_path: Path) -> None:
+    """The coordinator drops reports of ranks it replaced (unicornd.detector): an exit or a
+    log line read after a restart moved the agent's launch id on is stamped with the launch
+    that started those ranks, not the new one; the current ranks' with the current one."""
+    from launcher.agent import Agent
+    from launcher.supervisor import ExitInfo
+    from unicorn_core.config import Config
+    from unicorn_core.protocol import FaultReport, Message
+
+    agent = Agent(Config(), job_id=5, node="n1", run_dir=tmp_path, argv=[], launch_id="plan-1/launch/5")
+    sent: list[Message] = []
+    agent._emit = sent.append  # type: ignore[method-assign]
+    agent._launch_of[1] = "plan-1/launch/5"  # generation 1 was started under the first launch
+    agent.launch_id = "a.1/restart_processes/1/n1"  # then a restart moved the agent on
+    agent._on_exit(ExitInfo(101, 1, 0, None, 9, None, is_main=False), 1)  # an old rank's SIGKILL
+    agent._on_line("[rank1]: RuntimeError: Connection reset by peer", "plan-1/launch/5")
+    agent._on_line("[rank0]: RuntimeError: Connection reset by peer", None)  # another rank: no dedup
+    stamps = [(type(m).__name__, m.launch_id) for m in sent if isinstance(m, ProcessExit | FaultReport)]
+    assert stamps == [
+        ("ProcessExit", "plan-1/launch/5"),
+        ("FaultReport", "plan-1/launch/5"),
+        ("FaultReport", "a.1/restart_processes/1/n1"),
+    ], stamps
+
+
 def test_ranks_are_the_top_most_processes_with_rank_variables() -> None:
     """A rank's own children (Megatron-LM's rank 0 runs make; data loaders fork workers)
     inherit RANK but are not ranks: their ends must not read as a rank's."""

@@ -173,7 +173,11 @@ def test_node_loss_drains_replans_and_resumes_smaller(cluster: DevCluster, tmp_p
         assert snap.tasks["b"].launched_s == b_before.launched_s
         incident = max((i for i in snap.incidents.values() if i.task_id == "a"), key=lambda i: i.opened_s)
         stages = [e.stage for e in incident.timeline]
-        assert LadderStage.ISOLATE in stages and LadderStage.RESUMED in stages
+        seen = {
+            i.incident_id: (i.node, i.rule, [(e.stage.value, e.detail) for e in i.timeline])
+            for i in snap.incidents.values()
+        }  # what a failure shows: every incident, and unicornd's last words
+        assert LadderStage.ISOLATE in stages and LadderStage.RESUMED in stages, (seen, c.tail(60))
         # The loss curve continues: the relaunch resumed from a checkpoint, not step 0.
         log = train_log(c.keys.prefix, a.job_id or 0, "n1")
         starts = resumes(log)

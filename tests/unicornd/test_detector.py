@@ -10,10 +10,12 @@ from detect.statuses import ErrorStatus
 from unicorn_core.config import AgentConfig, DetectConfig
 from unicorn_core.protocol import (
     AgentAction,
+    ExceptionReport,
     FaultReport,
     Heartbeat,
     IterationPhase,
     IterationTiming,
+    ProcessExit,
     SlowStep,
     decode,
     encode,
@@ -236,3 +238,46 @@ def test_teardown_noise_after_the_last_iteration_is_no_finding() -> None:
     assert len(d.on_message(line("other_software_error", "SEV2"), 10.4)) == 1
     d.restart_job(4)  # a relaunch runs on: its lines count again
     assert len(d.on_message(line("other_network_error", "SEV3"), 10.5)) == 1
+
+
+def test_the_exits_and_errors_of_replaced_ranks_are_no_finding() -> None:
+    """Found in CI (the node-loss system test): after a shrink relaunched the job on its
+    surviving node, the superseded agent there reported its old ranks' SIGKILL once the
+    shrink's incident had closed, and a new incident restarted the healthy new ranks. An
+    exit, an exception or a log line of ranks this unicornd replaced (another launch id
+    there, or the agent stopped) is dropped; the new launch's own, and an unstamped one
+    (an agent that does not say), are findings."""
+    d = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
+    empty = Snapshot(tasks={}, nodes={}, gpus_per_node=8)
+    first = LaunchAgents("plan-1/launch/4", "a", 4, (NodeArgv("n1", ("train",)), NodeArgv("n2", ("train",))))
+    d.follow(empty, empty, Decision(actions=(first,)), 1.0)
+
+    def killed(node: str, launch: str) -> ProcessExit:
+        return ProcessExit(
+            job_id=4, node=node, wall_time_s=1.0, rank=None, local_rank=None, pid=77, exit_code=None,
+            signal=9, error_file_text=None, stderr_tail="", launch_id=launch,
+        )  # fmt: skip
+
+    def raised(launch: str) -> ExceptionReport:
+        return ExceptionReport(
+            job_id=4, node="n1", wall_time_s=1.0, rank=0, exc_type="RuntimeError",
+            message="Connection reset by peer", traceback="", launch_id=launch,
+        )  # fmt: skip
+
+    def line(launch: str) -> FaultReport:
+        return FaultReport(
+            job_id=4, node="n1", wall_time_s=1.0, status="exited_abnormally", severity="SEV2",
+            rule="torchelastic_worker_failed", rank=None, evidence="worker group failed", launch_id=launch,
+        )  # fmt: skip
+
+    assert len(d.on_message(killed("n1", first.action_id), 2.0)) == 1  # the current launch's: a fault
+    shrink = LaunchAgents("plan-2/relaunch/4", "a", 4, (NodeArgv("n1", ("train",)),))
+    stop = SendCommand("plan-2/stop/n2", 4, "n2", AgentAction.STOP, deadline_s=60.0)
+    d.follow(empty, empty, Decision(actions=(shrink, stop)), 3.0)
+    for stale in (killed("n1", first.action_id), raised(first.action_id), line(first.action_id)):
+        assert d.on_message(stale, 20.0) == []
+    assert d.on_message(killed("n2", first.action_id), 20.0) == []  # its agent was stopped
+    assert d.stale_reports == 4
+    for fresh in (killed("n1", shrink.action_id), raised(shrink.action_id), line(shrink.action_id)):
+        assert len(d.on_message(fresh, 21.0)) == 1, fresh
+    assert len(d.on_message(killed("n1", ""), 22.0)) == 1  # unknown launch: it counts
