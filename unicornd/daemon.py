@@ -121,7 +121,7 @@ class Daemon:
         self.executor = Executor(
             cfg, self.core, slurm, client, self.agent_users, config_path=config_path, lease=self.lease
         )
-        self.lookup = Lookup(self.core, min_nodes=cfg.plan.lookup_min_nodes)
+        self.lookup = Lookup(self.core, min_nodes=cfg.plan.lookup_min_nodes, workers=cfg.plan.lookup_workers)
         self.scope = Scope()
         self._stop = asyncio.Event()
         self._drain_only = False

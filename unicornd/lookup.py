@@ -2,7 +2,7 @@
 
 At 4,096 nodes and 200 tasks a full solve takes 0.1-0.2 s (``scripts/bench/scale.py``).
 After each change of what the planner would see (the plan basis, the tasks' nodes and
-states, which tasks are faulted, the nodes), :class:`Lookup` solves, in a worker process,
+states, which tasks are faulted, the nodes), :class:`Lookup` solves, in worker processes,
 the snapshot each planned task's next single-node failure would leave when its replan runs
 (:func:`one_step_snapshots`: one of its nodes out, the task faulted), and one for a spare
 node lost, and puts the plans into the planner's :class:`~unicornd.replan.SolveCache`.
@@ -39,7 +39,7 @@ from unicorn_core.logs import get_logger
 from unicornd.actions import Decision
 from unicornd.core import Core
 from unicornd.launch import Render
-from unicornd.replan import PlanContext, SolveKey, planned_tasks, pools, solve, solve_inputs
+from unicornd.replan import CurveMemo, PlanContext, SolveKey, planned_tasks, pools, solve, solve_inputs
 from unicornd.solvecache import SolveCache
 from unicornd.state import Incident, NodeHealth, Snapshot, TaskRecord
 
@@ -55,6 +55,11 @@ DEBOUNCE_S: Final = 0.5
 """Wait this long after a change before building (a recovery commits several in a row)."""
 SPARE: Final = ""
 """The one-step snapshot of a spare node lost (no task's)."""
+MAX_AUTO_WORKERS: Final = 4
+"""``[plan] lookup_workers = 0`` starts one worker per CPU, at most this many."""
+
+_WORKER_CURVES: CurveMemo = {}
+"""A worker process's task curves, kept from chunk to chunk (:func:`unicornd.replan.solve`)."""
 
 
 def _incident(task: TaskRecord, node: str) -> Incident:
@@ -133,18 +138,24 @@ def _no_render(_gpus: int, _generation: int) -> Render:
 
 
 def solve_ahead(
-    snap: Snapshot, parts: SolveParts, now_s: float, tasks: Sequence[str] | None
+    snap: Snapshot,
+    parts: SolveParts,
+    now_s: float,
+    tasks: Sequence[str] | None,
+    memo: CurveMemo | None = None,
 ) -> list[tuple[str, Plan]]:
     """(task id or :data:`SPARE`, plan) of the one-step snapshots of ``tasks`` (None: all)
     whose inputs can be cached. Pure; runs in the worker process. Only plans travel back (their keys
     are made where they are stored, :meth:`~unicornd.replan.SolveKey.one_node_lost`: a key
-    holds every task's spec, and unpickling them holds the parent's GIL)."""
+    holds every task's spec, and unpickling them holds the parent's GIL). ``memo``: the
+    task curves to reuse (default: the worker process's own, kept between chunks)."""
     ctx = parts.context()
+    curves = _WORKER_CURVES if memo is None else memo
     out: list[tuple[str, Plan]] = []
     for tid, hyp in one_step_snapshots(snap, None if tasks is None else set(tasks)):
         inputs = solve_inputs(hyp, ctx, now_s)
         if inputs is not None and inputs.key is not None:
-            out.append((tid, solve(inputs, ctx)))
+            out.append((tid, solve(inputs, ctx, curves)))
     return out
 
 
@@ -190,9 +201,11 @@ class Lookup:
     committed snapshot's single-node failures (see the module docstring). :meth:`follow`
     is a :class:`~unicornd.core.Core` follower; :meth:`run` is a root task of unicornd."""
 
-    def __init__(self, core: Core, *, min_nodes: int = LOOKUP_MIN_NODES) -> None:
+    def __init__(self, core: Core, *, min_nodes: int = LOOKUP_MIN_NODES, workers: int = 0) -> None:
         self.core = core
         self.min_nodes = min_nodes
+        self.workers = workers or min(MAX_AUTO_WORKERS, os.cpu_count() or 1)
+        """Worker processes; a build keeps one chunk in flight on each."""
         self.builds = 0
         self.build_s: list[float] = []
         self.solved = 0
@@ -239,7 +252,9 @@ class Lookup:
         if self._pool is None:
             # spawn, not fork: unicornd has threads (to_thread), which fork would copy mid-state.
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_lowest_priority
+                max_workers=self.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_lowest_priority,
             )
         started = time.monotonic()
         groups = pools(snap)
@@ -262,14 +277,23 @@ class Lookup:
         if self._canon_basis is not snap.plan_basis:  # assignments are shared within a basis
             self._canon, self._canon_basis = {}, snap.plan_basis
         loop = asyncio.get_running_loop()
-        for i in range(0, len(todo), CHUNK):
+        chunks = [todo[i : i + CHUNK] for i in range(0, len(todo), CHUNK)]
+        chunks.reverse()  # popped from the end: the largest tasks' go first
+        flying: set[asyncio.Future[list[tuple[str, Plan]]]] = set()
+        while chunks or flying:
+            while chunks and len(flying) < self.workers:
+                chunk = chunks.pop()
+                flying.add(loop.run_in_executor(self._pool, solve_ahead, snap, parts, time.time(), chunk))
+            done, flying = await asyncio.wait(flying, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                plans = fut.result()
+                store(snap, base.key, plans, ctx.solves, self._canon)
+                self.solved += len(plans)
             now = self.core.committed
             if now is not snap and (now is None or structure(now) != shape):
+                for fut in flying:  # their plans would be for inputs gone by
+                    fut.cancel()
                 return  # the inputs moved on: the next build starts from the newer snapshot
-            chunk = todo[i : i + CHUNK]
-            plans = await loop.run_in_executor(self._pool, solve_ahead, snap, parts, time.time(), chunk)
-            store(snap, base.key, plans, ctx.solves, self._canon)
-            self.solved += len(plans)
         self._built = shape
         self.builds += 1
         self.build_s.append(time.monotonic() - started)
@@ -286,6 +310,6 @@ def warm(snap: Snapshot, ctx: PlanContext, now_s: float) -> int:
     base = solve_inputs(snap, ctx, now_s)
     if base is None or not isinstance(base.key, SolveKey):
         return 0
-    plans = solve_ahead(snap, SolveParts.of(ctx), now_s, None)
+    plans = solve_ahead(snap, SolveParts.of(ctx), now_s, None, memo={})
     store(snap, base.key, plans, ctx.solves)
     return len(plans)

@@ -49,6 +49,41 @@ def test_dp_equals_brute_force(instance: tuple[list[np.ndarray], int]) -> None:
     assert objective_of(g, dp.workers) == pytest.approx(dp.objective, rel=1e-12, abs=1e-9)
 
 
+def _argmax_over_counts(gains_: list[np.ndarray], workers: int) -> tuple[int, ...]:
+    """The allocation the solver gave before it went count by count: the (n+1) x |K|
+    candidate matrix of each step and its argmax (the first maximum on a tie)."""
+    n = workers
+    best = np.zeros(n + 1)
+    choices = []
+    for g in gains_:
+        counts = useful_counts(g)
+        padded = np.concatenate((np.full(n, -np.inf), best))
+        candidates = np.stack([padded[n - k : 2 * n + 1 - k] + g[k] for k in counts], axis=1)
+        pick = candidates.argmax(axis=1)
+        best = candidates[np.arange(n + 1), pick]
+        choices.append(counts[pick])
+    allocation = [0] * len(gains_)
+    j = n
+    for i in range(len(gains_) - 1, -1, -1):
+        allocation[i] = int(choices[i][j])
+        j -= allocation[i]
+    return tuple(allocation)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 40),
+    st.lists(st.lists(st.integers(-3, 3), min_size=41, max_size=41), min_size=1, max_size=6),
+)
+def test_ties_go_to_the_smallest_count_as_an_argmax_over_the_counts(
+    workers: int, steps: list[list[int]]
+) -> None:
+    """Plans are cached by their inputs (unicornd.replan), so the solver must give the same
+    allocation for the same gains, ties included: small integer steps make ties everywhere."""
+    g = [np.cumsum(np.array(s[: workers + 1], dtype=float)) for s in steps]
+    assert solve(g, workers).workers == _argmax_over_counts(g, workers)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.floats(-50, 50), min_size=1, max_size=12))
 def test_useful_counts_are_the_strict_prefix_maxima(values: list[float]) -> None:

@@ -19,7 +19,7 @@ from unicornd.actions import Decision
 from unicornd.core import Core
 from unicornd.decide import on_basis_due, on_finding, resolve
 from unicornd.lookup import SPARE, Lookup, one_step_snapshots, structure, warm
-from unicornd.replan import PLANNED_STATES, PlanContext, SolveKey, plan_for, solve_inputs
+from unicornd.replan import PLANNED_STATES, CurveMemo, PlanContext, SolveKey, plan_for, solve, solve_inputs
 from unicornd.state import (
     PLAN_BASIS_REFRESH_S,
     Calibration,
@@ -209,3 +209,39 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_curves_kept_between_solves_give_the_plans_solved_afresh() -> None:
+    """The lookup's workers keep each task's curve from solve to solve (unicornd.replan.solve's
+    memo). One memo across two bases whose calibrations differ (task a measured twice as slow
+    as the model, then as fast): every one-step plan equals the plan solved without it, so a
+    curve of another calibration is never taken."""
+    gpu = gpu_spec("a100-80g").name
+    memo: CurveMemo = {}
+    c = ctx()
+    for iteration_s in (50.0, 0.01):
+        cal = measured(gpu, iteration_s)
+        snap = replace(cluster(), calibration=cal).apply(plan_basis=PlanBasis(cal, T0))
+        for tid, hyp in one_step_snapshots(snap):
+            inputs = solve_inputs(hyp, c, T0)
+            assert inputs is not None and inputs.efficiency, "calibrated inputs"
+            assert solve(inputs, c, memo) == solve(inputs, c), (iteration_s, tid)
+    assert 0 < len(memo) <= 2 * len(cluster().tasks)
+
+
+async def test_a_build_on_two_workers_caches_the_plans_a_solve_here_would() -> None:
+    """Chunks go to every worker at once; the table is the one :func:`warm` solves in place."""
+    tasks = [task(f"t{i}", i + 1, [f"n{2 * i + 1}", f"n{2 * i + 2}"]) for i in range(9)]
+    snap = world(20, tasks, Policy(max_drain_fraction=1.0))
+    snap = snap.apply(plan_basis=PlanBasis(snap.calibration, T0))
+    here, there = ctx(), ctx()
+    assert warm(snap, here, T0) == 10  # 9 tasks and a spare: 3 chunks
+    lookup = Lookup(cast(Core, SimpleNamespace(ctx=there, committed=snap)), min_nodes=0, workers=2)
+    try:
+        await lookup._build(snap, structure(snap))
+        assert lookup._pool is not None and len(lookup._pool._processes or {}) == 2
+    finally:
+        assert lookup._pool is not None
+        lookup._pool.shutdown(wait=True)
+    assert lookup.builds == 1 and lookup.solved == 10
+    assert dict(there.solves._plans) == dict(here.solves._plans)

@@ -134,6 +134,15 @@ class PlanConfig(Section):
             ge=0,
         ),
     )
+    lookup_workers: int = field(
+        default=0,
+        metadata=_meta(
+            "Worker processes that solve the single-node failures ahead (lookup_min_nodes), "
+            "each at the lowest CPU priority, so they use only CPU time nothing else wants. "
+            "0: one per CPU, at most 4. Default 0.",
+            ge=0,
+        ),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
