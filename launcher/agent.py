@@ -91,6 +91,8 @@ _FAULT_DEDUP_S: Final = 5.0
 _STDERR_TAIL_CHARS: Final = 8192
 _SOCKET_PATH_MAX: Final = 100
 _DATAGRAMS_PER_WAKEUP: Final = 256
+_LAUNCHES_KEPT: Final = 8
+"""Generations of ranks whose launch id the agent remembers (an exit is reported soon)."""
 _COMMAND_BLOCK_MS: Final = 500
 _ANSWERS_KEPT: Final = 256
 _LAUNCH_READ_S: Final = 30.0
@@ -423,6 +425,7 @@ class Agent:
         }
         generation, launch = self._generation, self.launch_id
         self._launch_of[generation] = launch
+        self._launch_of.pop(generation - _LAUNCHES_KEPT, None)  # their exits were reported long ago
         self.monitor = self._new_monitor()
         self._ignored = IgnoredBlocks()  # a report the last run's ranks left unfinished ends here
         self._hang_reported = None
@@ -521,7 +524,7 @@ class Agent:
         """One line of the ranks' output; ``launch_id``: the launch that started them
         (None: the current one)."""
         if self._follow_megatron and (it := megatron.parse_iteration_line(line)) is not None:
-            self._on_megatron_iteration(it)
+            self._on_megatron_iteration(it, self.launch_id if launch_id is None else launch_id)
             return
         if self._ignored.inside(line):  # Python's report of an exception it ignored
             return
@@ -549,7 +552,7 @@ class Agent:
             )
         )
 
-    def _on_megatron_iteration(self, it: megatron.MegatronIteration) -> None:
+    def _on_megatron_iteration(self, it: megatron.MegatronIteration, launch_id: str) -> None:
         """Megatron-LM's own log line, as the hook's report would be (an unmodified
         ``pretrain_gpt.py`` sends none): progress, hang monitor, loss, training state.
 
@@ -577,7 +580,7 @@ class Agent:
             rank=rank,
             wall_time_s=time.time(),
             previous=previous,
-            launch_id=self.launch_id,
+            launch_id=launch_id,
             phase=schedule.phase_between(previous, it.iteration),
             gap_s=None if previous is None else now - last_s,
         )
@@ -647,14 +650,24 @@ class Agent:
             with contextlib.suppress(FileNotFoundError):
                 self._sock_path.unlink()
 
-    def _on_datagrams(self) -> None:
-        assert self._sock is not None
-        for _ in range(_DATAGRAMS_PER_WAKEUP):
+    def _on_datagrams(self, limit: int | None = _DATAGRAMS_PER_WAKEUP) -> None:
+        """Handle the hook's datagrams waiting on the socket (at most ``limit``; None: all)."""
+        if self._sock is None:
+            return
+        count = 0
+        while limit is None or count < limit:
             try:
                 data = self._sock.recv(MAX_DATAGRAM + 1)
             except (BlockingIOError, InterruptedError):
                 return
             self._on_hook_message(data)
+            count += 1
+
+    def _replace_ranks(self, launch_id: str) -> None:
+        """The ranks were stopped for ``launch_id``: what they sent before they ended is
+        theirs (stamped with their launch), and only then is the agent's launch the new one."""
+        self._on_datagrams(limit=None)
+        self.launch_id = launch_id
 
     def _on_hook_message(self, data: bytes) -> None:
         msg = self._decoder.decode(data)
@@ -802,14 +815,14 @@ class Agent:
         if cmd.action == AgentAction.RESTART_RANKS:
             if sup is not None:
                 await sup.stop(self.grace_s)
-            self.launch_id = cmd.command_id  # only once the ranks it replaces are gone
+            self._replace_ranks(cmd.command_id)  # only once the ranks it replaces are gone
             await self._start_training(self.argv, {})
             return True, "restarted"
         # RELAUNCH: the new command is the task's from now on, even if it fails to start
         # (a later restart_ranks restarts the new layout, never the old one).
         if sup is not None:
             await sup.stop(self.grace_s)
-        self.launch_id = cmd.command_id
+        self._replace_ranks(cmd.command_id)
         self.argv = list(cmd.argv)
         await self._start_training(cmd.argv, dict(cmd.env))
         return True, f"relaunched: {' '.join(cmd.argv[:6])}"

@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import numpy as np
+
 from plan.calibration import Efficiency, calibrated_table
 from plan.hardware import GpuSpec
 from plan.objective import FailureModel, TransitionModel, gains, waf_curve
@@ -84,7 +86,9 @@ def task_curves(
         table = layout_table(task.model, cluster.gpu, cluster.gpus_per_node, assume or PerfAssumptions())
         if calibration is not None and task.name in calibration:
             table = calibrated_table(table, calibration[task.name])
-        tflops = table.tflops_by_gpus(max_workers * wg)[::wg]
+        # A copy, not a view: a view would keep the per-GPU array (wg times larger) alive
+        # for as long as the curve (the lookup's workers keep curves between solves).
+        tflops = np.ascontiguousarray(table.tflops_by_gpus(max_workers * wg)[::wg])
         curves.append(TaskCurve(task, wg, tflops, waf_curve(task, tflops, wg), table))
     return tuple(curves)
 

@@ -119,7 +119,14 @@ class Daemon:
         self.agents = AgentInputs(cfg, self.core, self.detector)
         self.requests = Requests(cfg, self.core, slurm, client)
         self.executor = Executor(
-            cfg, self.core, slurm, client, self.agent_users, config_path=config_path, lease=self.lease
+            cfg,
+            self.core,
+            slurm,
+            client,
+            self.agent_users,
+            config_path=config_path,
+            lease=self.lease,
+            on_failed=self.detector.command_failed,
         )
         self.lookup = Lookup(self.core, min_nodes=cfg.plan.lookup_min_nodes, workers=cfg.plan.lookup_workers)
         self.scope = Scope()

@@ -113,6 +113,10 @@ class Detector:
     training until the agent stops them): they are neither timed nor judged, so they
     cannot register a rank the new layout lacks or mark an iteration as seen before the
     new ranks report it. Unknown (e.g. after a takeover): every report counts."""
+    _undo: dict[tuple[int, str], tuple[str, str | None, str]] = field(init=False, default_factory=dict)
+    """Per (job, node): (the action that last set ``_launches`` there, the value before it,
+    the value it set), to put back if that action fails (:meth:`command_failed`): the agent
+    then still runs the ranks it was to replace."""
     stale_reports: int = field(init=False, default=0)
     """Exits, exceptions and fault reports of replaced ranks, dropped (:meth:`_replaced`)."""
     _stragglers: dict[int, StragglerMonitor] = field(init=False, default_factory=dict)
@@ -155,11 +159,11 @@ class Detector:
         :mod:`unicornd.seed`), as if its last beat came then; no new agent's grace."""
         self.liveness.beat(job_id, node, now_s - silent_s)
 
-    def forget_agent(self, job_id: int, node: str) -> None:
-        """The agent was stopped on purpose: its silence means nothing."""
+    def forget_agent(self, job_id: int, node: str, action_id: str = "") -> None:
+        """The agent was stopped on purpose (by ``action_id``): its silence means nothing."""
         self.liveness.forget(job_id, node)
         self._lost.discard((job_id, node))
-        self._launches[(job_id, node)] = STOPPED  # its ranks' last reports are stale
+        self._launch(job_id, node, STOPPED, action_id)  # its ranks' last reports are stale
         job = self._jobs.get(job_id)
         if job is not None:
             job.monitor.forget_source(node)  # its reports stop; the others' silence still counts
@@ -172,6 +176,7 @@ class Detector:
         self._reported.pop(job_id, None)
         self._lost = {k for k in self._lost if k[0] != job_id}
         self._launches = {k: v for k, v in self._launches.items() if k[0] != job_id}
+        self._undo = {k: v for k, v in self._undo.items() if k[0] != job_id}
 
     def expect_checkpoint(self, job_id: int, now_s: float) -> None:
         """A checkpoint was commanded: every rank's next step may take a checkpoint's time."""
@@ -195,15 +200,15 @@ class Detector:
                 self.restart_job(action.job_id)
                 for node in action.nodes:
                     self.expect_agent(action.job_id, node, now_s)
-                    self._launches[(action.job_id, node)] = action.action_id
+                    self._launch(action.job_id, node, action.action_id, action.action_id)
             elif isinstance(action, Requeue):
                 self.forget_job(action.job_id)  # its processes are killed on purpose
             elif isinstance(action, SendCommand):
                 if action.action in (AgentAction.RESTART_RANKS, AgentAction.RELAUNCH):
                     self.restart_job(action.job_id)
-                    self._launches[(action.job_id, action.node)] = action.action_id
+                    self._launch(action.job_id, action.node, action.action_id, action.action_id)
                 elif action.action is AgentAction.STOP:
-                    self.forget_agent(action.job_id, action.node)
+                    self.forget_agent(action.job_id, action.node, action.action_id)
                 elif action.action is AgentAction.CHECKPOINT_NOW:
                     self.expect_checkpoint(action.job_id, now_s)
         for task in after.tasks.values():
@@ -284,7 +289,7 @@ class Detector:
             return []
         if isinstance(msg, IterationTiming):
             return self._timing(msg, now_s)
-        if isinstance(msg, ProcessExit | ExceptionReport | FaultReport) and self._replaced(
+        if isinstance(msg, ProcessExit | ExceptionReport | FaultReport) and self.replaced(
             msg.job_id, msg.node, msg.launch_id
         ):
             # Found in CI: the superseded agent of a shrunk job reported its ranks' SIGKILL
@@ -330,14 +335,36 @@ class Detector:
         job = self._jobs.get(msg.job_id)
         return job is not None and job.final
 
-    def _replaced(self, job_id: int, node: str, launch_id: str) -> bool:
+    def replaced(self, job_id: int, node: str, launch_id: str) -> bool:
         """A report of ranks that this unicornd has since replaced on ``node`` (another
         launch or restart there, or its agent stopped). Unknown either way: not replaced."""
         current = self._launches.get((job_id, node))
         return current == STOPPED or (current is not None and bool(launch_id) and launch_id != current)
 
+    def _launch(self, job_id: int, node: str, launch_id: str, action_id: str) -> None:
+        key = (job_id, node)
+        if action_id:
+            self._undo[key] = (action_id, self._launches.get(key), launch_id)
+        self._launches[key] = launch_id
+
+    def command_failed(self, action_id: str) -> None:
+        """The launch, restart or stop ``action_id`` failed (the agent's answer, or the
+        command never reached it): the ranks it was to replace may still run, so their
+        reports count again (what was current before it is again; nothing: all count).
+        Nothing changes where a later action has replaced them since."""
+        for key, (by, before, value) in list(self._undo.items()):
+            if by != action_id:
+                continue
+            del self._undo[key]
+            if self._launches.get(key) != value:
+                continue
+            if before is None:
+                del self._launches[key]
+            else:
+                self._launches[key] = before
+
     def _timing(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:
-        if self._replaced(msg.job_id, msg.node, msg.launch_id):
+        if self.replaced(msg.job_id, msg.node, msg.launch_id):
             # A replaced launch's ranks, still running until the agent stops them. They
             # must not reach the new launch's monitor: a rank of the old layout the new one
             # lacks would be watched from its last report on and, once the new layout's

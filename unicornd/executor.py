@@ -133,9 +133,13 @@ class Executor:
         *,
         config_path: str | None = None,
         lease: Lease | None = None,
+        on_failed: Callable[[str], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.lease = lease
+        self.on_failed = on_failed
+        """Told the id of every action that did not succeed (the detector: a launch or
+        command that never happened replaced no ranks)."""
         self.core = core
         self.slurm = slurm
         self.client = client
@@ -249,6 +253,8 @@ class Executor:
     async def _report(self, owed: Owed, outcome: Outcome, t0: float) -> None:
         action = owed.action
         if not outcome.ok:
+            if self.on_failed is not None:
+                self.on_failed(action.action_id)
             await self._incident_log(
                 {
                     "kind": "action_failed",

@@ -152,6 +152,7 @@ class AgentInputs:
                 log.warning(
                     "agent_command_failed", command_id=msg.command_id, node=msg.node, detail=msg.detail
                 )
+                self.detector.command_failed(msg.command_id)
             await self.core.decide(now, lambda s: decide.on_outcome(s, outcome, now))
             return
         if stream != self.keys.events(msg.job_id):
@@ -181,7 +182,12 @@ class AgentInputs:
                         s, tid, it, now, reported_s=at, launch_id=lid, sample=sample, plan=plan
                     ),
                 )
-        elif isinstance(msg, ProcessExit) and msg.rank is None and msg.exit_code == 0:
+        elif (
+            isinstance(msg, ProcessExit)
+            and msg.rank is None
+            and msg.exit_code == 0
+            and not self.detector.replaced(msg.job_id, msg.node, msg.launch_id)
+        ):  # a replaced launch's torchrun may end 0 (its SIGTERM save): not this launch's end
             job, node = msg.job_id, msg.node
             await self.core.decide(now, lambda s: decide.on_node_finished(s, job, node, now))
         for jf in found:

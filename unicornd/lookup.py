@@ -204,7 +204,7 @@ class Lookup:
     def __init__(self, core: Core, *, min_nodes: int = LOOKUP_MIN_NODES, workers: int = 0) -> None:
         self.core = core
         self.min_nodes = min_nodes
-        self.workers = workers or min(MAX_AUTO_WORKERS, os.cpu_count() or 1)
+        self.workers = workers or min(MAX_AUTO_WORKERS, len(os.sched_getaffinity(0)))
         """Worker processes; a build keeps one chunk in flight on each."""
         self.builds = 0
         self.build_s: list[float] = []
@@ -280,20 +280,24 @@ class Lookup:
         chunks = [todo[i : i + CHUNK] for i in range(0, len(todo), CHUNK)]
         chunks.reverse()  # popped from the end: the largest tasks' go first
         flying: set[asyncio.Future[list[tuple[str, Plan]]]] = set()
-        while chunks or flying:
-            while chunks and len(flying) < self.workers:
-                chunk = chunks.pop()
-                flying.add(loop.run_in_executor(self._pool, solve_ahead, snap, parts, time.time(), chunk))
-            done, flying = await asyncio.wait(flying, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
-                plans = fut.result()
-                store(snap, base.key, plans, ctx.solves, self._canon)
-                self.solved += len(plans)
-            now = self.core.committed
-            if now is not snap and (now is None or structure(now) != shape):
-                for fut in flying:  # their plans would be for inputs gone by
-                    fut.cancel()
-                return  # the inputs moved on: the next build starts from the newer snapshot
+        try:
+            while chunks or flying:
+                while chunks and len(flying) < self.workers:
+                    chunk = chunks.pop()
+                    flying.add(loop.run_in_executor(self._pool, solve_ahead, snap, parts, time.time(), chunk))
+                done, flying = await asyncio.wait(flying, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    plans = fut.result()
+                    store(snap, base.key, plans, ctx.solves, self._canon)
+                    self.solved += len(plans)
+                now = self.core.committed
+                if now is not snap and (now is None or structure(now) != shape):
+                    return  # the inputs moved on: the next build starts from the newer snapshot
+        finally:
+            # Chunks not started are dropped; one a worker is solving runs to its end, and
+            # its result (or error) is ignored.
+            for fut in flying:
+                fut.cancel()
         self._built = shape
         self.builds += 1
         self.build_s.append(time.monotonic() - started)

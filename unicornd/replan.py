@@ -291,8 +291,9 @@ CurveMemo = dict[tuple[TaskSpec, Cluster, int, PerfAssumptions], tuple[Efficienc
 """Task curves kept across solves (:func:`solve`): keyed by what a curve is computed from
 besides the calibration, which is compared on use (it is a mapping, so no key)."""
 
-CURVE_MEMO_MAX: Final = 4096
-"""A memo this large is emptied before the next entry (a build needs one curve per task)."""
+CURVE_MEMO_MAX: Final = 1024
+"""A memo this large is emptied before the next entry (a build needs one curve per task;
+a curve at 4,096 nodes holds ~64 KB)."""
 
 
 def solve(inputs: SolveInputs, ctx: PlanContext, memo: CurveMemo | None = None) -> Plan:
@@ -308,6 +309,8 @@ def solve(inputs: SolveInputs, ctx: PlanContext, memo: CurveMemo | None = None) 
     if memo is None:
         curves = task_curves(inputs.specs, cluster, top, ctx.assume, calibration=inputs.efficiency)
         return plan_cluster(curves, cluster, inputs.request)
+    if memo and next(iter(memo))[1:] != (cluster, top, ctx.assume):
+        memo.clear()  # another cluster: none of these curves can serve (a node was lost or came back)
     out: list[TaskCurve] = []
     for spec in inputs.specs:
         eff = None if inputs.efficiency is None else inputs.efficiency.get(spec.name)

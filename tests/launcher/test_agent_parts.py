@@ -462,6 +462,50 @@ def test_exits_and_log_lines_carry_the_launch_that_started_their_ranks(tmp_path:
     ], stamps
 
 
+def test_what_stopped_ranks_sent_before_a_restart_keeps_their_launch(tmp_path: Path) -> None:
+    """An exception a rank sent through the hook just before it was stopped may still wait
+    in the socket when the restart moves the agent's launch on: it is read first, so it is
+    stamped with the launch of the ranks that sent it, and unicornd drops it as theirs."""
+    import socket
+
+    from launcher.agent import Agent
+    from unicorn_core.config import Config
+    from unicorn_core.protocol import ExceptionReport, Message, encode
+
+    agent = Agent(Config(), job_id=5, node="n1", run_dir=tmp_path, argv=[], launch_id="plan-1/launch/5")
+    sent: list[Message] = []
+    agent._emit = sent.append  # type: ignore[method-assign]
+    here, rank = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    here.setblocking(False)
+    agent._sock = here
+    try:
+        rank.setblocking(False)
+        queued = 0
+        for i in range(300):  # as many as the socket holds (Linux: max_dgram_qlen)
+            exc = ExceptionReport(
+                job_id=5,
+                node="n1",
+                wall_time_s=1.0,
+                rank=0,
+                exc_type="RuntimeError",
+                message=f"x{i}",
+                traceback="",
+            )
+            try:
+                rank.send(encode(exc))
+            except BlockingIOError:
+                break
+            queued += 1
+        agent._replace_ranks("a.1/restart_processes/1/n1")
+    finally:
+        agent._sock = None
+        here.close()
+        rank.close()
+    stamps = {m.launch_id for m in sent if isinstance(m, ExceptionReport)}
+    assert queued > 0 and len(sent) == queued and stamps == {"plan-1/launch/5"}
+    assert agent.launch_id == "a.1/restart_processes/1/n1"
+
+
 def test_ranks_are_the_top_most_processes_with_rank_variables() -> None:
     """A rank's own children (Megatron-LM's rank 0 runs make; data loaders fork workers)
     inherit RANK but are not ranks: their ends must not read as a rank's."""

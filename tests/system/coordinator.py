@@ -222,11 +222,15 @@ class Coordinator:
         raise AssertionError(f"job {job} did not start")
 
 
-def _out_of_service(cluster: DevCluster) -> set[str]:
-    """Nodes Slurm shows drained, draining or down."""
-    out = cluster.slurm("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split("\n")
-    pairs = [line.split() for line in out if len(line.split()) == 2]
-    return {node for node, state in pairs if state.rstrip("*~#!%$@^-").startswith(("drain", "drng", "down"))}
+def _drained_by_unicornd(cluster: DevCluster) -> set[str]:
+    """Nodes Slurm shows drained, draining or down with unicornd's reason ("unicorn: ...")."""
+    out = cluster.slurm("sinfo", "-h", "-N", "-o", "%N|%t|%E", check=False).stdout.splitlines()
+    rows = [line.split("|", 2) for line in out if line.count("|") >= 2]
+    return {
+        node
+        for node, state, reason in rows
+        if state.rstrip("*~#!%$@^-").startswith(("drain", "drng", "down")) and reason.startswith("unicorn")
+    }
 
 
 @contextlib.contextmanager
@@ -236,7 +240,7 @@ def coordinator(cluster: DevCluster, tmp: Path, **env: str) -> Iterator[Coordina
     c = Coordinator(cluster, full_env, RedisKeys(prefix), tmp / f"unicornd-{prefix}.log")
     c.start()
     jobs_before = set(cluster.slurm("squeue", "-h", "-o", "%i").stdout.split())
-    out_before = _out_of_service(cluster)
+    drained_before = _drained_by_unicornd(cluster)
     try:
         # Ready once its first state is committed (Redis roles exist by then): a job whose
         # wrapper registers before that would fail to log in as the user role.
@@ -251,10 +255,11 @@ def coordinator(cluster: DevCluster, tmp: Path, **env: str) -> Iterator[Coordina
         deadline = time.monotonic() + 30
         while cluster.slurm("squeue", "-h").stdout.strip() and time.monotonic() < deadline:
             time.sleep(0.5)
-        # A node the test left drained (a failed test never reached its own resume) would
-        # fail the module's next tests for no fault of theirs (found in CI: "job did not
-        # start" after the node-loss test failed before resuming n2).
-        for node in sorted(_out_of_service(cluster) - out_before):
+        # A node this unicornd drained and the test left so (a failed test never reached its
+        # own resume) would fail the module's next tests for no fault of theirs (found in CI:
+        # "job did not start" after the node-loss test failed before resuming n2).
+        for node in sorted(_drained_by_unicornd(cluster) - drained_before):
+            print(f"teardown: resuming {node}, drained by unicornd during the test")
             cluster.slurm("scontrol", "update", f"nodename={node}", "state=resume", check=False)
         shutil.rmtree(AGENT_RUN_ROOT / prefix, ignore_errors=True)  # the agents' run folders
         with contextlib.suppress(OSError):

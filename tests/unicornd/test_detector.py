@@ -281,3 +281,35 @@ def test_the_exits_and_errors_of_replaced_ranks_are_no_finding() -> None:
     for fresh in (killed("n1", shrink.action_id), raised(shrink.action_id), line(shrink.action_id)):
         assert len(d.on_message(fresh, 21.0)) == 1, fresh
     assert len(d.on_message(killed("n1", ""), 22.0)) == 1  # unknown launch: it counts
+
+
+def test_a_failed_restart_or_stop_leaves_the_old_ranks_reports_counting() -> None:
+    """Found in review: the detector takes a restart's or stop's launch as current when it is
+    committed; if the agent then fails it (or the command never reaches it), the old ranks
+    run on, and their faults must count again. A later action's launch is not undone."""
+    d = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
+    empty = Snapshot(tasks={}, nodes={}, gpus_per_node=8)
+    first = LaunchAgents("plan-1/launch/4", "a", 4, (NodeArgv("n1", ("train",)), NodeArgv("n2", ("train",))))
+    d.follow(empty, empty, Decision(actions=(first,)), 1.0)
+
+    def killed(node: str) -> ProcessExit:
+        return ProcessExit(
+            job_id=4, node=node, wall_time_s=1.0, rank=0, local_rank=0, pid=77, exit_code=1,
+            signal=None, error_file_text=None, stderr_tail="", launch_id=first.action_id,
+        )  # fmt: skip
+
+    restart = SendCommand("a.1/restart_processes/1/n1", 4, "n1", AgentAction.RESTART_RANKS, deadline_s=60.0)
+    stop = SendCommand("a.1/stop/n2", 4, "n2", AgentAction.STOP, deadline_s=60.0)
+    d.follow(empty, empty, Decision(actions=(restart, stop)), 2.0)
+    assert d.on_message(killed("n1"), 3.0) == [] and d.on_message(killed("n2"), 3.0) == []
+    d.command_failed("no-such-action")
+    assert d.on_message(killed("n1"), 3.1) == []
+    d.command_failed(restart.action_id)
+    d.command_failed(stop.action_id)
+    assert len(d.on_message(killed("n1"), 4.0)) == 1 and len(d.on_message(killed("n2"), 4.0)) == 1
+    again = SendCommand("a.1/restart_processes/2/n1", 4, "n1", AgentAction.RESTART_RANKS, deadline_s=60.0)
+    later = SendCommand("a.1/relaunch/1/n1", 4, "n1", AgentAction.RELAUNCH, deadline_s=60.0)
+    d.follow(empty, empty, Decision(actions=(again,)), 5.0)
+    d.follow(empty, empty, Decision(actions=(later,)), 6.0)
+    d.command_failed(again.action_id)  # replaced since: the relaunch's launch stays current
+    assert d.on_message(killed("n1"), 7.0) == []
