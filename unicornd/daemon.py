@@ -93,7 +93,7 @@ def one_malloc_arena() -> bool:
     unicornd solves plans in worker threads (``asyncio.to_thread``), and glibc gives each
     thread its own arena, which keeps what a solve freed. Measured at 4,096 nodes
     (``scripts/bench/malloc_arena.py``): each solve in a thread left 13-20 MiB behind; with
-    one arena, 0.1 MiB. The scale bench's hour runs showed RSS steps of 43-56 MiB at the
+    one arena, 0.0 MiB. The scale bench's hour runs showed RSS steps of 43-56 MiB at the
     same moment of their fault schedule. unicornd's few threads contend little for it.
     """
     try:

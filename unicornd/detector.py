@@ -118,7 +118,7 @@ class Detector:
     the value it set), to put back if that action fails (:meth:`command_failed`): the agent
     then still runs the ranks it was to replace."""
     stale_reports: int = field(init=False, default=0)
-    """Exits, exceptions and fault reports of replaced ranks, dropped (:meth:`_replaced`)."""
+    """Exits, exceptions and fault reports of replaced ranks, dropped (:meth:`replaced`)."""
     _stragglers: dict[int, StragglerMonitor] = field(init=False, default_factory=dict)
     """Per job: the straggler statistic (:mod:`detect.stragglers`), relearned at every
     (re)launch (the layout decides which ranks do the same work)."""
@@ -292,9 +292,9 @@ class Detector:
         if isinstance(msg, ProcessExit | ExceptionReport | FaultReport) and self.replaced(
             msg.job_id, msg.node, msg.launch_id
         ):
-            # Found in CI: the superseded agent of a shrunk job reported its ranks' SIGKILL
-            # after the shrink's incident had closed, and a new incident restarted the healthy
-            # new ranks. Ranks replaced on purpose end on purpose: their exits, exceptions and
+            # Likely what failed CI: the superseded agent of a shrunk job reports its ranks'
+            # SIGKILL; after the shrink's incident has closed, a new incident would restart the
+            # healthy new ranks. Ranks replaced on purpose end on purpose: their exits, exceptions and
             # log lines are no fault of the launch that replaced them.
             self.stale_reports += 1
             return []
