@@ -207,13 +207,21 @@ async def test_grow_by_expansion_then_a_second_resize(slurm: CliSlurm) -> None:
         after = await slurm.get_job(job_id)
         assert grown.method == "expand" and len(grown.nodes_added) == 1
         assert set(after.nodes) == set(before) | set(grown.nodes_added) and after.state is JobState.RUNNING
+        # The batch host runs the script: Slurm never lets a shrink remove it. The adapter
+        # says so itself (found in CI: the job ran on n2, grew onto n1, and the test's
+        # shrink onto n1 got only "Invalid node name specified"), and nothing changes.
+        assert after.batch_host in before
+        added = grown.nodes_added[0]
+        with pytest.raises(ResizeUnsupported, match="batch script"):
+            await slurm.shrink(job_id, [added])
+        assert set((await slurm.get_job(job_id)).nodes) == set(after.nodes)
         if (await slurm.version()).startswith("22.05"):
             # Without slurmdbd, 22.05 allows one resize per job run (measured; see the notes).
             with pytest.raises(ResizeUnsupported):
-                await slurm.shrink(job_id, [after.nodes[0]])
+                await slurm.shrink(job_id, [after.batch_host])
         else:  # 24.11 allows the second one (measured on the chroot's 24.11.5)
-            await slurm.shrink(job_id, [after.nodes[0]])
-            assert (await slurm.get_job(job_id)).nodes == (after.nodes[0],)
+            await slurm.shrink(job_id, [after.batch_host])
+            assert (await slurm.get_job(job_id)).nodes == (after.batch_host,)
     finally:
         await slurm.cancel(job_id)
 

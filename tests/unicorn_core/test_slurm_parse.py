@@ -73,8 +73,9 @@ def test_squeue_json_24_11() -> None:
         ("n3", "n4"),
         2,
     )
-    assert running.batch and running.user == "root"
+    assert running.batch and running.user == "root" and running.batch_host == "n3"
     assert jobs[3].state is JobState.PENDING and jobs[3].nodes == () and jobs[3].num_nodes == 4
+    assert jobs[3].batch_host == ""
 
 
 def test_scontrol_records_24_11() -> None:
@@ -90,6 +91,7 @@ def test_scontrol_records_24_11() -> None:
         "my train",
         True,
     )
+    assert job.batch_host == "n3"
     node = node_from_scontrol(parse_scontrol_record((DATA / "scontrol-node-24.11.txt").read_text()))
     assert node.drained and node.reason == "unicorn: ecc_error gpu=1 job=7" and node.gpus == 4
 
@@ -100,9 +102,9 @@ def test_squeue_json_22_05() -> None:
     assert running.state is JobState.RUNNING
     assert running.name == "my train"
     assert running.nodes == ("n3", "n4") and running.num_nodes == 2
-    assert running.batch and running.user == "root"
+    assert running.batch and running.user == "root" and running.batch_host == "n3"
     pending = jobs[10]
-    assert pending.state is JobState.PENDING and pending.nodes == ()
+    assert pending.state is JobState.PENDING and pending.nodes == () and pending.batch_host == ""
 
 
 def test_scontrol_job_record() -> None:
@@ -116,6 +118,9 @@ def test_scontrol_job_record() -> None:
         2,
         True,
     )
+    assert job.batch_host == "n3"
+    no_host = job_from_scontrol({**rec, "BatchHost": "(null)"})
+    assert no_host.batch_host == ""
 
 
 def test_scontrol_node_reason_with_equals_sign() -> None:

@@ -342,7 +342,9 @@ class CliSlurm:
 
         Done already when the job holds exactly ``keep_nodes``: a node set DOWN leaves a
         ``--no-kill`` job by itself, and slurmctld then refuses the same update ("Unexpected
-        message received"; measured on 22.05), before or while this call runs."""
+        message received"; measured on 22.05), before or while this call runs.
+        :class:`ResizeUnsupported` when the shrink would remove the batch host (Slurm never
+        allows it; unicornd then requeues the job onto ``keep_nodes``)."""
         check_job_id(job_id)
         if not keep_nodes:
             raise InvalidArgument("shrink must keep at least one node (cancel the job instead)")
@@ -352,6 +354,12 @@ class CliSlurm:
         extra = [n for n in keep_nodes if n not in job.nodes]
         if extra:
             raise InvalidArgument(f"nodes {extra} are not in job {job_id} ({compress(job.nodes)})")
+        if job.batch and job.batch_host in job.nodes and job.batch_host not in keep_nodes:
+            # slurmctld would answer only "Invalid node name specified" (found in CI: a job
+            # allocated on n2 and grown onto n1 could not be shrunk onto n1).
+            raise ResizeUnsupported(
+                f"job {job_id} cannot shrink off {job.batch_host}: it runs the job's batch script"
+            )
         try:
             await self._run("scontrol", "update", f"jobid={job_id}", f"NodeList={compress(list(keep_nodes))}")
         except CommandFailed as e:

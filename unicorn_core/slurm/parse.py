@@ -328,6 +328,7 @@ def job_from_squeue_json(d: Mapping[str, Any]) -> JobInfo:
         restarts=_int(d.get("restart_cnt")),
         user=str(d.get("user_name") or ""),
         gres=_gres_request(*(d.get(f"tres_per_{per}") for per in _TRES_PER)),
+        batch_host=str(d.get("batch_host") or ""),
     )
 
 
@@ -360,6 +361,7 @@ class _SqueueJob(msgspec.Struct, gc=False):
     tres_per_job: Any = None
     tres_per_task: Any = None
     tres_per_socket: Any = None
+    batch_host: Any = None
 
 
 class _SqueueDoc(msgspec.Struct, gc=False):
@@ -396,7 +398,13 @@ def job_from_scontrol(rec: Mapping[str, str]) -> JobInfo:
         restarts=_int(rec.get("Restarts")),
         user=rec.get("UserId", "").split("(")[0],
         gres=_gres_request(*(rec.get(f"TresPer{per.capitalize()}") for per in _TRES_PER)),
+        batch_host=_batch_host(rec.get("BatchHost", "")),
     )
+
+
+def _batch_host(value: str) -> str:
+    """scontrol's ``BatchHost``: ``(null)`` (none yet) as empty."""
+    return "" if value in ("", "(null)") else value
 
 
 def tres_limits(text: str) -> tuple[int | None, int | None]:

@@ -122,6 +122,10 @@ class JobInfo:
     """The generic resources it asked for, per node or per job as Slurm prints them
     (``gres/gpu:8``; 22.05: ``gres:gpu:8``); empty: none. Slurm (22.05 and 24.11) refuses
     to expand a running job that holds GRES: such a job grows only through a requeue."""
+    batch_host: str = ""
+    """The node running a batch job's script; empty when unknown or none. Slurm refuses a
+    shrink that removes it (22.05 and 24.11: "Invalid node name specified"; slurmctld logs
+    "You cannot remove the batch host from a job when resizing")."""
 
     @property
     def holds_gres(self) -> bool:
