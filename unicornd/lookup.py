@@ -271,6 +271,7 @@ class Lookup:
         # The largest tasks first: a node that fails is most likely one of theirs.
         by_size = sorted(planned_tasks(snap), key=lambda t: (-len(t.nodes), t.task_id))
         ids = [t.task_id for t in by_size] + [SPARE]
+        ctx.solves.table_started(base.key, snap.plan_basis)
         todo = missing(snap, base.key, ids, ctx.solves)
         reused = len(ids) - len(todo)
         self.reused += reused
@@ -298,6 +299,7 @@ class Lookup:
             # its result (or error) is ignored.
             for fut in flying:
                 fut.cancel()
+        ctx.solves.table_built(base.key, snap.plan_basis)
         self._built = shape
         self.builds += 1
         self.build_s.append(time.monotonic() - started)
@@ -314,6 +316,8 @@ def warm(snap: Snapshot, ctx: PlanContext, now_s: float) -> int:
     base = solve_inputs(snap, ctx, now_s)
     if base is None or not isinstance(base.key, SolveKey):
         return 0
+    ctx.solves.table_started(base.key, snap.plan_basis)
     plans = solve_ahead(snap, SolveParts.of(ctx), now_s, None, memo={})
     store(snap, base.key, plans, ctx.solves)
+    ctx.solves.table_built(base.key, snap.plan_basis)
     return len(plans)

@@ -352,9 +352,41 @@ def plan_for(snapshot: Snapshot, ctx: PlanContext, now_s: float, *, calibrated: 
         took.hit = cached is not None
         if cached is not None:
             return cached
+        ctx.solves.note_miss(miss_reason(inputs.key, inputs.basis, ctx.solves.table))
         plan = solve(inputs, ctx)
         ctx.solves.put(inputs.key, inputs.basis, plan)
         return plan
+
+
+def miss_reason(
+    key: Hashable, basis: PlanBasis | None, table: tuple[Hashable, PlanBasis | None, bool] | None
+) -> str:
+    """Why a cacheable solve was not in the one-step table (``table``: the newest the lookup
+    started, :attr:`SolveCache.table`): what differs between the state asked for and the
+    state the table was built around. Pure; for the record (the scale bench counts them)."""
+    if table is None:
+        return "no table: the lookup has built none (off below [plan] lookup_min_nodes, or not yet)"
+    base, table_basis, whole = table
+    if table_basis is not basis:
+        return "the plan basis changed since the table (new calibration or cluster)"
+    if not isinstance(key, SolveKey) or not isinstance(base, SolveKey):
+        return "inputs the table does not hold"
+    diffs = []
+    if key.ids != base.ids or key.specs != base.specs:
+        diffs.append("the tasks changed")
+    elif key.current != base.current:
+        diffs.append("task sizes changed")
+    lost = base.cluster.nodes - key.cluster.nodes
+    if lost != 1:
+        diffs.append(f"{lost} node(s) fewer" if lost >= 0 else f"{-lost} node(s) more")
+    newly = sorted(key.faulted - base.faulted)
+    if len(newly) > 1:
+        diffs.append(f"{len(newly)} tasks newly faulted ({', '.join(newly[:4])})")
+    if base.faulted - key.faulted:
+        diffs.append("a faulted task recovered")
+    if diffs:
+        return "beyond one step: " + "; ".join(diffs)
+    return "one step, but the table was not built whole yet" if not whole else "one step, not in the table"
 
 
 def replan_decision(snapshot: Snapshot, ctx: PlanContext, now_s: float) -> tuple[Plan | None, Decision]:

@@ -45,6 +45,24 @@ class SolveCache:
         self.misses = 0
         self.hit_s: deque[float] = deque(maxlen=1000)
         self.miss_s: deque[float] = deque(maxlen=1000)
+        self.table: tuple[Hashable, PlanBasis | None, bool] | None = None
+        """The newest one-step table :mod:`unicornd.lookup` started: (the key of the state it
+        is built around, its basis, whether it was built whole); None before the first."""
+        self.missed: deque[tuple[float, str]] = deque(maxlen=1000)
+        """(wall time, why) of each miss (:func:`unicornd.replan.miss_reason`), the newest 1,000."""
+
+    def table_started(self, key: Hashable, basis: PlanBasis | None) -> None:
+        with self._lock:
+            self.table = (key, basis, False)
+
+    def table_built(self, key: Hashable, basis: PlanBasis | None) -> None:
+        with self._lock:
+            if self.table is not None and self.table[0] == key and self.table[1] is basis:
+                self.table = (key, basis, True)
+
+    def note_miss(self, why: str) -> None:
+        with self._lock:
+            self.missed.append((time.time(), why))
 
     def __len__(self) -> int:
         return len(self._plans)

@@ -912,7 +912,7 @@ def _analyse(
         "generator_errors": dict(fleet.errors),
         "unicornd_exit_status": status,
         "unicornd_failure": dump.get("error") or None,
-        **_lookup(dump),
+        **_lookup(dump, w0),
     }
 
 
@@ -971,10 +971,11 @@ def _trace_growth(snaps: Sequence[Sequence[Any]], top: int = 12) -> list[dict[st
     return out
 
 
-def _lookup(dump: Mapping[str, Any]) -> dict[str, Any]:
+def _lookup(dump: Mapping[str, Any], w0: float) -> dict[str, Any]:
     """The one-step lookup (:mod:`unicornd.lookup`) as unicornd counted it over the whole
     run: replans whose plan was in the cache (a hit) or solved then (a miss), their plan
-    times, and the table's builds (in unicornd's worker process)."""
+    times, the table's builds (in unicornd's worker process), and each miss's reason
+    (:func:`unicornd.replan.miss_reason`; ``t_s`` from the measured window's start)."""
     solves = dump.get("solves") or {}
     table = dump.get("lookup") or {}
     hits, misses = int(solves.get("hits", 0)), int(solves.get("misses", 0))
@@ -992,6 +993,7 @@ def _lookup(dump: Mapping[str, Any]) -> dict[str, Any]:
         "lookup_plans_solved_ahead": table.get("solved"),
         "lookup_plans_reused": table.get("reused"),
         "lookup_failures": table.get("failures"),
+        "lookup_misses": [{"t_s": _r(float(t) - w0, 1), "why": why} for t, why in solves.get("missed", [])],
     }
 
 

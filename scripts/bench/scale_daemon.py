@@ -262,6 +262,7 @@ async def main(spec: dict[str, Any]) -> int:
             "misses": daemon.core.ctx.solves.misses,
             "hit_s": list(daemon.core.ctx.solves.hit_s),
             "miss_s": list(daemon.core.ctx.solves.miss_s),
+            "missed": [list(m) for m in daemon.core.ctx.solves.missed],
         },
         "lookup": {
             "builds": daemon.lookup.builds,

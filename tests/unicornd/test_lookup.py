@@ -126,6 +126,29 @@ def test_a_failure_the_table_did_not_foresee_is_solved() -> None:
     decided = on_finding(later, finding("f2", 3, "n6", ErrorStatus.ECC_ERROR), T0 + 2)
     resolve(later, decided, warmed, T0 + 2)
     assert warmed.solves.misses >= 1
+    # Each miss says why: two nodes out and two tasks faulted since the table's snapshot.
+    whys = [why for _t, why in warmed.solves.missed]
+    assert len(whys) == warmed.solves.misses
+    assert whys[-1] == "beyond one step: 2 node(s) fewer; 2 tasks newly faulted (a, c)", whys
+
+
+def test_a_miss_without_a_table_or_on_another_basis_says_so() -> None:
+    snap = cluster()
+    cold = ctx()
+    resolve(snap, on_finding(snap, finding("f1", 2, "n4", ErrorStatus.ECC_ERROR), T0 + 5), cold, T0 + 5)
+    assert [why for _t, why in cold.solves.missed] == [
+        "no table: the lookup has built none (off below [plan] lookup_min_nodes, or not yet)"
+    ]
+    warmed = ctx()
+    warm(snap, warmed, T0)
+    renewed = snap.apply(plan_basis=PlanBasis(snap.calibration, T0))  # equal contents, a new basis
+    resolve(
+        renewed, on_finding(renewed, finding("f1", 2, "n4", ErrorStatus.ECC_ERROR), T0 + 5), warmed, T0 + 5
+    )
+    assert warmed.solves.hits == 0
+    assert [why for _t, why in warmed.solves.missed] == [
+        "the plan basis changed since the table (new calibration or cluster)"
+    ]
 
 
 async def test_the_lookup_builds_the_table_in_a_worker_process() -> None:
