@@ -117,6 +117,11 @@ class Detector:
     """Per (job, node): (the action that last set ``_launches`` there, the value before it,
     the value it set), to put back if that action fails (:meth:`command_failed`): the agent
     then still runs the ranks it was to replace."""
+    _agent_epochs: dict[tuple[int, str], int] = field(init=False, default_factory=dict)
+    """Per (job, node): a number that changes whenever unicornd launches or stops that
+    agent on purpose (:meth:`agent_epoch`); a silence found before it changed was about an
+    agent that is no longer there."""
+    _epoch_seq: int = field(init=False, default=0)
     stale_reports: int = field(init=False, default=0)
     """Exits, exceptions and fault reports of replaced ranks, dropped (:meth:`replaced`)."""
     _stragglers: dict[int, StragglerMonitor] = field(init=False, default_factory=dict)
@@ -153,6 +158,18 @@ class Detector:
     def expect_agent(self, job_id: int, node: str, now_s: float) -> None:
         """An agent was launched for (job, node): its silence from now on counts."""
         self.liveness.expect(job_id, node, now_s)
+        self._new_epoch(job_id, node)
+
+    def agent_epoch(self, job_id: int, node: str) -> int:
+        """Changes each time unicornd launches or stops the agent of (job, node) on purpose
+        (0: never tracked). A probe of a silence compares it before and after: the agent it
+        was asked about may have been replaced meanwhile
+        (:meth:`unicornd.inputs.AgentInputs.silence_over`)."""
+        return self._agent_epochs.get((job_id, node), 0)
+
+    def _new_epoch(self, job_id: int, node: str) -> None:
+        self._epoch_seq += 1
+        self._agent_epochs[(job_id, node)] = self._epoch_seq
 
     def seed_silence(self, job_id: int, node: str, silent_s: float, now_s: float) -> None:
         """At start: the agent has been silent ``silent_s`` (its heartbeat key says so,
@@ -162,6 +179,7 @@ class Detector:
     def forget_agent(self, job_id: int, node: str, action_id: str = "") -> None:
         """The agent was stopped on purpose (by ``action_id``): its silence means nothing."""
         self.liveness.forget(job_id, node)
+        self._new_epoch(job_id, node)
         self._lost.discard((job_id, node))
         self._launch(job_id, node, STOPPED, action_id)  # its ranks' last reports are stale
         job = self._jobs.get(job_id)
@@ -177,6 +195,8 @@ class Detector:
         self._lost = {k for k in self._lost if k[0] != job_id}
         self._launches = {k: v for k, v in self._launches.items() if k[0] != job_id}
         self._undo = {k: v for k, v in self._undo.items() if k[0] != job_id}
+        # Dropped: a probe in flight holds a number > 0 and now reads 0, a change.
+        self._agent_epochs = {k: v for k, v in self._agent_epochs.items() if k[0] != job_id}
 
     def expect_checkpoint(self, job_id: int, now_s: float) -> None:
         """A checkpoint was commanded: every rank's next step may take a checkpoint's time."""

@@ -258,6 +258,7 @@ class AgentInputs:
         key = (jf.job_id, node)
         if key in self.probes:
             return
+        epoch = self.detector.agent_epoch(jf.job_id, node)
 
         async def confirm() -> None:
             log.info("probing", job_id=jf.job_id, node=node, why=jf.classification.evidence)
@@ -280,11 +281,29 @@ class AgentInputs:
                 log.error("probe_failed", job_id=jf.job_id, node=node, error=repr(e))
                 found, confirmed_by = jf.classification, ""
             try:
+                why = "" if confirmed_by else await self.silence_over(jf.job_id, node, epoch)
+                if why:
+                    log.info("silence_not_confirmed", job_id=jf.job_id, node=node, rule=found.rule, why=why)
+                    return
                 await self._decide_finding(jf, node, f"{finding_id}:probe", found, confirmed_by=confirmed_by)
             finally:
                 self.probes.pop(key, None)
 
         self.probes[key] = asyncio.create_task(confirm(), name=f"probe-{node}-{jf.job_id}")
+
+    async def silence_over(self, job_id: int, node: str, epoch: int) -> str:
+        """Why a silence a probe did not confirm no longer stands (empty: it does): the agent
+        was launched or stopped on purpose since the probe began (``epoch``:
+        :meth:`~unicornd.detector.Detector.agent_epoch` then), or it has beaten since. The
+        probe's verdict was about an agent that is gone or alive, and a restart would harm a
+        healthy job. A confirmed node fault (no SSH answer, a kernel fault line) stands:
+        it is the node's, not the agent's."""
+        if self.detector.agent_epoch(job_id, node) != epoch:
+            return "the agent was launched or stopped on purpose while it was probed"
+        age = await self._beat_age(job_id, node)
+        if age is not None and age < self.cfg.detect.heartbeat_timeout_s:
+            return f"the agent beat {age:.3g} s ago, while it was probed"
+        return ""
 
     async def _decide_finding(
         self,

@@ -4,9 +4,12 @@ backlog made live agents look silent, and their tasks were restarted)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
+import pytest
 import redis.asyncio as aioredis
 
 from detect.classify import load_classifier
@@ -19,6 +22,7 @@ from unicorn_core import protocol
 from unicorn_core.config import AgentConfig, Config, DetectConfig
 from unicorn_core.keys import RedisKeys
 from unicorn_core.protocol import Heartbeat
+from unicornd import oob
 from unicornd.core import Core
 from unicornd.detector import Detector, JobEvidence
 from unicornd.inputs import AgentInputs
@@ -78,5 +82,84 @@ async def test_no_heartbeat_key_lets_the_silence_stand(redis_url: str) -> None:
         await agents.on_finding(silence(1, "n2"), finding_id="hb-1")
         inc = core.snap.open_incident("a")
         assert inc is not None and inc.node == "n2", inc
+    finally:
+        await client.aclose()
+
+
+async def test_a_probe_verdict_about_an_agent_replaced_or_heard_meanwhile_is_dropped(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe finds no agent process (agent_lost, SEV2: restart the task's processes). That
+    verdict stands only if nothing changed while the probe ran: an agent unicornd launched or
+    stopped meanwhile, or a beat heard meanwhile, makes it about an agent that is gone or
+    alive. A possible cause of stop 34's and 35's CI failures: a second incident restarting
+    a task that had just resumed. A node that does not answer SSH is drained whatever happened."""
+    client = aioredis.Redis.from_url(redis_url)
+    cfg = replace(Config(), ssh=replace(Config().ssh, enabled=True))
+    keys = RedisKeys(cfg.redis.key_prefix)
+    core = Core(Store(client, keys, Policy()), CTX)
+    detector = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
+    agents = AgentInputs(cfg, core, detector)
+    during: list[Callable[[], Awaitable[None]]] = []
+    reachable = True
+
+    async def probe(_ssh: object, _agent: object, node: str, job_id: int) -> oob.ProbeResult:
+        for act in during:
+            await act()
+        return oob.ProbeResult(node, job_id, reachable, "" if reachable else "timed out", answered=reachable)
+
+    monkeypatch.setattr(oob, "probe_node", probe)
+
+    async def beat() -> None:
+        hb = Heartbeat(
+            job_id=1, node="n2", wall_time_s=time.time(), agent_pid=7, pids=[8], iteration=3, seq=1
+        )
+        await client.set(keys.heartbeat(1, "n2"), protocol.encode(hb))
+
+    async def relaunched() -> None:
+        detector.expect_agent(1, "n2", time.monotonic())
+
+    async def probed(finding_id: str) -> None:
+        await client.delete(keys.heartbeat(1, "n2"))  # silent until the probe: it is probed
+        await agents.on_finding(silence(1, "n2"), finding_id=finding_id)
+        await asyncio.gather(*agents.probes.values())
+
+    try:
+        await core.start(world(2, [task("a", 1, ["n1", "n2"])]))
+        detector.expect_agent(1, "n2", time.monotonic())
+        for n, act in enumerate((beat, relaunched)):
+            during[:] = [act]
+            await probed(f"hb-{n}")
+            assert core.snap.open_incident("a") is None, act.__name__
+        during.clear()
+        reachable = False  # no SSH answer: the node's fault, whatever the agent did
+        during[:] = [relaunched]
+        await probed("hb-ssh")
+        inc = core.snap.open_incident("a")
+        assert inc is not None and inc.rule == "ssh_unreachable", inc
+    finally:
+        await client.aclose()
+
+
+async def test_a_probe_verdict_with_nothing_changed_meanwhile_stands(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    cfg = replace(Config(), ssh=replace(Config().ssh, enabled=True))
+    core = Core(Store(client, RedisKeys(cfg.redis.key_prefix), Policy()), CTX)
+    detector = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
+    agents = AgentInputs(cfg, core, detector)
+
+    async def probe(_ssh: object, _agent: object, node: str, job_id: int) -> oob.ProbeResult:
+        return oob.ProbeResult(node, job_id, True, answered=True)  # reachable, no agent process
+
+    monkeypatch.setattr(oob, "probe_node", probe)
+    try:
+        await core.start(world(2, [task("a", 1, ["n1", "n2"])]))
+        detector.expect_agent(1, "n2", time.monotonic())
+        await agents.on_finding(silence(1, "n2"), finding_id="hb-1")
+        await asyncio.gather(*agents.probes.values())
+        inc = core.snap.open_incident("a")
+        assert inc is not None and inc.node == "n2" and inc.rule == "agent_lost", inc
     finally:
         await client.aclose()
