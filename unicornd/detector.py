@@ -75,6 +75,9 @@ class JobEvidence:
     straggler: Straggler | None = None
     """For a ``straggler`` finding: the verdict with its numbers (decided by
     :func:`unicornd.decide.on_straggler`, never by the ladder)."""
+    agent_epoch: int = 0
+    """For a silence (source ``heartbeat``): :meth:`Detector.agent_epoch` when it was found;
+    a probe's verdict stands only if it has not changed since."""
 
     @property
     def classification(self) -> Classification:
@@ -160,6 +163,15 @@ class Detector:
         self.liveness.expect(job_id, node, now_s)
         self._new_epoch(job_id, node)
 
+    def _agent_launched(self, job_id: int, node: str, now_s: float) -> None:
+        """A new agent was launched for (job, node) on purpose: a new episode. Its silence
+        counts from now, after a new agent's grace, and a silence found of the agent it
+        replaces (in ``_lost`` until a beat) no longer keeps the new one from being watched
+        (a probe's verdict about the old agent is dropped: :meth:`agent_epoch`)."""
+        self.liveness.forget(job_id, node)
+        self._lost.discard((job_id, node))
+        self.expect_agent(job_id, node, now_s)
+
     def agent_epoch(self, job_id: int, node: str) -> int:
         """Changes each time unicornd launches or stops the agent of (job, node) on purpose
         (0: never tracked). A probe of a silence compares it before and after: the agent it
@@ -219,7 +231,7 @@ class Detector:
             if isinstance(action, LaunchAgents):
                 self.restart_job(action.job_id)
                 for node in action.nodes:
-                    self.expect_agent(action.job_id, node, now_s)
+                    self._agent_launched(action.job_id, node, now_s)
                     self._launch(action.job_id, node, action.action_id, action.action_id)
             elif isinstance(action, Requeue):
                 self.forget_job(action.job_id)  # its processes are killed on purpose
@@ -503,9 +515,8 @@ class Detector:
             if key in self._lost:
                 continue
             self._lost.add(key)
-            out.append(
-                JobEvidence(exp.job_id, Evidence(exp.node, None, now_s, exp.classification(), "heartbeat"))
-            )
+            evidence = Evidence(exp.node, None, now_s, exp.classification(), "heartbeat")
+            out.append(JobEvidence(exp.job_id, evidence, agent_epoch=self.agent_epoch(*key)))
         for job_id, job in self._jobs.items():
             verdict = job.monitor.check(now_s, until_s)
             if verdict is None:

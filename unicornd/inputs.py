@@ -258,7 +258,7 @@ class AgentInputs:
         key = (jf.job_id, node)
         if key in self.probes:
             return
-        epoch = self.detector.agent_epoch(jf.job_id, node)
+        epoch = jf.agent_epoch  # as the silence was found: a launch since then replaced that agent
 
         async def confirm() -> None:
             log.info("probing", job_id=jf.job_id, node=node, why=jf.classification.evidence)

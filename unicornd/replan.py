@@ -352,7 +352,11 @@ def plan_for(snapshot: Snapshot, ctx: PlanContext, now_s: float, *, calibrated: 
         took.hit = cached is not None
         if cached is not None:
             return cached
-        ctx.solves.note_miss(miss_reason(inputs.key, inputs.basis, ctx.solves.table))
+        try:
+            why = miss_reason(inputs.key, inputs.basis, ctx.solves.table)
+        except Exception as e:  # a record only: it must never fail the replan
+            why = f"unknown ({e!r})"
+        ctx.solves.note_miss(why)
         plan = solve(inputs, ctx)
         ctx.solves.put(inputs.key, inputs.basis, plan)
         return plan
@@ -365,7 +369,10 @@ def miss_reason(
     started, :attr:`SolveCache.table`): what differs between the state asked for and the
     state the table was built around. Pure; for the record (the scale bench counts them)."""
     if table is None:
-        return "no table: the lookup has built none (off below [plan] lookup_min_nodes, or not yet)"
+        return (
+            "no table: the lookup has built none (below [plan] lookup_min_nodes, no plan basis "
+            "yet, several GPU pools, or not built yet)"
+        )
     base, table_basis, whole = table
     if table_basis is not basis:
         return "the plan basis changed since the table (new calibration or cluster)"
@@ -376,9 +383,14 @@ def miss_reason(
         diffs.append("the tasks changed")
     elif key.current != base.current:
         diffs.append("task sizes changed")
+    kind = (key.cluster.gpus_per_node, key.cluster.gpu, key.cluster.granularity, key.nodes_known)
+    if kind != (base.cluster.gpus_per_node, base.cluster.gpu, base.cluster.granularity, base.nodes_known):
+        diffs.append("the cluster changed")
     lost = base.cluster.nodes - key.cluster.nodes
     if lost != 1:
-        diffs.append(f"{lost} node(s) fewer" if lost >= 0 else f"{-lost} node(s) more")
+        diffs.append(
+            "no node fewer" if lost == 0 else f"{lost} nodes fewer" if lost > 0 else f"{-lost} node(s) more"
+        )
     newly = sorted(key.faulted - base.faulted)
     if len(newly) > 1:
         diffs.append(f"{len(newly)} tasks newly faulted ({', '.join(newly[:4])})")

@@ -76,6 +76,7 @@ class FakeJob:
     requeue_count: int = 0
     user_name: str = "root"
     cluster: str = "linux"
+    batch_host: str | None = None
 
 
 class FakeMultiClusterMap:
@@ -317,10 +318,14 @@ def fixture_nodes() -> list[FakeNode]:
 def fixture_jobs() -> list[FakeJob]:
     """squeue-22.05.json's jobs as pyslurm reports them."""
     return [
-        FakeJob(6, "wrap", "CANCELLED", allocated_nodes="n[1-2]", num_nodes=2, requeue_count=2),
-        FakeJob(7, "no-shell", "COMPLETED", allocated_nodes=None, num_nodes=1, is_batch_job=False),
-        FakeJob(8, "wrap", "CANCELLED", allocated_nodes="n[1-2]", num_nodes=2),
-        FakeJob(9, "my train", "RUNNING", allocated_nodes="n[3-4]", num_nodes=2),
+        FakeJob(
+            6, "wrap", "CANCELLED", allocated_nodes="n[1-2]", num_nodes=2, requeue_count=2, batch_host="n1"
+        ),
+        FakeJob(
+            7, "no-shell", "COMPLETED", allocated_nodes=None, num_nodes=1, is_batch_job=False, batch_host="n3"
+        ),
+        FakeJob(8, "wrap", "CANCELLED", allocated_nodes="n[1-2]", num_nodes=2, batch_host="n1"),
+        FakeJob(9, "my train", "RUNNING", allocated_nodes="n[3-4]", num_nodes=2, batch_host="n3"),
         FakeJob(10, "wrap", "PENDING", state_reason="ReqNodeNotAvail", num_nodes=4),
     ]
 

@@ -313,3 +313,24 @@ def test_a_failed_restart_or_stop_leaves_the_old_ranks_reports_counting() -> Non
     d.follow(empty, empty, Decision(actions=(later,)), 6.0)
     d.command_failed(again.action_id)  # replaced since: the relaunch's launch stays current
     assert d.on_message(killed("n1"), 7.0) == []
+
+
+def test_a_relaunched_agent_is_watched_afresh_and_its_silence_found_again() -> None:
+    """A silence found (the pair waits in ``_lost`` for a beat) and then a new agent launched
+    on purpose: the new agent gets a new agent's grace, then its own silence is found again.
+    Before, the old entry stayed expired and in ``_lost``, so a new agent that never beat was
+    never reported (the probe's verdict about the old one is dropped: its epoch changed)."""
+    d = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
+    empty = Snapshot(tasks={}, nodes={}, gpus_per_node=8)
+    first = LaunchAgents("plan-1/launch/4", "a", 4, (NodeArgv("n1", ("train",)),))
+    d.follow(empty, empty, Decision(actions=(first,)), 1.0)
+    d.on_message(beat("n1", None), 2.0)
+    lost = d.check(5.0)
+    assert [(f.evidence.node, f.agent_epoch) for f in lost] == [("n1", d.agent_epoch(4, "n1"))]
+    assert lost[0].agent_epoch > 0
+    again = LaunchAgents("plan-2/relaunch/4", "a", 4, (NodeArgv("n1", ("train",)),))
+    d.follow(empty, empty, Decision(actions=(again,)), 6.0)
+    assert d.agent_epoch(4, "n1") != lost[0].agent_epoch
+    assert d.check(20.0) == []  # within the new agent's grace (30 s)
+    found = d.check(40.0)  # never beat: found again, with the new epoch
+    assert [(f.evidence.node, f.agent_epoch) for f in found] == [("n1", d.agent_epoch(4, "n1"))]

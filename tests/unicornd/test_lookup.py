@@ -129,7 +129,7 @@ def test_a_failure_the_table_did_not_foresee_is_solved() -> None:
     # Each miss says why: two nodes out and two tasks faulted since the table's snapshot.
     whys = [why for _t, why in warmed.solves.missed]
     assert len(whys) == warmed.solves.misses
-    assert whys[-1] == "beyond one step: 2 node(s) fewer; 2 tasks newly faulted (a, c)", whys
+    assert whys[-1] == "beyond one step: 2 nodes fewer; 2 tasks newly faulted (a, c)", whys
 
 
 def test_a_miss_without_a_table_or_on_another_basis_says_so() -> None:
@@ -137,7 +137,8 @@ def test_a_miss_without_a_table_or_on_another_basis_says_so() -> None:
     cold = ctx()
     resolve(snap, on_finding(snap, finding("f1", 2, "n4", ErrorStatus.ECC_ERROR), T0 + 5), cold, T0 + 5)
     assert [why for _t, why in cold.solves.missed] == [
-        "no table: the lookup has built none (off below [plan] lookup_min_nodes, or not yet)"
+        "no table: the lookup has built none (below [plan] lookup_min_nodes, no plan basis "
+        "yet, several GPU pools, or not built yet)"
     ]
     warmed = ctx()
     warm(snap, warmed, T0)

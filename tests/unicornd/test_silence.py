@@ -35,9 +35,10 @@ CFG = replace(Config(), ssh=replace(Config().ssh, enabled=False))
 """No SSH probe: the silence is decided at once (with the probe, after it)."""
 
 
-def silence(job_id: int, node: str) -> JobEvidence:
+def silence(job_id: int, node: str, epoch: int = 0) -> JobEvidence:
+    """A silence finding as :meth:`Detector.check` makes it (``epoch``: the agent's then)."""
     c = Expired(job_id, node, last_beat_s=0.0, silent_s=9.0, timeout_s=1.5).classification()
-    return JobEvidence(job_id, Evidence(node, None, time.monotonic(), c, "heartbeat"))
+    return JobEvidence(job_id, Evidence(node, None, time.monotonic(), c, "heartbeat"), agent_epoch=epoch)
 
 
 async def test_a_fresh_heartbeat_key_spares_the_agent_and_a_stale_one_does_not(redis_url: str) -> None:
@@ -121,7 +122,7 @@ async def test_a_probe_verdict_about_an_agent_replaced_or_heard_meanwhile_is_dro
 
     async def probed(finding_id: str) -> None:
         await client.delete(keys.heartbeat(1, "n2"))  # silent until the probe: it is probed
-        await agents.on_finding(silence(1, "n2"), finding_id=finding_id)
+        await agents.on_finding(silence(1, "n2", detector.agent_epoch(1, "n2")), finding_id=finding_id)
         await asyncio.gather(*agents.probes.values())
 
     try:
@@ -157,7 +158,7 @@ async def test_a_probe_verdict_with_nothing_changed_meanwhile_stands(
     try:
         await core.start(world(2, [task("a", 1, ["n1", "n2"])]))
         detector.expect_agent(1, "n2", time.monotonic())
-        await agents.on_finding(silence(1, "n2"), finding_id="hb-1")
+        await agents.on_finding(silence(1, "n2", detector.agent_epoch(1, "n2")), finding_id="hb-1")
         await asyncio.gather(*agents.probes.values())
         inc = core.snap.open_incident("a")
         assert inc is not None and inc.node == "n2" and inc.rule == "agent_lost", inc

@@ -348,7 +348,8 @@ class CliSlurm:
         check_job_id(job_id)
         if not keep_nodes:
             raise InvalidArgument("shrink must keep at least one node (cancel the job instead)")
-        job = await self.get_job(job_id)
+        # scontrol's record, whatever backend reads jobs elsewhere: it names the batch host.
+        job = job_from_scontrol(await self._job_record(job_id))
         if set(job.nodes) == set(keep_nodes):
             return
         extra = [n for n in keep_nodes if n not in job.nodes]

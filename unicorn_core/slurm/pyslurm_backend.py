@@ -153,6 +153,7 @@ def job_from_pyslurm(job: Any) -> JobInfo:
             "batch_flag": job.is_batch_job,
             "restart_cnt": job.requeue_count,
             "user_name": job.user_name or "",
+            "batch_host": getattr(job, "batch_host", None) or "",
         }
     )
 
