@@ -484,10 +484,14 @@ class IterationMonitor:
         if phase is None:
             return base
         durations = self._phase_durations.get(phase)
-        if durations:
-            slow = self.effective_hang_factor() * statistics.median(durations)
-            return slow if base is None else max(base, slow)
-        return self.slow_step_timeout_s  # announced, its duration not learned yet
+        if durations and base is not None:
+            return max(base, self.effective_hang_factor() * statistics.median(durations))
+        # Announced, and its duration or the train mean not learned yet. Before the train
+        # mean, the first save's own time was the yardstick: a notice outlives the save's
+        # report (it names the next iteration), so the train step after the first save of a
+        # relaunch was allowed 2 x that save (found by reading the code behind CI's second
+        # incident after a shrink; a save of a small model takes milliseconds).
+        return self.slow_step_timeout_s
 
     # --- decisions --------------------------------------------------------------------
 

@@ -134,7 +134,9 @@ class AgentInputs:
         self.core = core
         self.detector = detector
         self.keys = RedisKeys(cfg.redis.key_prefix)
-        self.probes: dict[tuple[int, str], asyncio.Task[None]] = {}
+        self.probes: dict[tuple[int, str, int], asyncio.Task[None]] = {}
+        """Probes in flight, by (job, node, agent epoch): one per agent at a time; a new agent
+        launched meanwhile gets its own (the old one's verdict is dropped)."""
 
     def streams(self, forgotten: set[int]) -> list[str]:
         """The events and command-results streams of every job a known task holds (its agents
@@ -255,10 +257,10 @@ class AgentInputs:
 
     def _probe(self, jf: JobEvidence, node: str, finding_id: str) -> None:
         """Confirm a silent agent out of band (SSH) before deciding; one probe per agent at a time."""
-        key = (jf.job_id, node)
+        epoch = jf.agent_epoch  # as the silence was found: a launch since then replaced that agent
+        key = (jf.job_id, node, epoch)
         if key in self.probes:
             return
-        epoch = jf.agent_epoch  # as the silence was found: a launch since then replaced that agent
 
         async def confirm() -> None:
             log.info("probing", job_id=jf.job_id, node=node, why=jf.classification.evidence)

@@ -244,6 +244,29 @@ def test_learned_checkpoint_time_bounds_the_next_one() -> None:
     assert m.check(t + 24.5) is not None  # back to the train deadline (2 s)
 
 
+def test_the_train_step_after_the_first_save_of_a_launch_is_not_judged_by_that_save() -> None:
+    """A relaunched task saves before its train mean is learned. The trainer's notice names
+    the next iteration, so it outlives the save's report: the train step after the save
+    was allowed 2 x the save's time (here 0.02 s), a false stall of a healthy rank on the
+    first CPU-wait sample after it. Until the train mean is learned, it is allowed what an
+    unlearned slow step is (``slow_step_timeout_s``)."""
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=2, min_samples=5, slow_step_timeout_s=600.0)
+    t = 0.0
+    for i in range(11, 16):  # resumed at 10: 2 warm-up steps, 3 pooled (< min_samples)
+        t += 0.2
+        m.observe(0, i, 0.2, now_s=t)
+    assert m.mean_s() is None
+    m.expect_slow_step("checkpoint", t, iteration=16, rank=0)  # the hook: "my next report is slow"
+    t += 0.01
+    m.observe(0, 15, 0.01, "checkpoint", now_s=t)  # the save's report: iteration 15 again
+    m.observe_cpu_wait("n1", 0.0, t)
+    m.observe_cpu_wait("n1", 0.0, t + 0.3)  # a heartbeat 0.3 s into step 16: no CPU wait
+    assert m.check(t + 0.3) is None  # was: "reported no iteration for 0.3 s, allowed 0.02 s"
+    m.observe_cpu_wait("n1", 0.0, t + 601.0)
+    stuck = m.check(t + 601.0)
+    assert stuck is not None and stuck.deadline_s == 600.0  # a save that never ends is still caught
+
+
 def test_periodic_checkpoints_are_predicted_without_announcement() -> None:
     m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3)
     t = 0.0
