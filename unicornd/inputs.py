@@ -295,7 +295,7 @@ class AgentInputs:
 
     async def silence_over(self, job_id: int, node: str, epoch: int) -> str:
         """Why a silence a probe did not confirm no longer stands (empty: it does): the agent
-        was launched or stopped on purpose since the probe began (``epoch``:
+        was launched or stopped on purpose since the silence was found (``epoch``:
         :meth:`~unicornd.detector.Detector.agent_epoch` then), or it has beaten since. The
         probe's verdict was about an agent that is gone or alive, and a restart would harm a
         healthy job. A confirmed node fault (no SSH answer, a kernel fault line) stands:
