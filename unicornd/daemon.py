@@ -37,11 +37,12 @@ import asyncio
 import contextlib
 import ctypes
 import gc
+import io
 import json
 import os
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from dataclasses import replace
 from typing import Any, Final
 
@@ -331,7 +332,7 @@ class Daemon:
                 server.close()
             _, stuck = await asyncio.wait([*tasks, stopper, *others], timeout=SHUTDOWN_S)
             if stuck:  # never hang on the way out: systemd restarts a unicornd that exits
-                log.error("shutdown_stuck", tasks=sorted(t.get_name() for t in stuck))
+                log.error("shutdown_stuck", tasks=sorted(t.get_name() for t in stuck), where=_stacks(stuck))
                 status = status or 1
             if status == 0:  # a clean stop commits what it holds and hands over at once
                 with contextlib.suppress(UnicornError):
@@ -395,6 +396,17 @@ class Daemon:
                 await acl.set_user(self.client, marker, ["reset", "off"])
                 log.warning("redis_users_lost", roles=roles, agent_users_restored=jobs)
             await asyncio.sleep(LIVENESS_TTL_S / 3)
+
+
+def _stacks(tasks: Iterable[asyncio.Task[Any]]) -> dict[str, str]:
+    """Where each task is suspended (its innermost frames), for the log of a stop that
+    hung: the task name alone does not say which await ignored the cancellation."""
+    out: dict[str, str] = {}
+    for t in tasks:
+        buf = io.StringIO()
+        t.print_stack(limit=12, file=buf)
+        out[t.get_name()] = buf.getvalue()[-4000:]
+    return out
 
 
 def _without(snap: Snapshot, outside: set[str]) -> Snapshot:

@@ -1,9 +1,13 @@
-"""unicornd's threads share one malloc arena (unicornd.daemon.one_malloc_arena)."""
+"""unicornd's threads share one malloc arena (unicornd.daemon.one_malloc_arena); a stop
+that hangs logs where each stuck task waits."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+
+from unicornd.daemon import _stacks
 
 
 def test_the_daemons_threads_share_one_malloc_arena() -> None:
@@ -15,3 +19,16 @@ def test_the_daemons_threads_share_one_malloc_arena() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.strip() == "True", done.stderr
+
+
+async def test_a_stuck_tasks_log_names_the_await_it_waits_in() -> None:
+    async def waits_here() -> None:
+        await asyncio.sleep(60)
+
+    task = asyncio.create_task(waits_here(), name="executor")
+    await asyncio.sleep(0)
+    try:
+        where = _stacks([task])
+    finally:
+        task.cancel()
+    assert list(where) == ["executor"] and "waits_here" in where["executor"]

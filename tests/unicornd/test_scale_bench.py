@@ -60,6 +60,27 @@ def test_percentile_interpolates_and_is_none_for_nothing() -> None:
     assert BENCH.percentile([0.0, 10.0], 0.95) == pytest.approx(9.5)
 
 
+def test_the_single_node_lookup_rate_leaves_out_only_misses_beyond_one_step() -> None:
+    """Issue 20 asks the lookup's hit rate of single-node failures: a miss whose state was
+    two faults from the table's is left out; one not built yet, or with no table, counts."""
+    dump = {
+        "solves": {
+            "hits": 8,
+            "misses": 3,
+            "missed": [
+                [100.0, "beyond one step: 2 node(s) fewer"],
+                [200.0, "one step, but the table was not built whole yet"],
+                [300.0, "no table: the lookup has built none"],
+            ],
+        }
+    }
+    out = BENCH._lookup(dump, 50.0)
+    assert out["lookup_hit_rate"] == pytest.approx(8 / 11, abs=1e-3)
+    assert out["lookup_hit_rate_one_step"] == pytest.approx(8 / 10, abs=1e-3)
+    assert (out["lookup_misses_one_step"], out["lookup_misses_beyond_one_step"]) == (2, 1)
+    assert [m["t_s"] for m in out["lookup_misses"]] == [50.0, 150.0, 250.0]
+
+
 def test_jobs_per_cluster_size() -> None:
     assert [BENCH.jobs_for(n, 200) for n in (64, 256, 1024, 4096)] == [4, 16, 64, 200]
     assert BENCH.jobs_for(8, 200) == 1
