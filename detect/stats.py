@@ -35,8 +35,9 @@ inputs and the clock and tests replay traces without sleeping.
   period, learned from its last two occurrences). One rank's notice for iteration
   ``i`` covers every rank still before ``i``: in lock-step training the others wait
   for it in a collective, and they may never announce it (a rank whose checkpoint
-  signal came late, a notice lost). Before its duration is known, an
-  announced slow step is allowed ``slow_step_timeout_s`` (None: no limit).
+  signal came late, a notice lost). Before its duration or the train mean is known,
+  an announced slow step is allowed ``slow_step_timeout_s`` (None: no limit), or ``k`` x
+  its learned time when that is longer.
 - **Suspects.** In lock-step data-parallel training every rank waits in the same
   collective, so all stall together and the verdict names them all; a rank that lags
   (others reported later iterations) is named alone.
@@ -490,7 +491,10 @@ class IterationMonitor:
         # mean, the first save's own time was the yardstick: a notice outlives the save's
         # report (it names the next iteration), so the train step after the first save of a
         # relaunch was allowed 2 x that save (found by reading the code behind CI's second
-        # incident after a shrink; a save of a small model takes milliseconds).
+        # incident after a shrink; a save of a small model takes milliseconds). A learned
+        # phase time above the timeout still counts (a long save is no hang).
+        if durations and self.slow_step_timeout_s is not None:
+            return max(self.slow_step_timeout_s, self.effective_hang_factor() * statistics.median(durations))
         return self.slow_step_timeout_s
 
     # --- decisions --------------------------------------------------------------------

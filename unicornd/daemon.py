@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import ctypes
 import gc
-import io
 import json
 import os
 import signal
@@ -403,9 +402,17 @@ def _stacks(tasks: Iterable[asyncio.Task[Any]]) -> dict[str, str]:
     hung: the task name alone does not say which await ignored the cancellation."""
     out: dict[str, str] = {}
     for t in tasks:
-        buf = io.StringIO()
-        t.print_stack(limit=12, file=buf)
-        out[t.get_name()] = buf.getvalue()[-4000:]
+        # Task.print_stack shows a suspended task's outer coroutine only: follow what each
+        # coroutine awaits (cr_await) down to the innermost one.
+        frames: list[str] = []
+        obj: Any = t.get_coro()
+        while obj is not None and len(frames) < 32:
+            frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
+            if frame is not None:
+                code = frame.f_code
+                frames.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
+            obj = getattr(obj, "cr_await", None) or getattr(obj, "gi_yieldfrom", None)
+        out[t.get_name()] = "\n".join(frames) or repr(t)
     return out
 
 

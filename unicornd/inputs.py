@@ -42,14 +42,14 @@ from unicorn_core.slurm.backend import SlurmBackend
 from unicorn_core.slurm.scope import Scope, jobs_by_node
 from unicorn_core.slurm.types import JobInfo, JobState, NodeInfo, NodeState
 from unicornd import decide, oob, seed
-from unicornd.actions import Outcome, OutcomeStatus
+from unicornd.actions import Decision, Outcome, OutcomeStatus
 from unicornd.agentusers import AgentUsers
 from unicornd.calibrate import IterationSample
 from unicornd.core import Core
 from unicornd.decide import ClassificationLike
 from unicornd.detector import Detector, JobEvidence
 from unicornd.replan import PLANNED_STATES
-from unicornd.state import LIVE_TASK_STATES, NodeHealth
+from unicornd.state import LIVE_TASK_STATES, NodeHealth, Snapshot
 
 log = get_logger(__name__)
 
@@ -223,7 +223,8 @@ class AgentInputs:
         if f.source == "heartbeat" and self.cfg.ssh.enabled and node in self.core.snap.nodes:
             self._probe(jf, node, finding_id)  # never a node outside the scope
             return
-        await self._decide_finding(jf, node, finding_id, jf.classification, now_s)
+        epoch = jf.agent_epoch if f.source == "heartbeat" else None
+        await self._decide_finding(jf, node, finding_id, jf.classification, now_s, epoch=epoch)
 
     async def _decide_straggler(self, found: decide.StragglerFinding, now_s: float | None) -> None:
         s = found.straggler
@@ -245,7 +246,8 @@ class AgentInputs:
         sets the key with each beat, beside the stream entry; it expires after
         ``agent.heartbeat_ttl_s``). None when the key is gone or unreadable: then the
         silence stands. Wall clocks: an agent clock behind by more than the timeout only
-        makes this check never spare it (today's behaviour)."""
+        makes this check never spare it; one ahead by more than the timeout is not
+        believed (None)."""
         key = self.keys.heartbeat(job_id, node)
         try:
             raw = await redis_io.call(("GET", key), self.core.store.client.get(key))
@@ -253,7 +255,15 @@ class AgentInputs:
         except UnicornError as e:
             log.warning("heartbeat_key_unreadable", job_id=job_id, node=node, error=str(e))
             return None
-        return None if msg is None else time.time() - msg.wall_time_s
+        if msg is None:
+            return None
+        age = time.time() - msg.wall_time_s
+        if age < -self.cfg.detect.heartbeat_timeout_s:
+            # The agent's clock is ahead by more than the timeout: its stamps say nothing
+            # of how long ago it beat, so they never spare a silence.
+            log.warning("heartbeat_clock_ahead", job_id=job_id, node=node, ahead_s=round(-age, 3))
+            return None
+        return age
 
     def _probe(self, jf: JobEvidence, node: str, finding_id: str) -> None:
         """Confirm a silent agent out of band (SSH) before deciding; one probe per agent at a time."""
@@ -265,30 +275,37 @@ class AgentInputs:
         async def confirm() -> None:
             log.info("probing", job_id=jf.job_id, node=node, why=jf.classification.evidence)
             try:
-                result = await oob.probe_node(self.cfg.ssh, self.cfg.agent, node, jf.job_id)
-                found = oob.verdict(result, jf.classification.evidence, self.detector.classifier)
-                confirmed_by = oob.confirmation(result, found)
-                log.warning(
-                    "probe",
-                    job_id=jf.job_id,
-                    node=node,
-                    reachable=result.reachable,
-                    agents=list(result.agent_states),
-                    kernel_lines=len(result.kernel_lines),
-                    rule=found.rule,
-                    confirmed_by=confirmed_by or "-",
-                    s=round(result.elapsed_s, 3),
-                )
-            except Exception as e:  # a broken probe must not hide the silence (nor confirm it)
-                log.error("probe_failed", job_id=jf.job_id, node=node, error=repr(e))
-                found, confirmed_by = jf.classification, ""
-            try:
+                try:
+                    result = await oob.probe_node(self.cfg.ssh, self.cfg.agent, node, jf.job_id)
+                    found = oob.verdict(result, jf.classification.evidence, self.detector.classifier)
+                    confirmed_by = oob.confirmation(result, found)
+                    log.warning(
+                        "probe",
+                        job_id=jf.job_id,
+                        node=node,
+                        reachable=result.reachable,
+                        agents=list(result.agent_states),
+                        kernel_lines=len(result.kernel_lines),
+                        rule=found.rule,
+                        confirmed_by=confirmed_by or "-",
+                        s=round(result.elapsed_s, 3),
+                    )
+                except Exception as e:  # a broken probe must not hide the silence (nor confirm it)
+                    log.error("probe_failed", job_id=jf.job_id, node=node, error=repr(e))
+                    found, confirmed_by = jf.classification, ""
                 why = "" if confirmed_by else await self.silence_over(jf.job_id, node, epoch)
                 if why:
                     log.info("silence_not_confirmed", job_id=jf.job_id, node=node, rule=found.rule, why=why)
                     return
-                await self._decide_finding(jf, node, f"{finding_id}:probe", found, confirmed_by=confirmed_by)
-            finally:
+                await self._decide_finding(
+                    jf,
+                    node,
+                    f"{finding_id}:probe",
+                    found,
+                    confirmed_by=confirmed_by,
+                    epoch=None if confirmed_by else epoch,
+                )
+            finally:  # also when cancelled mid-probe: the entry never outlives its task
                 self.probes.pop(key, None)
 
         self.probes[key] = asyncio.create_task(confirm(), name=f"probe-{node}-{jf.job_id}")
@@ -316,7 +333,12 @@ class AgentInputs:
         now_s: float | None = None,
         *,
         confirmed_by: str = "",
+        epoch: int | None = None,
     ) -> None:
+        """Decide on ``classification``. ``epoch``: for an unconfirmed silence, the agent's
+        epoch when it was found; checked again under the decision lock, since a decision
+        committed while this one waited for the lock (a replan's relaunch) may have replaced
+        the agent the silence was about."""
         f = jf.evidence
         if f.source == "gpu" and _nvml_confirms(classification):
             # The device's own report of a fault it does not recover from. Corrected link
@@ -348,7 +370,20 @@ class AgentInputs:
             confirmed_by=confirmed_by or "-",
         )
         now = time.time() if now_s is None else now_s
-        await self.core.decide(now, lambda s: decide.on_finding(s, finding, now))
+        job_id = jf.job_id
+
+        def on_finding(snap: Snapshot) -> Decision:
+            if epoch is not None and self.detector.agent_epoch(job_id, node) != epoch:
+                log.info(
+                    "silence_not_confirmed",
+                    job_id=job_id,
+                    node=node,
+                    why="the agent was launched or stopped on purpose before the decision",
+                )
+                return Decision()
+            return decide.on_finding(snap, finding, now)
+
+        await self.core.decide(now, on_finding)
 
 
 class SlurmWatch:

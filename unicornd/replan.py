@@ -50,7 +50,7 @@ from unicorn_core.taskspec import TaskSpec, check_unique_names
 from unicornd.actions import Action, Decision, Grow, LaunchAgents, NodeArgv, Requeue, SendCommand, Shrink
 from unicornd.calibrate import planner_inputs
 from unicornd.launch import Render, renderer
-from unicornd.solvecache import SolveCache
+from unicornd.solvecache import BEYOND_ONE_STEP, SolveCache
 from unicornd.state import (
     Incident,
     LadderStage,
@@ -397,7 +397,7 @@ def miss_reason(
     if base.faulted - key.faulted:
         diffs.append("a faulted task recovered")
     if diffs:
-        return "beyond one step: " + "; ".join(diffs)
+        return BEYOND_ONE_STEP + "; ".join(diffs)
     return "one step, but the table was not built whole yet" if not whole else "one step, not in the table"
 
 

@@ -14,6 +14,9 @@ from typing import Final
 from plan.planner import Plan
 from unicornd.state import PlanBasis
 
+BEYOND_ONE_STEP: Final = "beyond one step: "
+"""How :func:`unicornd.replan.miss_reason` starts a miss no one-step table could hold."""
+
 
 @dataclass
 class Took:
@@ -48,6 +51,9 @@ class SolveCache:
         self.table: tuple[Hashable, PlanBasis | None, bool] | None = None
         """The newest one-step table :mod:`unicornd.lookup` started: (the key of the state it
         is built around, its basis, whether it was built whole); None before the first."""
+        self.misses_beyond_one_step = 0
+        """Misses whose state was more than one step from the newest table's (all of them,
+        where :attr:`missed` keeps the newest 1,000)."""
         self.missed: deque[tuple[float, str]] = deque(maxlen=1000)
         """(wall time, why) of each miss (:func:`unicornd.replan.miss_reason`), the newest 1,000."""
 
@@ -63,6 +69,8 @@ class SolveCache:
     def note_miss(self, why: str) -> None:
         with self._lock:
             self.missed.append((time.time(), why))
+            if why.startswith(BEYOND_ONE_STEP):
+                self.misses_beyond_one_step += 1
 
     def __len__(self) -> int:
         return len(self._plans)

@@ -986,11 +986,13 @@ def _lookup(dump: Mapping[str, Any], w0: float) -> dict[str, Any]:
     miss_ms = [s * 1000 for s in solves.get("miss_s", [])]
     builds = [float(s) for s in table.get("build_s", [])]
     missed = [(float(t), str(why)) for t, why in solves.get("missed", [])]
-    # Misses beyond one step: the replan's state differed from the newest table's by more
-    # than one node out (two faults seconds apart, a rack): no one-step table holds it.
-    # Every other miss (one step but not built yet, no table, a basis the table has not
-    # caught up with) counts against the single-node rate.
-    beyond = sum(why.startswith("beyond one step") for _, why in missed)
+    # Misses beyond one step: the replan's state was not one node out from the newest
+    # table's (two faults seconds apart, a rack, tasks changed or newly faulted): no
+    # one-step table holds it. Every other miss (one step but not built yet, no table, a
+    # basis the table has not caught up with) counts against the single-node rate.
+    beyond = int(
+        solves.get("misses_beyond_one_step", sum(why.startswith("beyond one step") for _, why in missed))
+    )
     one_step_misses = misses - beyond
     return {
         "replans_cached": hits,

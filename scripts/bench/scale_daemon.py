@@ -263,6 +263,7 @@ async def main(spec: dict[str, Any]) -> int:
             "hit_s": list(daemon.core.ctx.solves.hit_s),
             "miss_s": list(daemon.core.ctx.solves.miss_s),
             "missed": [list(m) for m in daemon.core.ctx.solves.missed],
+            "misses_beyond_one_step": daemon.core.ctx.solves.misses_beyond_one_step,
         },
         "lookup": {
             "builds": daemon.lookup.builds,

@@ -267,6 +267,26 @@ def test_the_train_step_after_the_first_save_of_a_launch_is_not_judged_by_that_s
     assert stuck is not None and stuck.deadline_s == 600.0  # a save that never ends is still caught
 
 
+def test_before_the_train_mean_a_learned_save_longer_than_the_timeout_still_counts() -> None:
+    """The unlearned-step timeout is a floor, not a cap: a save learned at 5 s is allowed
+    k x 5 s even with a 1 s timeout (review of the change above)."""
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=50, slow_step_timeout_s=1.0)
+    t = 0.0
+    for i in range(1, 4):
+        t += 0.2
+        m.observe(0, i, 0.2, now_s=t)
+    m.expect_slow_step("checkpoint", t, iteration=4, rank=0)
+    t += 5.0
+    m.observe(0, 4, 5.0, "checkpoint", now_s=t)  # one save learned: 5 s
+    m.expect_slow_step("checkpoint", t, iteration=5, rank=0)
+    m.observe_cpu_wait("n1", 0.0, t)
+    m.observe_cpu_wait("n1", 0.0, t + 8.0)
+    assert m.check(t + 8.0) is None  # 8 s of a save allowed 2 x 5 s
+    m.observe_cpu_wait("n1", 0.0, t + 10.5)
+    stuck = m.check(t + 10.5)
+    assert stuck is not None and stuck.deadline_s == 10.0
+
+
 def test_periodic_checkpoints_are_predicted_without_announcement() -> None:
     m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3)
     t = 0.0

@@ -25,10 +25,15 @@ async def test_a_stuck_tasks_log_names_the_await_it_waits_in() -> None:
     async def waits_here() -> None:
         await asyncio.sleep(60)
 
-    task = asyncio.create_task(waits_here(), name="executor")
+    async def root() -> None:
+        await waits_here()
+
+    task = asyncio.create_task(root(), name="executor")
     await asyncio.sleep(0)
     try:
         where = _stacks([task])
     finally:
         task.cancel()
-    assert list(where) == ["executor"] and "waits_here" in where["executor"]
+    assert list(where) == ["executor"]
+    lines = where["executor"].splitlines()
+    assert [line.rsplit(" in ", 1)[1] for line in lines[:2]] == ["root", "waits_here"], lines

@@ -164,3 +164,51 @@ async def test_a_probe_verdict_with_nothing_changed_meanwhile_stands(
         assert inc is not None and inc.node == "n2" and inc.rule == "agent_lost", inc
     finally:
         await client.aclose()
+
+
+async def test_a_silence_whose_agent_is_relaunched_while_its_decision_waits_is_dropped(
+    redis_url: str,
+) -> None:
+    """The epoch is compared again under the decision lock: a decision committed while this
+    one waited (a replan's relaunch of that agent) makes the silence about an agent that is
+    gone (review: before, only the probe compared it, and before it awaited Redis and the lock)."""
+    client = aioredis.Redis.from_url(redis_url)
+    core = Core(Store(client, RedisKeys(CFG.redis.key_prefix), Policy()), CTX)
+    detector = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
+    agents = AgentInputs(CFG, core, detector)
+    try:
+        await core.start(world(2, [task("a", 1, ["n1", "n2"])]))
+        detector.expect_agent(1, "n2", time.monotonic())
+        found = silence(1, "n2", detector.agent_epoch(1, "n2"))
+        async with core._lock:  # another decision is being committed
+            deciding = asyncio.create_task(agents.on_finding(found, finding_id="hb-1"))
+            await asyncio.sleep(0.05)
+            assert not deciding.done()
+            detector.expect_agent(1, "n2", time.monotonic())  # it relaunched the agent
+        await deciding
+        assert core.snap.open_incident("a") is None
+        # The same silence of the current agent still stands.
+        await agents.on_finding(silence(1, "n2", detector.agent_epoch(1, "n2")), finding_id="hb-2")
+        inc = core.snap.open_incident("a")
+        assert inc is not None and inc.node == "n2", inc
+    finally:
+        await client.aclose()
+
+
+async def test_a_heartbeat_stamped_far_in_the_future_never_spares_a_silence(redis_url: str) -> None:
+    """An agent clock ahead by more than the timeout makes its key's age meaningless."""
+    client = aioredis.Redis.from_url(redis_url)
+    keys = RedisKeys(CFG.redis.key_prefix)
+    core = Core(Store(client, keys, Policy()), CTX)
+    agents = AgentInputs(CFG, core, Detector(DetectConfig(), AgentConfig(), load_classifier(None)))
+    try:
+        await core.start(world(2, [task("a", 1, ["n1", "n2"])]))
+        hb = Heartbeat(
+            job_id=1, node="n2", wall_time_s=time.time() + 60, agent_pid=7, pids=[8], iteration=3, seq=1
+        )
+        await client.set(keys.heartbeat(1, "n2"), protocol.encode(hb))
+        await agents.on_finding(silence(1, "n2"), finding_id="hb-1")
+        inc = core.snap.open_incident("a")
+        assert inc is not None and inc.node == "n2", inc
+    finally:
+        await client.aclose()
