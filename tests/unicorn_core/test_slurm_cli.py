@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 from unicorn_core.errors import CommandFailed, CommandNotFound, CommandTimeout, InvalidArgument
+from unicorn_core.slurm.backend import ResizeUnsupported
 from unicorn_core.slurm.cli import CliSlurm, client_env
 from unicorn_core.slurm.parse import SlurmParseError
+
+DATA = Path(__file__).parent / "data"
 
 
 def tool(bin_dir: Path, name: str, body: str) -> None:
@@ -95,6 +98,29 @@ async def test_a_rack_is_drained_in_one_scontrol_call(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument):
         await slurm.drain_nodes(["n1", "bad name"], "x")
     assert len(args.read_text().splitlines()) == 2
+
+
+async def test_a_shrink_off_the_batch_host_is_refused_before_slurm_is_asked(tmp_path: Path) -> None:
+    """slurmctld refuses it with only "Invalid node name specified" (found in CI on 24.11): the
+    adapter names the batch host and asks nothing; unicornd then requeues instead. A shrink
+    that keeps the batch host is sent."""
+    record = (DATA / "scontrol-job-22.05.txt").read_text().splitlines()[0]
+    wanted = {"NodeList": "n[3-4]", "BatchHost": "n4"}
+    for field in record.split():
+        key = field.split("=")[0]
+        if key in wanted:
+            record = record.replace(field, f"{key}={wanted[key]}")
+    args = tmp_path / "args"
+    job = tmp_path / "job.txt"
+    job.write_text(record + "\n")
+    tool(tmp_path, "scontrol", f'echo "$@" >> {args}; case "$*" in *"show job"*) cat {job};; esac')
+    slurm = CliSlurm(timeout_s=5, bin_dir=tmp_path)
+    assert (await slurm.get_job(9)).batch_host == "n4"
+    with pytest.raises(ResizeUnsupported, match="n4"):
+        await slurm.shrink(9, ["n3"])
+    assert not [a for a in args.read_text().splitlines() if a.startswith("update")]
+    await slurm.shrink(9, ["n4"])
+    assert args.read_text().splitlines()[-1] == "update jobid=9 NodeList=n4"
 
 
 def test_client_env_strips_slurm_job_variables() -> None:
