@@ -396,7 +396,15 @@ class Detector:
                 self._launches[key] = before
 
     def _timing(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:
-        if self.replaced(msg.job_id, msg.node, msg.launch_id):
+        if self.replaced(msg.job_id, msg.node, msg.launch_id) or (
+            not msg.launch_id and (msg.job_id, msg.node) in self._launches
+        ):
+            # An unstamped report on a node unicornd has launched on since: every launch
+            # unicornd makes stamps its ranks' reports, so this one is of the ranks before
+            # it (an agent started without a launch id, read after the relaunch committed).
+            # Found by the scale bench: such reports taught the new launch's monitor the old
+            # mean (or watched the old layout's last rank), and the new ranks' start-up was
+            # judged a stall at 2 x that mean (t039 at 326 s, t121 at 1,059 s, every run).
             # A replaced launch's ranks, still running until the agent stops them. They
             # must not reach the new launch's monitor: a rank of the old layout the new one
             # lacks would be watched from its last report on and, once the new layout's

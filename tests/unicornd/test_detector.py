@@ -216,6 +216,33 @@ def test_a_replaced_or_stopped_launchs_ranks_are_not_watched_by_the_new_layout()
     assert [(f.evidence.rank, f.evidence.node) for f in found] == [(2, "n4")], found
 
 
+def test_an_unstamped_report_after_unicornd_relaunched_the_node_is_the_old_ranks() -> None:
+    """Found by the scale bench (t039 at 326 s, t121 at 1,059 s of every 4,096-node run): agents
+    started without a launch id (a job's first agents) report unstamped; those reports, read
+    after the job's relaunch committed, taught the new launch's monitor the old mean, and the
+    new ranks' start-up was judged a stall at 2 x that mean. Every launch unicornd makes
+    stamps its reports, so an unstamped one on a node it relaunched is the old ranks'. A
+    node unicornd never launched on keeps counting its unstamped reports."""
+    d = Detector(DetectConfig(warmup_iterations=1), AgentConfig(), load_classifier(None))
+    empty = Snapshot(tasks={}, nodes={}, gpus_per_node=8)
+    now = 1.0
+    for it in range(1, 10):
+        now += 0.1
+        d.on_message(stamped(0, it, "n1", ""), now)
+    assert d.last_iteration(4) == 9  # unstamped, nothing launched by unicornd: counted
+    relaunch = SendCommand("plan-2/relaunch/n1", 4, "n1", AgentAction.RELAUNCH, deadline_s=60.0)
+    d.follow(empty, empty, Decision(actions=(relaunch,)), now)
+    for it in range(10, 13):  # the old ranks, until the agent stops them
+        now += 0.1
+        d.on_message(stamped(0, it, "n1", ""), now)
+    assert d.last_iteration(4) is None
+    assert d.check(now + 30.0) == []  # nothing learned from them: the new ranks' start-up is no stall
+    for it in range(10, 20):
+        now += 0.1
+        d.on_message(stamped(0, it, "n1", relaunch.action_id), now)
+    assert d.last_iteration(4) == 19
+
+
 def test_teardown_noise_after_the_last_iteration_is_no_finding() -> None:
     """Seen in CI: after the run's last iteration, the last rank to tear down logged its
     peers' closed sockets (SEV3, a retry in place that cannot help). Before the last
