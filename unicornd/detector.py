@@ -379,13 +379,15 @@ class Detector:
             self._undo[key] = (action_id, self._launches.get(key), launch_id)
         self._launches[key] = launch_id
 
-    def command_failed(self, action_id: str) -> None:
+    def command_failed(self, action_id: str, node: str | None = None) -> None:
         """The launch, restart or stop ``action_id`` failed (the agent's answer, or the
         command never reached it): the ranks it was to replace may still run, so their
         reports count again (what was current before it is again; nothing: all count).
-        Nothing changes where a later action has replaced them since."""
+        ``node``: it failed there only (one agent of a whole-job launch answered it failed;
+        the other nodes' new ranks are current). Nothing changes where a later action has
+        replaced them since."""
         for key, (by, before, value) in list(self._undo.items()):
-            if by != action_id:
+            if by != action_id or (node is not None and key[1] != node):
                 continue
             del self._undo[key]
             if self._launches.get(key) != value:
@@ -395,10 +397,16 @@ class Detector:
             else:
                 self._launches[key] = before
 
-    def _timing(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:
-        if self.replaced(msg.job_id, msg.node, msg.launch_id) or (
+    def stale_timing(self, msg: IterationTiming) -> bool:
+        """An iteration report of ranks unicornd has replaced on its node: another launch's,
+        a stopped agent's, or unstamped once unicornd has launched there (every launch it
+        makes stamps its ranks' reports). Neither a hang monitor's input nor progress."""
+        return self.replaced(msg.job_id, msg.node, msg.launch_id) or (
             not msg.launch_id and (msg.job_id, msg.node) in self._launches
-        ):
+        )
+
+    def _timing(self, msg: IterationTiming, now_s: float) -> list[JobEvidence]:
+        if self.stale_timing(msg):
             # An unstamped report on a node unicornd has launched on since: every launch
             # unicornd makes stamps its ranks' reports, so this one is of the ranks before
             # it (an agent started without a launch id, read after the relaunch committed).

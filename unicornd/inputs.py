@@ -154,7 +154,7 @@ class AgentInputs:
                 log.warning(
                     "agent_command_failed", command_id=msg.command_id, node=msg.node, detail=msg.detail
                 )
-                self.detector.command_failed(msg.command_id)
+                self.detector.command_failed(msg.command_id, msg.node or None)
             await self.core.decide(now, lambda s: decide.on_outcome(s, outcome, now))
             return
         if stream != self.keys.events(msg.job_id):
@@ -165,7 +165,10 @@ class AgentInputs:
             )
             return
         found = self.detector.on_message(msg, now_mono)
-        if isinstance(msg, IterationTiming):
+        if isinstance(msg, IterationTiming) and not self.detector.stale_timing(msg):
+            # A replaced launch's ranks (until their agent stops them) are no progress of
+            # the launch that replaced them (an unstamped report would pass on_progress's
+            # launch check, which takes an empty launch id as unknown).
             task = self.core.snap.task_of_job(msg.job_id)
             if task is not None:
                 tid, it, at, lid = task.task_id, msg.iteration, msg.wall_time_s, msg.launch_id

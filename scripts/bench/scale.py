@@ -993,7 +993,7 @@ def _lookup(dump: Mapping[str, Any], w0: float) -> dict[str, Any]:
     beyond = int(
         solves.get("misses_beyond_one_step", sum(why.startswith("beyond one step") for _, why in missed))
     )
-    one_step_misses = misses - beyond
+    one_step_misses = max(0, misses - beyond)  # a solve that raised was noted, not counted
     return {
         "replans_cached": hits,
         "replans_solved": misses,

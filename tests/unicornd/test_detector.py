@@ -342,6 +342,23 @@ def test_a_failed_restart_or_stop_leaves_the_old_ranks_reports_counting() -> Non
     assert d.on_message(killed("n1"), 7.0) == []
 
 
+def test_one_agent_failing_a_whole_job_launch_puts_back_only_its_own_node() -> None:
+    """Review: one agent of a whole-job step answering its launch failed rolled every node
+    of the launch back, and the other nodes' healthy new ranks were taken for replaced ones
+    (their exits, faults and iterations dropped). Only the failing node is put back."""
+    d = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
+    empty = Snapshot(tasks={}, nodes={}, gpus_per_node=8)
+    first = LaunchAgents("plan-1/launch/4", "a", 4, (NodeArgv("n1", ("train",)), NodeArgv("n2", ("train",))))
+    d.follow(empty, empty, Decision(actions=(first,)), 1.0)
+    second = LaunchAgents("plan-2/launch/4", "a", 4, (NodeArgv("n1", ("train",)), NodeArgv("n2", ("train",))))
+    d.follow(empty, empty, Decision(actions=(second,)), 2.0)
+    d.command_failed(second.action_id, "n1")
+    assert not d.replaced(4, "n1", first.action_id)  # n1's old ranks may still run: they count
+    assert d.replaced(4, "n2", first.action_id) and not d.replaced(4, "n2", second.action_id)
+    d.command_failed(second.action_id)  # the whole step failed (no node named): every node
+    assert not d.replaced(4, "n2", first.action_id)
+
+
 def test_a_relaunched_agent_is_watched_afresh_and_its_silence_found_again() -> None:
     """A silence found (the pair waits in ``_lost`` for a beat) and then a new agent launched
     on purpose: the new agent gets a new agent's grace, then its own silence is found again.

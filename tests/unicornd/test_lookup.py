@@ -130,6 +130,7 @@ def test_a_failure_the_table_did_not_foresee_is_solved() -> None:
     whys = [why for _t, why in warmed.solves.missed]
     assert len(whys) == warmed.solves.misses
     assert whys[-1] == "beyond one step: 2 nodes fewer; 2 tasks newly faulted (a, c)", whys
+    assert warmed.solves.misses_beyond_one_step == sum(w.startswith("beyond one step") for w in whys) >= 1
 
 
 def test_a_miss_without_a_table_or_on_another_basis_says_so() -> None:
@@ -150,6 +151,7 @@ def test_a_miss_without_a_table_or_on_another_basis_says_so() -> None:
     assert [why for _t, why in warmed.solves.missed] == [
         "the plan basis changed since the table (new calibration or cluster)"
     ]
+    assert warmed.solves.misses_beyond_one_step == 0 and cold.solves.misses_beyond_one_step == 0
 
 
 async def test_the_lookup_builds_the_table_in_a_worker_process() -> None:
