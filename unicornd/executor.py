@@ -70,6 +70,12 @@ log = get_logger(__name__)
 RETRY_FOR_S: Final = 60.0
 NODE_CHECK_TIMEOUT_S: Final = 120.0
 IDLE_WAIT_S: Final = 1.0
+MAX_ACTIONS_IN_FLIGHT: Final = 32
+"""Actions performed at once; the others wait their turn, in order. Each holds at most one
+Redis connection at a time, and redis-py's pool (100 connections by default, shared with
+the readers, the lease, the probes) fails a call beyond it at once (MaxConnectionsError).
+Found by the 4,096-node scale bench's hour: a burst of commands to the nodes of several
+jobs ran out of connections, and a failed lease check ended unicornd."""
 NODE_CHECK_VERDICT: Final = "unhealthy:"
 """How ``unicorn-node-check`` starts the line that names what failed (its verdict)."""
 PAIRED_CHECK_TIMEOUT_S: Final = 60.0
@@ -182,6 +188,8 @@ class Executor:
                 group = _drain_group(owed_now, i, self._running, busy)
                 needs = frozenset().union(*(resources(o.action) for o in group))
                 if group[0].action.action_id not in self._running and not needs & busy:
+                    if len(set(self._running.values())) >= MAX_ACTIONS_IN_FLIGHT:
+                        break  # the rest once one ends (the wait below wakes on it)
                     self._start(group)
                 busy |= needs
                 i += len(group)
@@ -189,9 +197,12 @@ class Executor:
             waits += self._running.values()
             done, _ = await asyncio.wait(waits, timeout=IDLE_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
             waits[0].cancel()
-            for t in done:
-                if t is not waits[0] and t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]  # a bug: end unicornd
+            failed = [t for t in done if t is not waits[0] and t.exception() is not None]
+            for t in failed[1:]:  # retrieved and logged: only the first ends unicornd
+                name = t.get_name() if isinstance(t, asyncio.Task) else "?"
+                log.error("action_task_failed", task=name, error=repr(t.exception()))
+            if failed:
+                raise failed[0].exception()  # type: ignore[misc]  # a bug: end unicornd
 
     def in_flight(self) -> list[asyncio.Task[None]]:
         """The actions being performed now, and the launches being watched (cancelled when

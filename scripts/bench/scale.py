@@ -536,6 +536,7 @@ async def _sample(client: aioredis.Redis, fleet: Fleet, streams: Sequence[str]) 
 def logged_errors(path: Path) -> dict[str, int]:
     """How often unicornd logged each error event (its log is JSON lines)."""
     counts: Counter[str] = Counter()
+    seen: set[str] = set()
     for line in path.read_text(errors="replace").splitlines():
         try:
             doc = json.loads(line)
@@ -543,9 +544,10 @@ def logged_errors(path: Path) -> dict[str, int]:
             counts["(not json)"] += 1
             continue
         if isinstance(doc, dict) and doc.get("level") in ("error", "critical"):
-            if sum(counts.values()) < 5:  # the first few in full, on the bench's stderr
-                log(f"unicornd logged: {line[:1500]}")
             what = str(doc.get("event", "?")).split("\n", 1)[0][:80]
+            if what not in seen and len(seen) < 20:  # each kind's first in full, on stderr
+                seen.add(what)  # (the run's folder, its log with it, is removed at the end)
+                log(f"unicornd logged: {line[:4000]}")
             if what == "root_task_ended":  # why unicornd ended: worth its words
                 what = f"{what}: {doc.get('task')}: {str(doc.get('error'))[:160]}"
             elif what == "shutdown_stuck":

@@ -4,15 +4,16 @@ call falls back to one call per drain, so each drain gets its own outcome."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from functools import partial
 
 from tests.fakes.slurm import FakeSlurm
 from tests.unicornd.redis_world import running_daemon, until
 from unicorn_core.errors import CommandFailed
-from unicornd.actions import Action, CheckNode, DrainNode, Replan
+from unicornd.actions import Action, CheckNode, Decision, DrainNode, NotifyOperator, Replan
 from unicornd.decide import on_operator_drain
-from unicornd.executor import _drain_group
+from unicornd.executor import MAX_ACTIONS_IN_FLIGHT, _drain_group
 from unicornd.state import NodeHealth
 from unicornd.store import Owed
 
@@ -76,3 +77,30 @@ async def test_a_failed_group_call_falls_back_to_one_call_per_drain(redis_url: s
         ("drain", "n2", reason),
         ("drain", "n3", reason),
     ]
+
+
+async def test_at_most_max_actions_in_flight_run_at_once_and_the_rest_follow(redis_url: str) -> None:
+    """Found by the scale bench's hour at 4,096 nodes: a burst of actions each holding a
+    Redis connection ran redis-py's pool (100) dry, and a failed lease check ended
+    unicornd. Actions that share no resource (operator notices, here) may run together,
+    but at most MAX_ACTIONS_IN_FLIGHT at once; every one still runs."""
+    slurm = FakeSlurm(["n1", "n2"])
+    count = MAX_ACTIONS_IN_FLIGHT + 8
+    async with running_daemon(slurm, redis_url, PREFIX) as daemon:
+        real = daemon.executor._perform
+        now_in, peak, ran = 0, 0, 0
+
+        async def slow(owed: Owed) -> None:
+            nonlocal now_in, peak, ran
+            now_in += 1
+            peak = max(peak, now_in)
+            await asyncio.sleep(0.3)
+            now_in -= 1
+            await real(owed)
+            ran += 1
+
+        daemon.executor._perform = slow  # type: ignore[method-assign]
+        notices = tuple(NotifyOperator(f"notice/{i}", None, f"notice {i}") for i in range(count))
+        await daemon.core.decide(time.time(), lambda _s: Decision(actions=notices))
+        await until(lambda: ran == count, 30)
+    assert peak == MAX_ACTIONS_IN_FLIGHT
