@@ -915,6 +915,10 @@ def _analyse(
         "faults_by_kind": by_kind,
         "commands_received": dict(fleet.counters.commands),
         "generator_errors": dict(fleet.errors),
+        "redis_pool_in_use_max": max((int(n) for _t, n in dump.get("redis_pool_in_use", [])), default=None),
+        "redis_pool_in_use_last": [
+            [_r(float(t) - w0, 0), int(n)] for t, n in dump.get("redis_pool_in_use", [])[-12:]
+        ],
         "unicornd_exit_status": status,
         "unicornd_failure": dump.get("error") or None,
         **_lookup(dump, w0),

@@ -233,8 +233,23 @@ async def main(spec: dict[str, Any]) -> int:
                 return
             await asyncio.sleep(0.1)
 
+    pool_in_use: list[tuple[float, int]] = []
+
+    async def sample_pool() -> None:
+        """unicornd's Redis connections in use, every 10 s: redis-py's pool (100) fails a call
+        beyond it at once, and the hour run of 2026-11-28 ended on that at 3,154 s. A burst
+        shows as a spike, a leak as a climb."""
+        pool = client.connection_pool
+        while True:
+            pool_in_use.append((time.time(), len(getattr(pool, "_in_use_connections", ()))))
+            await asyncio.sleep(10.0)
+
     gc.callbacks.append(rec.gc_phase)
-    helpers = [asyncio.create_task(rec.sample_lag()), asyncio.create_task(deaths_at_t0())]
+    helpers = [
+        asyncio.create_task(rec.sample_lag()),
+        asyncio.create_task(deaths_at_t0()),
+        asyncio.create_task(sample_pool()),
+    ]
     error = ""
     try:
         status = await daemon.run()
@@ -257,6 +272,7 @@ async def main(spec: dict[str, Any]) -> int:
         "object_types": rec.types_at,
         "tracemalloc": rec.traced,
         "slurm_calls": [e.to_dict() for e in slurm.calls],
+        "redis_pool_in_use": pool_in_use,
         "solves": {
             "hits": daemon.core.ctx.solves.hits,
             "misses": daemon.core.ctx.solves.misses,
