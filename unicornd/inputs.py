@@ -165,10 +165,7 @@ class AgentInputs:
             )
             return
         found = self.detector.on_message(msg, now_mono)
-        if isinstance(msg, IterationTiming) and not self.detector.stale_timing(msg):
-            # A replaced launch's ranks (until their agent stops them) are no progress of
-            # the launch that replaced them (an unstamped report would pass on_progress's
-            # launch check, which takes an empty launch id as unknown).
+        if isinstance(msg, IterationTiming):
             task = self.core.snap.task_of_job(msg.job_id)
             if task is not None:
                 tid, it, at, lid = task.task_id, msg.iteration, msg.wall_time_s, msg.launch_id

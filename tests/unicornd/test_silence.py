@@ -21,14 +21,13 @@ from tests.unicornd.coord_world import render, task, world
 from unicorn_core import protocol
 from unicorn_core.config import AgentConfig, Config, DetectConfig
 from unicorn_core.keys import RedisKeys
-from unicorn_core.protocol import AgentAction, Heartbeat, IterationTiming
+from unicorn_core.protocol import Heartbeat
 from unicornd import oob
-from unicornd.actions import Decision, SendCommand
 from unicornd.core import Core
 from unicornd.detector import Detector, JobEvidence
 from unicornd.inputs import AgentInputs
 from unicornd.replan import PlanContext
-from unicornd.state import Policy, Snapshot
+from unicornd.state import Policy
 from unicornd.store import Store
 
 CTX = PlanContext(gpu_spec("a100-80g"), FailureModel(24.0), lambda _gpn, _gen: render)
@@ -211,38 +210,5 @@ async def test_a_heartbeat_stamped_far_in_the_future_never_spares_a_silence(redi
         await agents.on_finding(silence(1, "n2"), finding_id="hb-1")
         inc = core.snap.open_incident("a")
         assert inc is not None and inc.node == "n2", inc
-    finally:
-        await client.aclose()
-
-
-async def test_a_replaced_launchs_unstamped_iteration_is_no_progress(redis_url: str) -> None:
-    """Review: the detector drops an unstamped report on a node unicornd has relaunched
-    since (the old ranks'); it must not count as the task's progress either (on_progress
-    takes an empty launch id as unknown, so as the new launch's)."""
-    client = aioredis.Redis.from_url(redis_url)
-    keys = RedisKeys(CFG.redis.key_prefix)
-    core = Core(Store(client, keys, Policy()), CTX)
-    detector = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
-    agents = AgentInputs(CFG, core, detector)
-    t0 = time.time()
-
-    async def report(iteration: int, launch_id: str) -> None:
-        msg = IterationTiming(
-            job_id=1, node="n1", wall_time_s=t0 + iteration, rank=0, iteration=iteration,
-            duration_s=0.5, samples=None, launch_id=launch_id,
-        )  # fmt: skip
-        entry = f"{int((t0 + iteration) * 1000)}-0"
-        await agents.on_message(msg, time.monotonic(), entry, keys.events(1))
-
-    try:
-        await core.start(world(2, [task("a", 1, ["n1", "n2"])]))
-        before = core.snap.tasks["a"].last_iteration or 0
-        await report(before + 5, "")
-        assert core.snap.tasks["a"].last_iteration == before + 5  # nothing launched by unicornd: counted
-        empty = Snapshot(tasks={}, nodes={}, gpus_per_node=8)
-        relaunch = SendCommand("plan-2/relaunch/n1", 1, "n1", AgentAction.RELAUNCH, deadline_s=60.0)
-        detector.follow(empty, empty, Decision(actions=(relaunch,)), time.monotonic())
-        await report(before + 9, "")  # the old ranks, read after the relaunch committed
-        assert core.snap.tasks["a"].last_iteration == before + 5
     finally:
         await client.aclose()
