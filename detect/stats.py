@@ -13,8 +13,13 @@ inputs and the clock and tests replay traces without sleeping.
 - **Hang.** A rank hangs when the time since its last report exceeds
   ``deadline_s() = k x mean``. ``k`` is ``hang_factor``; with ``max_hang_factor`` above
   it, ``k`` is learned: ``learn_margin`` x the largest duration/mean ratio seen in the
-  window, kept between the two. A stop is therefore detected within ``k`` mean
-  iterations of the last report, i.e. within ``k`` of the stop itself.
+  window, kept between the two. Until ratios of ``noise_iterations`` train iterations
+  are in, ``k`` is ``max_hang_factor``: the noise of a handful of steps says little
+  about the next one. CI once called a rolled-back task hung 2 s after its restore, on
+  a loaded machine, judged at 2 x a mean learned from its first 5 steps, and restarted
+  it again. Iterations, not samples: the ranks of one lock-step iteration share its
+  noise, and a large job reports thousands at once. A stop is therefore detected within
+  ``k`` mean iterations of the last report, i.e. within ``k`` of the stop itself.
 - **CPU starvation is no hang.** A rank that is runnable but kept off the CPU by other
   processes is slow, not stuck. Agents report how long their ranks waited for a CPU
   (:meth:`IterationMonitor.observe_cpu_wait`: per source, e.g. a node, a growing
@@ -248,6 +253,7 @@ class IterationMonitor:
         initial_deadline_s: float | None = None,
         slow_step_timeout_s: float | None = None,
         max_excused: float = 0.9,
+        noise_iterations: int = 16,
     ) -> None:
         problems = []
         if not (math.isfinite(hang_factor) and hang_factor > 1):
@@ -266,6 +272,8 @@ class IterationMonitor:
             problems.append(f"learn_margin must be >= 1, got {learn_margin}")
         if recent < 1:
             problems.append(f"recent must be >= 1, got {recent}")
+        if noise_iterations < 0:
+            problems.append(f"noise_iterations must be >= 0, got {noise_iterations}")
         if not (0 <= max_excused < 1):
             problems.append(f"max_excused must be in [0, 1), got {max_excused}")
         for name, value in (
@@ -286,13 +294,28 @@ class IterationMonitor:
         self.initial_deadline_s = initial_deadline_s
         self.slow_step_timeout_s = slow_step_timeout_s
         self.max_excused = max_excused
+        self.noise_iterations = noise_iterations
         self.reset()
 
     def reset(self) -> None:
         """Forget every rank and everything learned."""
+        self._waits: dict[str, CounterSeries] = {}
+        self.relaunched()
+
+    def relaunched(self) -> None:
+        """The ranks were restarted (a restart in place, a roll back, a new layout): forget
+        them and their timing, keep what the agents said of their CPU waits.
+
+        A CPU-wait counter is the agent's, not the ranks': it grows across relaunches and a
+        source's next report comes up to a heartbeat later. Forgetting it left the first
+        second of the new ranks without any excuse for starvation."""
         self._ranks: dict[int, _Rank] = {}
         self._pooled: deque[float] = deque(maxlen=self.window)
         self._ratios: deque[float] = deque(maxlen=self.window)
+        self._ratio_iterations = 0
+        """Train iterations with a ratio in :attr:`_ratios` since the relaunch (counted once each,
+        in increasing order), up to ``noise_iterations``."""
+        self._last_ratio_iteration = -1
         self._max_ratio: float | None = None
         """``max(self._ratios)``, None when stale: a check reads it for every job several
         times a second, a new ratio comes once an iteration (at 200 jobs, the max over
@@ -302,7 +325,6 @@ class IterationMonitor:
         self._clock = -math.inf
         self._center: float | None = None
         self._dirty = False
-        self._waits: dict[str, CounterSeries] = {}
 
     # --- input ------------------------------------------------------------------------
 
@@ -359,6 +381,9 @@ class IterationMonitor:
         if center is not None and center > 0:
             self._ratios.append(duration_s / center)
             self._max_ratio = None
+            if iteration > self._last_ratio_iteration and self._ratio_iterations < self.noise_iterations:
+                self._last_ratio_iteration = iteration
+                self._ratio_iterations += 1
         self._pooled.append(duration_s)
         state.durations.append(duration_s)
         self._dirty = True
@@ -448,9 +473,12 @@ class IterationMonitor:
         return self._center
 
     def effective_hang_factor(self) -> float:
-        """``k``: ``hang_factor``, raised towards ``max_hang_factor`` by the noise seen (module doc)."""
-        if self.max_hang_factor <= self.hang_factor or not self._ratios:
+        """``k``: ``hang_factor``, raised towards ``max_hang_factor`` by the noise seen;
+        ``max_hang_factor`` until ``noise_iterations`` iterations' ratios are in (module doc)."""
+        if self.max_hang_factor <= self.hang_factor:
             return self.hang_factor
+        if self._ratio_iterations < self.noise_iterations:
+            return self.max_hang_factor
         if self._max_ratio is None:
             self._max_ratio = max(self._ratios)
         return min(self.max_hang_factor, max(self.hang_factor, self.learn_margin * self._max_ratio))

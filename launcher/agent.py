@@ -836,6 +836,9 @@ class Agent:
             warmup_iterations=d.warmup_iterations,
             max_hang_factor=d.max_hang_factor,
             slow_step_timeout_s=SLOW_STEP_TIMEOUT_S,
+            # No lenient start: this monitor only reports a rank that is stopped (state T),
+            # which is certain; the coordinator's judges silence alone and starts lenient.
+            noise_iterations=0,
         )
 
     async def _watch_hangs(self) -> None:

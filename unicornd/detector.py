@@ -218,8 +218,12 @@ class Detector:
 
     def restart_job(self, job_id: int) -> None:
         """The job's processes were relaunched (maybe at a new layout): relearn its timing;
-        its loss statistics stay, but iterations will be reported again."""
-        self._jobs.pop(job_id, None)
+        its loss statistics stay, but iterations will be reported again. The agents' CPU-wait
+        counters stay too (:meth:`detect.IterationMonitor.relaunched`)."""
+        job = self._jobs.pop(job_id, None)
+        if job is not None:
+            job.monitor.relaunched()
+            self._jobs[job_id] = _JobState(job.monitor)
         self._stragglers.pop(job_id, None)
         health = self._loss.get(job_id)
         if health is not None:

@@ -306,7 +306,7 @@ def test_learned_hang_factor_follows_noise_within_bounds() -> None:
     fixed = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3)
     learned = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3, max_hang_factor=3.0)
     t = 0.0
-    for i, d in enumerate([1.0] * 10 + [2.0] + [1.0] * 5):
+    for i, d in enumerate([1.0] * 40 + [2.0] + [1.0] * 5):
         t += d
         fixed.observe(0, i, d, now_s=t)
         learned.observe(0, i, d, now_s=t)
@@ -316,6 +316,52 @@ def test_learned_hang_factor_follows_noise_within_bounds() -> None:
     t += 4.0
     learned.observe(0, 99, 4.0, now_s=t)
     assert learned.effective_hang_factor() == 3.0  # capped
+
+
+def test_until_the_noise_is_learned_the_factor_is_the_most_lenient() -> None:
+    """A few steady steps say little about the next one: ``k`` is ``max_hang_factor`` until
+    ``noise_iterations`` iterations' ratios are in, also after a relaunch, which forgets
+    them; ranks reporting the same iteration count once."""
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3, max_hang_factor=4.0)
+    t, i = 0.0, 0
+    for _ in range(1 + 15):  # iterations 0 and 1 learn the mean (3 samples), 1..15 add ratios
+        t += 1.0
+        m.observe(0, i, 1.0, now_s=t)
+        m.observe(1, i, 1.0, now_s=t)
+        i += 1
+    assert m.effective_hang_factor() == 4.0
+    assert m.check(t + 3.9) is None  # 2 x mean would have called this a hang
+    assert m.check(t + 4.1) is not None
+    t += 4.2
+    m.observe(0, i, 1.0, now_s=t)  # the 16th iteration: from here k is learned (1.25 x 1.0, at least 2)
+    m.observe(1, i, 1.0, now_s=t)
+    assert m.effective_hang_factor() == 2.0
+    m.relaunched()
+    for j in range(10):
+        t += 1.0
+        m.observe(0, j, 1.0, now_s=t)
+    assert m.effective_hang_factor() == 4.0
+
+
+def test_a_relaunch_keeps_the_agents_cpu_waits() -> None:
+    """The new ranks' silence counts only as far as every agent has said how long they
+    waited for a CPU, as before the relaunch: the agent's counter outlives the ranks, and
+    its next report may be a heartbeat away. A reset forgets the sources."""
+
+    def run(forget: str) -> tuple[bool, bool]:
+        m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3, noise_iterations=0)
+        m.observe_cpu_wait("n1", 0.0, 0.0)
+        getattr(m, forget)()
+        t = 0.0
+        for i in range(5):
+            t += 1.0
+            m.observe(0, i, 1.0, now_s=t)
+        before_the_beat = m.check(t + 3.0) is None  # n1 has not reported since the last step
+        m.observe_cpu_wait("n1", 0.0, t + 3.5)  # it has now: not starved at all
+        return before_the_beat, m.check(t + 3.5) is None
+
+    assert run("relaunched") == (True, False)
+    assert run("reset") == (False, False)
 
 
 def test_straggler_scores() -> None:

@@ -107,7 +107,9 @@ class DetectConfig(Section):
             "Upper bound of the learned hang factor (a ratio, no unit; >= hang_factor). The "
             "factor in force is 1.25 x the largest iteration-time/mean ratio seen recently, "
             "kept between hang_factor and this: steady training is judged at hang_factor, "
-            "a noisy one (shared CPUs, data-loading stalls) at up to this. Default 4.",
+            "a noisy one (shared CPUs, data-loading stalls) at up to this. unicornd judges "
+            "the first 16 iterations after each (re)launch at this factor, before their "
+            "noise is known. Default 4.",
             gt=1,
         ),
     )
