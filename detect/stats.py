@@ -61,7 +61,7 @@ import math
 import statistics
 from array import array
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -300,15 +300,19 @@ class IterationMonitor:
     def reset(self) -> None:
         """Forget every rank and everything learned."""
         self._waits: dict[str, CounterSeries] = {}
-        self.relaunched()
+        self.relaunched(())
 
-    def relaunched(self) -> None:
+    def relaunched(self, sources: Collection[str]) -> None:
         """The ranks were restarted (a restart in place, a roll back, a new layout): forget
-        them and their timing, keep what the agents said of their CPU waits.
+        them and their timing; keep what ``sources`` (the agents of the new launch's nodes)
+        said of their CPU waits, forget every other source.
 
         A CPU-wait counter is the agent's, not the ranks': it grows across relaunches and a
         source's next report comes up to a heartbeat later. Forgetting it left the first
-        second of the new ranks without any excuse for starvation."""
+        second of the new ranks without any excuse for starvation. A source the new launch
+        does not use must go: silence counts only up to the time every source has reported
+        for, so one that never reports again would hide every later hang."""
+        self._waits = {s: w for s, w in self._waits.items() if s in sources}
         self._ranks: dict[int, _Rank] = {}
         self._pooled: deque[float] = deque(maxlen=self.window)
         self._ratios: deque[float] = deque(maxlen=self.window)

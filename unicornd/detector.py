@@ -21,6 +21,7 @@ agents stopped or jobs requeued or ended are forgotten. No executor calls in her
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -216,13 +217,14 @@ class Detector:
         if job is not None and job.monitor.ranks:
             job.monitor.expect_slow_step(IterationPhase.CHECKPOINT, now_s)
 
-    def restart_job(self, job_id: int) -> None:
-        """The job's processes were relaunched (maybe at a new layout): relearn its timing;
-        its loss statistics stay, but iterations will be reported again. The agents' CPU-wait
-        counters stay too (:meth:`detect.IterationMonitor.relaunched`)."""
+    def restart_job(self, job_id: int, nodes: Collection[str] = ()) -> None:
+        """The job's processes were relaunched (maybe at a new layout) on ``nodes``: relearn its
+        timing; its loss statistics stay, but iterations will be reported again. The CPU-wait
+        counters of the agents on ``nodes`` stay too, the others go
+        (:meth:`detect.IterationMonitor.relaunched`)."""
         job = self._jobs.pop(job_id, None)
         if job is not None:
-            job.monitor.relaunched()
+            job.monitor.relaunched(nodes)
             self._jobs[job_id] = _JobState(job.monitor)
         self._stragglers.pop(job_id, None)
         health = self._loss.get(job_id)
@@ -233,7 +235,7 @@ class Detector:
         """Follow a committed decision (``now_s``: monotonic): see the module docstring."""
         for action in decision.actions:
             if isinstance(action, LaunchAgents):
-                self.restart_job(action.job_id)
+                self.restart_job(action.job_id, _job_nodes(after, action.job_id) or action.nodes)
                 for node in action.nodes:
                     self._agent_launched(action.job_id, node, now_s)
                     self._launch(action.job_id, node, action.action_id, action.action_id)
@@ -241,7 +243,7 @@ class Detector:
                 self.forget_job(action.job_id)  # its processes are killed on purpose
             elif isinstance(action, SendCommand):
                 if action.action in (AgentAction.RESTART_RANKS, AgentAction.RELAUNCH):
-                    self.restart_job(action.job_id)
+                    self.restart_job(action.job_id, _job_nodes(after, action.job_id))
                     self._launch(action.job_id, action.node, action.action_id, action.action_id)
                 elif action.action is AgentAction.STOP:
                     self.forget_agent(action.job_id, action.node, action.action_id)
@@ -549,3 +551,9 @@ class Detector:
             node = job.rank_nodes.get(rank, "") if rank is not None else ""
             out.append(JobEvidence(job_id, Evidence(node, rank, now_s, verdict.classification(), "hang")))
         return out
+
+
+def _job_nodes(snapshot: Snapshot, job_id: int) -> tuple[str, ...]:
+    """The nodes of the job's task in ``snapshot`` (none when it has no task)."""
+    task = snapshot.task_of_job(job_id)
+    return () if task is None else tuple(task.nodes)

@@ -336,7 +336,7 @@ def test_until_the_noise_is_learned_the_factor_is_the_most_lenient() -> None:
     m.observe(0, i, 1.0, now_s=t)  # the 16th iteration: from here k is learned (1.25 x 1.0, at least 2)
     m.observe(1, i, 1.0, now_s=t)
     assert m.effective_hang_factor() == 2.0
-    m.relaunched()
+    m.relaunched(())
     for j in range(10):
         t += 1.0
         m.observe(0, j, 1.0, now_s=t)
@@ -346,12 +346,18 @@ def test_until_the_noise_is_learned_the_factor_is_the_most_lenient() -> None:
 def test_a_relaunch_keeps_the_agents_cpu_waits() -> None:
     """The new ranks' silence counts only as far as every agent has said how long they
     waited for a CPU, as before the relaunch: the agent's counter outlives the ranks, and
-    its next report may be a heartbeat away. A reset forgets the sources."""
+    its next report may be a heartbeat away. A source the new launch does not use is
+    forgotten (it never reports again, and would hide every later hang); a reset forgets
+    them all."""
 
     def run(forget: str) -> tuple[bool, bool]:
         m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3, noise_iterations=0)
         m.observe_cpu_wait("n1", 0.0, 0.0)
-        getattr(m, forget)()
+        m.observe_cpu_wait("n3", 0.0, 0.0)  # a node the new launch does not use: forgotten
+        if forget == "relaunched":
+            m.relaunched(["n1", "n2"])
+        else:
+            m.reset()
         t = 0.0
         for i in range(5):
             t += 1.0

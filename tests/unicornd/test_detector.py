@@ -7,6 +7,7 @@ import pytest
 
 from detect.classify import load_classifier
 from detect.statuses import ErrorStatus
+from tests.unicornd.coord_world import task
 from unicorn_core.config import AgentConfig, DetectConfig
 from unicorn_core.protocol import (
     AgentAction,
@@ -281,7 +282,35 @@ def test_a_rolled_back_task_is_judged_leniently_until_its_noise_is_learned() -> 
     for it in range(41, 75):
         step(it, new)
     now += 0.45  # 2.25 x the mean, with the noise learned (steady: k = 2)
-    assert [f.evidence.source for f in d.check(now)] == ["hang"]
+    found = [f for f in d.check(now) if f.evidence.source == "hang"]  # (n3 is also silent)
+    assert [f.evidence.node for f in found] == ["n1"], found
+
+
+def test_a_node_the_relaunch_left_no_longer_hides_a_hang() -> None:
+    """Silence counts only up to the time every agent has said how long its ranks waited
+    for a CPU. A relaunch keeps those counters for the nodes it runs on; the agent of a
+    node it left (drained, dead) never reports again and must not freeze that horizon."""
+    d = Detector(DetectConfig(warmup_iterations=1, hang_factor=2.0, max_hang_factor=2.0), AgentConfig(),
+                 load_classifier(None))  # fmt: skip
+    now = 10.0
+    for it in range(1, 20):
+        now += 0.1
+        for rank, node in ((0, "n1"), (1, "n2"), (2, "n3")):
+            d.on_message(timing(rank, it, node), now)
+            d.on_message(beat(node, 0.0), now)
+    after = Snapshot(tasks={"t": task("t", 4, ("n1", "n2"))}, nodes={}, gpus_per_node=8)
+    relaunch = LaunchAgents("plan-3/launch", "t", 4, tuple(NodeArgv(n, ("train",)) for n in ("n1", "n2")))
+    d.follow(after, after, Decision(actions=(relaunch,)), now)
+    for it in range(1, 10):
+        now += 0.1
+        for rank, node in ((0, "n1"), (1, "n2")):
+            d.on_message(stamped(rank, it, node, relaunch.action_id), now)
+            d.on_message(beat(node, 0.0), now)  # n3's agent is gone: it never beats again
+    now += 1.0
+    d.on_message(beat("n1", 0.0), now)
+    d.on_message(beat("n2", 0.0), now)
+    found = [f for f in d.check(now) if f.evidence.source == "hang"]  # (n3 is also silent)
+    assert [f.evidence.node for f in found] == ["n1"], found
 
 
 def test_teardown_noise_after_the_last_iteration_is_no_finding() -> None:
