@@ -300,6 +300,7 @@ class IterationMonitor:
     def reset(self) -> None:
         """Forget every rank and everything learned."""
         self._waits: dict[str, CounterSeries] = {}
+        self._clock = -math.inf
         self.relaunched(())
 
     def relaunched(self, sources: Collection[str]) -> None:
@@ -326,7 +327,6 @@ class IterationMonitor:
         the window on every check was 9 % of unicornd's CPU in the scale bench)."""
         self._phase_durations: dict[IterationPhase, deque[float]] = {}
         self._phase_iterations: dict[IterationPhase, deque[int]] = {}
-        self._clock = -math.inf
         self._center: float | None = None
         self._dirty = False
 
@@ -368,6 +368,8 @@ class IterationMonitor:
             state = self._ranks[rank] = self._new_rank(iteration, now_s)
         elif iteration < state.last_iteration:
             state.train_count = 0  # restarted from a checkpoint: warm up again
+            # ... and the iterations it repeats count towards the noise learned again
+            self._last_ratio_iteration = min(self._last_ratio_iteration, iteration - 1)
         state.last_iteration = iteration
         state.last_seen_s = now_s
         if state.announced is not None and iteration >= state.announced[0]:

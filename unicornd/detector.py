@@ -235,7 +235,10 @@ class Detector:
         """Follow a committed decision (``now_s``: monotonic): see the module docstring."""
         for action in decision.actions:
             if isinstance(action, LaunchAgents):
-                self.restart_job(action.job_id, _job_nodes(after, action.job_id) or action.nodes)
+                # New agents on the launch's nodes: their counters start afresh, and the
+                # agents they replace may be dead (their series would freeze the horizon).
+                kept = set(_job_nodes(after, action.job_id)) - set(action.nodes)
+                self.restart_job(action.job_id, kept)
                 for node in action.nodes:
                     self._agent_launched(action.job_id, node, now_s)
                     self._launch(action.job_id, node, action.action_id, action.action_id)
@@ -311,6 +314,11 @@ class Detector:
     def on_message(self, msg: Message, now_s: float) -> list[JobEvidence]:
         """Classify one agent message received at ``now_s`` (monotonic)."""
         if isinstance(msg, Heartbeat):
+            if self._launches.get((msg.job_id, msg.node)) == STOPPED:
+                # An agent stopped on purpose, beating through its grace: it would be watched
+                # again (then "lost" when it ends) and its CPU-wait series, never fed again,
+                # would freeze the job's silence horizon (detect.stats: found in review).
+                return []
             self.liveness.beat(msg.job_id, msg.node, now_s)
             self._lost.discard((msg.job_id, msg.node))
             if msg.cpu_wait_s is not None:

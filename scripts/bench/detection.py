@@ -19,8 +19,8 @@ Faults, ``--trials`` each (the default 20):
   iteration time. This checks the configuration, it does not measure a capability:
   the detector declares a hang after ``k`` x the mean of silence, ``k`` being
   ``detect.hang_factor`` learned up to ``max_hang_factor`` (reported per trial as
-  ``hang_factor_in_force``: the coordinator's, ``max_hang_factor`` for the first 16
-  iterations after a launch; the agent's monitor, which reports a stopped rank and
+  ``hang_factor_in_force``: the coordinator's, ``max_hang_factor`` for 16 iterations
+  past a launch's warm-up; the agent's monitor, which reports a stopped rank and
   comes first, has no lenient start), so the figure is ``k`` plus reporting latency
   (``over_deadline`` = delay / (``k`` x mean)). The delay from the SIGSTOP itself is
   reported too (``from_stop_over_mean``): it is shorter by the part of an iteration the

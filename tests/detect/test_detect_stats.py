@@ -343,6 +343,21 @@ def test_until_the_noise_is_learned_the_factor_is_the_most_lenient() -> None:
     assert m.effective_hang_factor() == 4.0
 
 
+def test_iterations_repeated_after_going_back_count_towards_the_noise() -> None:
+    """Ranks that went back (a restart from a checkpoint the monitor was not told of) warm
+    up again; the iterations they repeat count towards the noise learned, so the lenient
+    start does not last until the old maximum is passed (found in review)."""
+    m = IterationMonitor(hang_factor=2.0, warmup_iterations=0, min_samples=3, max_hang_factor=4.0)
+    t = 0.0
+    for i in range(3 + 10):  # 3 learn the mean, 10 iterations' ratios
+        t += 1.0
+        m.observe(0, i, 1.0, now_s=t)
+    for i in range(5, 11):  # back to 5: 6 more, 16 in all
+        t += 1.0
+        m.observe(0, i, 1.0, now_s=t)
+    assert m.effective_hang_factor() == 2.0
+
+
 def test_a_relaunch_keeps_the_agents_cpu_waits() -> None:
     """The new ranks' silence counts only as far as every agent has said how long they
     waited for a CPU, as before the relaunch: the agent's counter outlives the ranks, and

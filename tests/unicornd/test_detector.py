@@ -313,6 +313,73 @@ def test_a_node_the_relaunch_left_no_longer_hides_a_hang() -> None:
     assert [f.evidence.node for f in found] == ["n1"], found
 
 
+def test_a_stopped_agent_beating_through_its_grace_is_not_watched_again() -> None:
+    """Found in review: the agent of a node a shrink left, stopped on purpose, beat once more
+    through its grace. Its beat put it back under watch (then "lost" once it ended) and its
+    CPU-wait series, never fed again, froze the job's silence horizon: the next hang was
+    found 10 x later. A stopped agent's beats are ignored until unicornd launches there."""
+    cfg = DetectConfig(warmup_iterations=1, hang_factor=2.0, max_hang_factor=2.0)
+    d = Detector(cfg, AgentConfig(), load_classifier(None))
+    now = 10.0
+    for it in range(1, 20):
+        now += 0.1
+        for rank, node in ((0, "n1"), (1, "n2"), (2, "n3")):
+            d.on_message(timing(rank, it, node), now)
+            d.on_message(beat(node, 0.0), now)
+    after = Snapshot(tasks={"t": task("t", 4, ("n1", "n2"))}, nodes={}, gpus_per_node=8)
+    actions = (
+        SendCommand("plan-3/stop/n3", 4, "n3", AgentAction.STOP, deadline_s=60.0),
+        *(
+            SendCommand(f"plan-3/relaunch/{n}", 4, n, AgentAction.RELAUNCH, deadline_s=60.0)
+            for n in ("n1", "n2")
+        ),
+    )
+    d.follow(after, after, Decision(actions=actions), now)
+    now += 0.05
+    d.on_message(beat("n3", 0.0), now)  # through its grace
+    for it in range(1, 10):
+        now += 0.1
+        for rank, node in ((0, "n1"), (1, "n2")):
+            d.on_message(stamped(rank, it, node, f"plan-3/relaunch/{node}"), now)
+            d.on_message(beat(node, 0.0), now)
+    stopped = now
+    while now < stopped + 0.5:
+        now += 0.1
+        d.on_message(beat("n1", 0.0), now)
+        d.on_message(beat("n2", 0.0), now)
+    found = d.check(now)
+    assert [f.evidence.source for f in found] == ["hang"], found  # and n3 is not "lost"
+    later = [f.evidence.node for f in d.check(now + 60.0) if f.evidence.source == "heartbeat"]
+    assert "n3" not in later, later
+
+
+def test_a_launch_drops_the_series_of_the_agents_it_replaces() -> None:
+    """A new agent's counter starts afresh; the agent it replaces may be dead, and its
+    series, never fed again, would freeze the silence horizon until the new one beats."""
+    cfg = DetectConfig(warmup_iterations=1, hang_factor=2.0, max_hang_factor=2.0)
+    d = Detector(cfg, AgentConfig(), load_classifier(None))
+    now = 10.0
+    for it in range(1, 20):
+        now += 0.1
+        for rank, node in ((0, "n1"), (1, "n2")):
+            d.on_message(timing(rank, it, node), now)
+            d.on_message(beat(node, 0.0), now)
+    after = Snapshot(tasks={"t": task("t", 4, ("n1", "n2"))}, nodes={}, gpus_per_node=8)
+    launch = LaunchAgents("plan-3/launch", "t", 4, (NodeArgv("n2", ("train",)),))
+    restart = SendCommand("plan-3/restart/n1", 4, "n1", AgentAction.RESTART_RANKS, deadline_s=60.0)
+    d.follow(after, after, Decision(actions=(launch, restart)), now)
+    for it in range(1, 10):  # the new agent on n2 has not beaten yet; its ranks report
+        now += 0.1
+        d.on_message(stamped(0, it, "n1", restart.action_id), now)
+        d.on_message(stamped(1, it, "n2", launch.action_id), now)
+        d.on_message(beat("n1", 0.0), now)
+    stopped = now
+    while now < stopped + 0.5:
+        now += 0.1
+        d.on_message(beat("n1", 0.0), now)
+    assert [f.evidence.source for f in d.check(now)] == ["hang"]
+
+
 def test_teardown_noise_after_the_last_iteration_is_no_finding() -> None:
     """Seen in CI: after the run's last iteration, the last rank to tear down logged its
     peers' closed sockets (SEV3, a retry in place that cannot help). Before the last

@@ -108,7 +108,7 @@ class DetectConfig(Section):
             "factor in force is 1.25 x the largest iteration-time/mean ratio seen recently, "
             "kept between hang_factor and this: steady training is judged at hang_factor, "
             "a noisy one (shared CPUs, data-loading stalls) at up to this. unicornd judges "
-            "the first 16 iterations after each (re)launch at this factor, before their "
+            "16 iterations past the warm-up of each (re)launch at this factor, before their "
             "noise is known. Default 4.",
             gt=1,
         ),
