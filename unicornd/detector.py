@@ -233,11 +233,19 @@ class Detector:
 
     def follow(self, before: Snapshot, after: Snapshot, decision: Decision, now_s: float) -> None:
         """Follow a committed decision (``now_s``: monotonic): see the module docstring."""
+        job_nodes: dict[int, tuple[str, ...]] = {}  # a job's nodes in ``after``, found once
+
+        def nodes_of(job_id: int) -> tuple[str, ...]:
+            if job_id not in job_nodes:  # a scan of the tasks: once per job, not per action
+                task = after.task_of_job(job_id)
+                job_nodes[job_id] = () if task is None else tuple(task.nodes)
+            return job_nodes[job_id]
+
         for action in decision.actions:
             if isinstance(action, LaunchAgents):
                 # New agents on the launch's nodes: their counters start afresh, and the
                 # agents they replace may be dead (their series would freeze the horizon).
-                kept = set(_job_nodes(after, action.job_id)) - set(action.nodes)
+                kept = set(nodes_of(action.job_id)) - set(action.nodes)
                 self.restart_job(action.job_id, kept)
                 for node in action.nodes:
                     self._agent_launched(action.job_id, node, now_s)
@@ -246,7 +254,7 @@ class Detector:
                 self.forget_job(action.job_id)  # its processes are killed on purpose
             elif isinstance(action, SendCommand):
                 if action.action in (AgentAction.RESTART_RANKS, AgentAction.RELAUNCH):
-                    self.restart_job(action.job_id, _job_nodes(after, action.job_id))
+                    self.restart_job(action.job_id, nodes_of(action.job_id))
                     self._launch(action.job_id, action.node, action.action_id, action.action_id)
                 elif action.action is AgentAction.STOP:
                     self.forget_agent(action.job_id, action.node, action.action_id)
@@ -559,9 +567,3 @@ class Detector:
             node = job.rank_nodes.get(rank, "") if rank is not None else ""
             out.append(JobEvidence(job_id, Evidence(node, rank, now_s, verdict.classification(), "hang")))
         return out
-
-
-def _job_nodes(snapshot: Snapshot, job_id: int) -> tuple[str, ...]:
-    """The nodes of the job's task in ``snapshot`` (none when it has no task)."""
-    task = snapshot.task_of_job(job_id)
-    return () if task is None else tuple(task.nodes)

@@ -178,6 +178,17 @@ def stamped(rank: int, iteration: int, node: str, launch: str) -> IterationTimin
     return msgspec.structs.replace(timing(rank, iteration, node), launch_id=launch)
 
 
+def steady(d: Detector, nodes: tuple[str, ...], now: float) -> tuple[float, Snapshot]:
+    """Iterations 1-19 every 0.1 s, rank i on ``nodes[i]``, each node beating (no CPU wait);
+    returns the clock after them and a snapshot of the job's task on n1 and n2."""
+    for it in range(1, 20):
+        now += 0.1
+        for rank, node in enumerate(nodes):
+            d.on_message(timing(rank, it, node), now)
+            d.on_message(beat(node, 0.0), now)
+    return now, Snapshot(tasks={"t": task("t", 4, ("n1", "n2"))}, nodes={}, gpus_per_node=8)
+
+
 def test_a_replaced_or_stopped_launchs_ranks_are_not_watched_by_the_new_layout() -> None:
     """Found in CI (the paired-check system test): a 4-rank job went on with 3 ranks; the
     old rank 3, still running until its agent stopped it, reported one more iteration after
@@ -282,7 +293,7 @@ def test_a_rolled_back_task_is_judged_leniently_until_its_noise_is_learned() -> 
     for it in range(41, 75):
         step(it, new)
     now += 0.45  # 2.25 x the mean, with the noise learned (steady: k = 2)
-    found = [f for f in d.check(now) if f.evidence.source == "hang"]  # (n3 is also silent)
+    found = [f for f in d.check(now) if f.evidence.source == "hang"]
     assert [f.evidence.node for f in found] == ["n1"], found
 
 
@@ -292,13 +303,7 @@ def test_a_node_the_relaunch_left_no_longer_hides_a_hang() -> None:
     node it left (drained, dead) never reports again and must not freeze that horizon."""
     d = Detector(DetectConfig(warmup_iterations=1, hang_factor=2.0, max_hang_factor=2.0), AgentConfig(),
                  load_classifier(None))  # fmt: skip
-    now = 10.0
-    for it in range(1, 20):
-        now += 0.1
-        for rank, node in ((0, "n1"), (1, "n2"), (2, "n3")):
-            d.on_message(timing(rank, it, node), now)
-            d.on_message(beat(node, 0.0), now)
-    after = Snapshot(tasks={"t": task("t", 4, ("n1", "n2"))}, nodes={}, gpus_per_node=8)
+    now, after = steady(d, ("n1", "n2", "n3"), 10.0)
     relaunch = LaunchAgents("plan-3/launch", "t", 4, tuple(NodeArgv(n, ("train",)) for n in ("n1", "n2")))
     d.follow(after, after, Decision(actions=(relaunch,)), now)
     for it in range(1, 10):
@@ -320,13 +325,7 @@ def test_a_stopped_agent_beating_through_its_grace_is_not_watched_again() -> Non
     found 10 x later. A stopped agent's beats are ignored until unicornd launches there."""
     cfg = DetectConfig(warmup_iterations=1, hang_factor=2.0, max_hang_factor=2.0)
     d = Detector(cfg, AgentConfig(), load_classifier(None))
-    now = 10.0
-    for it in range(1, 20):
-        now += 0.1
-        for rank, node in ((0, "n1"), (1, "n2"), (2, "n3")):
-            d.on_message(timing(rank, it, node), now)
-            d.on_message(beat(node, 0.0), now)
-    after = Snapshot(tasks={"t": task("t", 4, ("n1", "n2"))}, nodes={}, gpus_per_node=8)
+    now, after = steady(d, ("n1", "n2", "n3"), 10.0)
     actions = (
         SendCommand("plan-3/stop/n3", 4, "n3", AgentAction.STOP, deadline_s=60.0),
         *(
@@ -358,13 +357,7 @@ def test_a_launch_drops_the_series_of_the_agents_it_replaces() -> None:
     series, never fed again, would freeze the silence horizon until the new one beats."""
     cfg = DetectConfig(warmup_iterations=1, hang_factor=2.0, max_hang_factor=2.0)
     d = Detector(cfg, AgentConfig(), load_classifier(None))
-    now = 10.0
-    for it in range(1, 20):
-        now += 0.1
-        for rank, node in ((0, "n1"), (1, "n2")):
-            d.on_message(timing(rank, it, node), now)
-            d.on_message(beat(node, 0.0), now)
-    after = Snapshot(tasks={"t": task("t", 4, ("n1", "n2"))}, nodes={}, gpus_per_node=8)
+    now, after = steady(d, ("n1", "n2"), 10.0)
     launch = LaunchAgents("plan-3/launch", "t", 4, (NodeArgv("n2", ("train",)),))
     restart = SendCommand("plan-3/restart/n1", 4, "n1", AgentAction.RESTART_RANKS, deadline_s=60.0)
     d.follow(after, after, Decision(actions=(launch, restart)), now)
