@@ -89,6 +89,16 @@ class HeartbeatTracker:
         _finite("now_s", now_s)
         self._entries.setdefault((job_id, node), _Entry(now_s, beaten=False))
 
+    def launched(self, job_id: int, node: str, now_s: float) -> None:
+        """The launch of the expected agent of (job, node) was performed at ``now_s``: its
+        first beat is due within ``initial_timeout_s`` of then, not of when it was expected
+        (a launch may wait behind other actions). No effect on an agent that has beaten,
+        nor on one not tracked."""
+        _finite("now_s", now_s)
+        entry = self._entries.get((job_id, node))
+        if entry is not None and not entry.beaten and now_s > entry.since_s:
+            entry.since_s = now_s
+
     def beat(self, job_id: int, node: str, now_s: float) -> None:
         """A heartbeat from (job, node) arrived at ``now_s``.
 

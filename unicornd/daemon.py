@@ -58,7 +58,7 @@ from unicorn_core.protocol import Heartbeat
 from unicorn_core.slurm.backend import SlurmBackend
 from unicorn_core.slurm.scope import Scope, resolve_scope
 from unicornd import decide, seed
-from unicornd.actions import Decision
+from unicornd.actions import Decision, LaunchAgents
 from unicornd.agentusers import AgentUsers
 from unicornd.alerts import AlertSink, alerts_for
 from unicornd.core import Core
@@ -147,6 +147,7 @@ class Daemon:
             config_path=config_path,
             lease=self.lease,
             on_failed=self.detector.command_failed,
+            on_launching=self._launching,
         )
         self.lookup = Lookup(self.core, min_nodes=cfg.plan.lookup_min_nodes, workers=cfg.plan.lookup_workers)
         self.scope = Scope()
@@ -164,6 +165,9 @@ class Daemon:
     @property
     def actions_run(self) -> int:
         return self.executor.actions_run
+
+    def _launching(self, action: LaunchAgents) -> None:
+        self.detector.launching(action.job_id, action.nodes, action.action_id, time.monotonic())
 
     def _follow(self, before: Snapshot, after: Snapshot, decision: Decision) -> None:
         """A commit happened: the detector, alerts and metrics follow it."""

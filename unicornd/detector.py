@@ -16,7 +16,10 @@ advancing, or stalling behind them, is the same episode).
 
 What the detector expects follows the committed decisions (:meth:`Detector.follow`):
 agents launched are expected to beat, ranks (re)started have their timing relearned,
-agents stopped or jobs requeued or ended are forgotten. No executor calls in here.
+agents stopped or jobs requeued or ended are forgotten. A job whose task waits for its
+requeue (``TaskRecord.requeue`` in the committed snapshot) is not heard at all: its
+heartbeats and iteration reports come from processes that Slurm ends on purpose, until
+unicornd launches its agents again. No executor calls in here.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from unicorn_core.protocol import (
 )
 from unicornd.actions import Decision, LaunchAgents, Requeue, SendCommand
 from unicornd.seed import expected_agents
-from unicornd.state import ENDED_STATES, LIVE_TASK_STATES, Snapshot
+from unicornd.state import ENDED_STATES, LIVE_TASK_STATES, Snapshot, TaskRecord
 
 STOPPED: Final = "\x00stopped"
 """The launch id of an agent unicornd stopped on purpose (never a command's id)."""
@@ -135,6 +138,15 @@ class Detector:
     """Per job: its nodes with an open straggler report in the committed snapshot; a new
     statistic clears them once they are no longer slow."""
 
+    _unheard: set[int] = field(init=False, default_factory=set)
+    """Jobs whose task, in the committed snapshot, waits for a requeue or is not live (held
+    pending, stopped): their heartbeats and iteration reports are not heard
+    (:meth:`on_message`); their processes end on purpose. Found by the 4,096-node hour:
+    the job is forgotten when its requeue is committed, and a beat of its agents read after
+    that (they run until the requeue, which may wait behind other allocation changes, is
+    performed) put them back under watch; when the requeue ended them, their silence was
+    a finding about processes ended on purpose."""
+
     _heard_until_s: float | None = field(init=False, default=None)
     """Every agent event written before this (monotonic) time has been handled
     (:meth:`heard_until`); None: trust the clock (no reader reports its progress)."""
@@ -172,6 +184,19 @@ class Detector:
         self.liveness.forget(job_id, node)
         self._lost.discard((job_id, node))
         self.expect_agent(job_id, node, now_s)
+
+    def launching(self, job_id: int, nodes: Collection[str], launch_id: str, now_s: float) -> None:
+        """The executor performs launch ``launch_id`` of the agents of ``job_id`` on ``nodes``
+        now. Their grace for a first beat counts from now, not from the launch's commit: it
+        may have waited behind other actions on the job (its resize, which waits for every
+        allocation change committed before it, one at a time). Found by the 4,096-node hour:
+        a replan's launches ran more than the 30 s grace after their commit, and the agents
+        were "never heard from" before they were started. A node that a later action has
+        launched or stopped since keeps that action's grace."""
+        for node in nodes:
+            if self._launches.get((job_id, node)) == launch_id:
+                self.liveness.launched(job_id, node, now_s)
+                self._lost.discard((job_id, node))
 
     def agent_epoch(self, job_id: int, node: str) -> int:
         """Changes each time unicornd launches or stops the agent of (job, node) on purpose
@@ -252,6 +277,7 @@ class Detector:
                     self._launch(action.job_id, node, action.action_id, action.action_id)
             elif isinstance(action, Requeue):
                 self.forget_job(action.job_id)  # its processes are killed on purpose
+                self._unheard.add(action.job_id)
             elif isinstance(action, SendCommand):
                 if action.action in (AgentAction.RESTART_RANKS, AgentAction.RELAUNCH):
                     self.restart_job(action.job_id, nodes_of(action.job_id))
@@ -260,6 +286,10 @@ class Detector:
                     self.forget_agent(action.job_id, action.node, action.action_id)
                 elif action.action is AgentAction.CHECKPOINT_NOW:
                     self.expect_checkpoint(action.job_id, now_s)
+        for put in decision.tasks:  # the tasks this decision changed
+            task = after.tasks.get(put.task_id)
+            if task is not None:
+                self._hear(task)
         for task in after.tasks.values():
             old = before.tasks.get(task.task_id)
             if (
@@ -268,7 +298,17 @@ class Detector:
                 and (old is None or old.state not in ENDED_STATES)
             ):
                 self.forget_job(task.job_id)
+                self._unheard.discard(task.job_id)  # its id is never used again
         self._follow_reports(after)
+
+    def _hear(self, task: TaskRecord) -> None:
+        """Hear ``task``'s job or not, as the committed snapshot says (:attr:`_unheard`)."""
+        if task.job_id is None:
+            return
+        if task.requeue is None and task.state in LIVE_TASK_STATES:
+            self._unheard.discard(task.job_id)
+        else:
+            self._unheard.add(task.job_id)
 
     def _follow_reports(self, after: Snapshot) -> None:
         """Keep :attr:`_reported` to the committed straggler reports (open incidents without a
@@ -290,6 +330,9 @@ class Detector:
         the initial grace), except jobs being requeued."""
         for job_id, node in expected_agents(snapshot):
             self.expect_agent(job_id, node, now_s)
+        for task in snapshot.tasks.values():
+            if task.state not in ENDED_STATES:
+                self._hear(task)
 
     def heard_until(self, t_s: float) -> None:
         """Every agent event written before monotonic ``t_s`` has been handled: the events
@@ -321,17 +364,10 @@ class Detector:
 
     def on_message(self, msg: Message, now_s: float) -> list[JobEvidence]:
         """Classify one agent message received at ``now_s`` (monotonic)."""
+        if isinstance(msg, Heartbeat | IterationTiming | SlowStep) and msg.job_id in self._unheard:
+            return []  # processes of a job being requeued (or not live): they end on purpose
         if isinstance(msg, Heartbeat):
-            if self._launches.get((msg.job_id, msg.node)) == STOPPED:
-                # An agent stopped on purpose, beating through its grace: it would be watched
-                # again (then "lost" when it ends) and its CPU-wait series, never fed again,
-                # would freeze the job's silence horizon (detect.stats: found in review).
-                return []
-            self.liveness.beat(msg.job_id, msg.node, now_s)
-            self._lost.discard((msg.job_id, msg.node))
-            if msg.cpu_wait_s is not None:
-                # How long the node's ranks waited for a CPU: starvation is no hang.
-                self._job(msg.job_id).monitor.observe_cpu_wait(msg.node, msg.cpu_wait_s, now_s)
+            self._beat(msg, now_s)
             return []
         if isinstance(msg, SlowStep):
             job = self._job(msg.job_id)
@@ -353,6 +389,18 @@ class Detector:
             self.stale_reports += 1
             return []
         return self._classify(msg, now_s)
+
+    def _beat(self, msg: Heartbeat, now_s: float) -> None:
+        if self._launches.get((msg.job_id, msg.node)) == STOPPED:
+            # An agent stopped on purpose, beating through its grace: it would be watched
+            # again (then "lost" when it ends) and its CPU-wait series, never fed again,
+            # would freeze the job's silence horizon (detect.stats: found in review).
+            return
+        self.liveness.beat(msg.job_id, msg.node, now_s)
+        self._lost.discard((msg.job_id, msg.node))
+        if msg.cpu_wait_s is not None:
+            # How long the node's ranks waited for a CPU: starvation is no hang.
+            self._job(msg.job_id).monitor.observe_cpu_wait(msg.node, msg.cpu_wait_s, now_s)
 
     def _classify(self, msg: Message, now_s: float) -> list[JobEvidence]:
         """The finding of an exit, exception, GPU event or agent fault report (none if benign)."""

@@ -140,12 +140,16 @@ class Executor:
         config_path: str | None = None,
         lease: Lease | None = None,
         on_failed: Callable[[str], None] | None = None,
+        on_launching: Callable[[LaunchAgents], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.lease = lease
         self.on_failed = on_failed
         """Told the id of every action that did not succeed (the detector: a launch or
         command that never happened replaced no ranks)."""
+        self.on_launching = on_launching
+        """Told of every launch of agents as it starts (the detector: their grace for a
+        first beat starts now, not at the commit)."""
         self.core = core
         self.slurm = slurm
         self.client = client
@@ -420,6 +424,8 @@ class Executor:
     async def _launch(self, action: LaunchAgents) -> str:
         """The agents of ``action``: one srun step for all its nodes
         (:meth:`_launch_job_step`), or for its one node (:meth:`_launch_node`)."""
+        if self.on_launching is not None:
+            self.on_launching(action)
         credentials = await self.agent_users.env(action.job_id)
         # The checkpoint ring: the task's nodes as committed with this launch (an agent
         # restarted alone joins its task's ring, not a ring of one).

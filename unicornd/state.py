@@ -260,8 +260,11 @@ class RequeueWait:
     Until the job runs again its processes die on purpose: their exits and silence are
     not faults. ``done_s``: when the requeue command returned (None: not yet); the job
     RUNNING at a Slurm poll started after that is the signal to launch its agents.
-    ``deadline_s``: when waiting ends in failure (the rung fails, see
-    :func:`unicornd.decide.on_tick`).
+    ``deadline_s``: when waiting for the job to run again ends in failure (the rung fails,
+    see :func:`unicornd.decide.on_tick`); it is counted from the requeue's return, and
+    holds only once ``done_s`` is set. Until then the requeue may wait behind other
+    allocation changes (they run one at a time: a whole-cluster replan at 4,096 nodes
+    queued minutes of them), and its own outcome ends the wait if it fails.
     """
 
     action_id: str

@@ -628,6 +628,9 @@ def run_size(n_nodes: int, args: argparse.Namespace, folder: Path) -> dict[str, 
         row["plan_full_solve_ms"] = _r(statistics.median(solve)) if solve else None
         row["plan_full_solve_ms_max"] = _r(max(solve)) if solve else None
         row["unicornd_errors"] = logged_errors(folder / "unicornd.log")
+        if args.keep_log is not None:  # a diagnostic: the run's folder is removed at the end
+            args.keep_log.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / "unicornd.log", args.keep_log / f"unicornd-{n_nodes}.log")
         return row
     finally:
         if daemon is not None:
@@ -1104,6 +1107,12 @@ def main() -> None:
         "from the window's start (slows unicornd: not for figures)",
     )
     ap.add_argument("--tracemalloc-frames", type=int, default=4, help="frames per call site (with the above)")
+    ap.add_argument(
+        "--keep-log",
+        type=Path,
+        default=None,
+        help="diagnostic: copy unicornd's log of each N into this folder (unicornd-N.log)",
+    )
     ap.add_argument("--quick", action="store_true", help="N = 64 and 256 only, 20 s each (a smoke run)")
     ap.add_argument("--plot", type=Path, default=None, help="also draw the curves (log-log) into this PNG")
     ap.add_argument(

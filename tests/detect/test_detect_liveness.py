@@ -95,3 +95,19 @@ def test_expired_is_exactly_the_silent_ones(beats: list[tuple[str, float]], now:
         t.beat(0, node, time_s)
         last[node] = max(last.get(node, time_s), time_s)
     assert {e.node for e in t.expired(now)} == {n for n, s in last.items() if now - s > 3.0}
+
+
+def test_a_launch_performed_late_moves_only_an_unbeaten_agents_grace() -> None:
+    t = HeartbeatTracker(timeout_s=1.5, initial_timeout_s=30.0)
+    t.expect(1, "a", 0.0)
+    t.expect(1, "b", 0.0)
+    t.beat(1, "b", 1.0)
+    t.launched(1, "a", 20.0)  # performed 20 s after it was expected
+    t.launched(1, "b", 20.0)  # has beaten: its silence counts from its beat
+    t.launched(1, "c", 20.0)  # not tracked: nothing
+    assert t.state(1, "a", 45.0) is Liveness.WAITING
+    assert t.state(1, "a", 51.0) is Liveness.EXPIRED
+    assert t.state(1, "b", 3.0) is Liveness.EXPIRED
+    assert t.state(1, "c", 21.0) is None
+    t.launched(1, "a", 10.0)  # never back in time
+    assert t.state(1, "a", 45.0) is Liveness.WAITING

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import msgspec
 import pytest
 
@@ -21,9 +23,9 @@ from unicorn_core.protocol import (
     decode,
     encode,
 )
-from unicornd.actions import Decision, LaunchAgents, NodeArgv, SendCommand
+from unicornd.actions import Decision, LaunchAgents, NodeArgv, Requeue, SendCommand
 from unicornd.detector import Detector
-from unicornd.state import Snapshot
+from unicornd.state import RequeueWait, Snapshot
 
 
 def timing(rank: int, iteration: int, node: str = "n1") -> IterationTiming:
@@ -508,3 +510,60 @@ def test_a_relaunched_agent_is_watched_afresh_and_its_silence_found_again() -> N
     assert d.check(20.0) == []  # within the new agent's grace (30 s)
     found = d.check(40.0)  # never beat: found again, with the new epoch
     assert [(f.evidence.node, f.agent_epoch) for f in found] == [("n1", d.agent_epoch(4, "n1"))]
+
+
+def test_a_job_waiting_for_its_requeue_is_not_heard_until_its_agents_are_launched() -> None:
+    """Found by the 4,096-node hour: a replan's requeues run one at a time, so a job's
+    agents beat on for minutes after the requeue was committed (and the job forgotten).
+    Their beats put them back under watch, and when the requeue finally ended them their
+    silence was a finding. A job whose task waits for its requeue is not heard; the agents
+    unicornd launches once it runs again are."""
+    cfg = DetectConfig(warmup_iterations=1, heartbeat_timeout_s=1.5)
+    d = Detector(cfg, AgentConfig(), load_classifier(None))
+    now, before = steady(d, ("n1", "n2"), 10.0)
+    waiting = replace(before.tasks["t"], requeue=RequeueWait("plan-2/t/requeue", deadline_s=1e9))
+    after = Snapshot(tasks={"t": waiting}, nodes={}, gpus_per_node=8)
+    requeue = Requeue("plan-2/t/requeue", "t", 4, ("n1", "n2"))
+    d.follow(before, after, Decision(actions=(requeue,), tasks=(waiting,)), now)
+    for _ in range(50):  # the requeue waits behind others; the agents beat and train on
+        now += 0.1
+        d.on_message(beat("n1", 0.0), now)
+        d.on_message(stamped(0, 20, "n1", ""), now)
+    now += 5.0  # the requeue ended them: silence
+    assert d.check(now) == [] and not d.silent(4, "n1", now)
+    # The job runs again: unicornd launches its agents, and hears them.
+    running = replace(waiting, requeue=None)
+    launched = Snapshot(tasks={"t": running}, nodes={}, gpus_per_node=8)
+    launch = LaunchAgents("plan-2/t/requeue/launch", "t", 4, (NodeArgv("n1", ("a",)), NodeArgv("n2", ("a",))))
+    d.follow(after, launched, Decision(actions=(launch,), tasks=(running,)), now)
+    d.on_message(beat("n1", 0.0), now + 0.1)
+    d.on_message(beat("n2", 0.0), now + 0.1)
+    lost = [f.evidence.node for f in d.check(now + 2.0) if f.evidence.source == "heartbeat"]
+    assert sorted(lost) == ["n1", "n2"], lost  # their silence counts again
+
+
+def test_a_leader_taking_over_does_not_hear_a_job_waiting_for_its_requeue() -> None:
+    d = Detector(DetectConfig(heartbeat_timeout_s=1.5), AgentConfig(), load_classifier(None))
+    waiting = task("t", 4, ("n1",), requeue=RequeueWait("plan-2/t/requeue", deadline_s=1e9))
+    d.expect_running(Snapshot(tasks={"t": waiting}, nodes={}, gpus_per_node=8), 10.0)
+    d.on_message(beat("n1", 0.0), 10.1)
+    assert d.check(20.0) == []
+
+
+def test_a_launch_waiting_behind_other_actions_gets_its_grace_when_it_runs() -> None:
+    """Found by the 4,096-node hour: a replan's launch waited behind the job's resize, which
+    waited for every allocation change committed before it; the agents were "never heard
+    from" 30 s after the commit, before they had been started."""
+    d = Detector(DetectConfig(heartbeat_timeout_s=1.5), AgentConfig(), load_classifier(None))
+    snap = Snapshot(tasks={"t": task("t", 4, ("n1", "n2"))}, nodes={}, gpus_per_node=8)
+    launch = LaunchAgents("plan-5/t/launch", "t", 4, (NodeArgv("n1", ("a",)), NodeArgv("n2", ("a",))))
+    d.follow(snap, snap, Decision(actions=(launch,)), 100.0)
+    d.launching(4, ("n1", "n2"), "plan-5/t/launch", 125.0)  # performed 25 s after its commit
+    assert d.check(140.0) == []  # 40 s after the commit, 15 s after the launch
+    d.on_message(beat("n1", 0.0), 155.0)
+    lost = [f.evidence for f in d.check(155.5) if f.evidence.source == "heartbeat"]
+    assert [e.node for e in lost] == ["n2"] and "never heard from" in lost[0].classification.evidence
+    # A launch that a later one replaced does not move the later one's grace.
+    d.follow(snap, snap, Decision(actions=(replace(launch, action_id="plan-6/t/launch"),)), 200.0)
+    d.launching(4, ("n1", "n2"), "plan-5/t/launch", 225.0)
+    assert sorted(f.evidence.node for f in d.check(231.0)) == ["n1", "n2"]

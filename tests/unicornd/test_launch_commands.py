@@ -26,8 +26,8 @@ from unicorn_core.errors import CommandFailed
 from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.protocol import AgentAction, AgentCommand, decode, encode
 from unicorn_core.slurm.backend import StepHandle
-from unicornd.actions import LaunchAgents, NodeArgv, Outcome, OutcomeStatus
-from unicornd.state import RequeueWait
+from unicornd.actions import Decision, LaunchAgents, NodeArgv, Outcome, OutcomeStatus
+from unicornd.state import RequeueWait, Snapshot
 
 PREFIX = "launchcmd"
 
@@ -255,3 +255,25 @@ async def test_a_step_that_ends_while_its_job_is_requeued_is_no_launch_failure(r
                     step.process.kill()
                 await step.process.wait()
     assert outcomes == []
+
+
+async def test_the_agents_grace_for_a_first_beat_starts_when_the_launch_is_performed(redis_url: str) -> None:
+    """Found by the 4,096-node hour: a launch waited behind its job's resize for longer than
+    the 30 s grace a new agent has for its first beat, and its agents were "never heard
+    from" before they had been started. unicornd's executor tells its detector as it
+    performs a launch, and the grace counts from then."""
+    slurm = _RecordingSlurm(2)
+    launch = _on_nodes(2)
+    async with running_daemon(slurm, redis_url, PREFIX, exits_cleanly=False) as daemon:
+        snap = Snapshot(tasks={"t": task("t", 7, ("n1", "n2"))}, nodes={}, gpus_per_node=8)
+        committed = time.monotonic() - 29.0  # committed 29 s ago, queued since
+        daemon.detector.follow(snap, snap, Decision(actions=(launch,)), committed)
+        try:
+            await daemon.executor._launch(launch)
+        finally:
+            for step in slurm.steps:
+                if step.process.returncode is None:
+                    step.process.kill()
+                await step.process.wait()
+        assert not daemon.detector.silent(7, "n1", committed + 35.0)
+        assert daemon.detector.silent(7, "n1", time.monotonic() + 31.0)

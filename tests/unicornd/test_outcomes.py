@@ -226,9 +226,17 @@ def test_findings_of_a_job_being_requeued_are_ignored_until_it_runs() -> None:
 def test_a_requeue_that_never_runs_asks_the_operator_at_its_deadline() -> None:
     snap = world(4, [task("a", 1, ["n1", "n2"]), task("c", 3, [], state=TaskState.PENDING)])
     snap, _ = transition(snap, {"a": 4, "c": 4}, T0)
-    assert snap.tasks["c"].requeue is not None
-    assert not on_tick(snap, T0 + REQUEUE_TIMEOUT_S - 1).actions
-    d = on_tick(snap, T0 + REQUEUE_TIMEOUT_S + 1)
+    wait = snap.tasks["c"].requeue
+    assert wait is not None
+    # Still queued behind other allocation changes (they run one at a time): no deadline
+    # yet. Found by the 4,096-node hour: a deadline counted from the plan's commit passed
+    # before the requeue ran; the wait ended, and the requeue that still ran then killed
+    # the agents of a task unicornd no longer held as requeued.
+    assert not on_tick(snap, T0 + 3 * REQUEUE_TIMEOUT_S).actions
+    done_at = T0 + 3 * REQUEUE_TIMEOUT_S
+    snap = apply(snap, on_outcome(snap, Outcome(wait.action_id, "requeue", OutcomeStatus.DONE), done_at))
+    assert not on_tick(snap, done_at + REQUEUE_TIMEOUT_S - 1).actions
+    d = on_tick(snap, done_at + REQUEUE_TIMEOUT_S + 1)
     assert [type(a) for a in d.actions] == [NotifyOperator]
     assert apply(snap, d).tasks["c"].requeue is None
 

@@ -157,7 +157,10 @@ def _requeue_step(draft: Draft, task: TaskRecord, outcome: Outcome) -> Decision:
     if wait is None or wait.action_id != outcome.action_id:
         return draft.note(f"outcome {_what(outcome)}: no requeue of {task.task_id} waits for it")
     if outcome.ok:
-        draft.put(replace(task, requeue=replace(wait, done_s=draft.now_s)))
+        # The wait for the job to run again starts now, not at the plan's commit: the
+        # requeue may have waited minutes behind other allocation changes (RequeueWait).
+        done = replace(wait, done_s=draft.now_s, deadline_s=draft.now_s + REQUEUE_TIMEOUT_S)
+        draft.put(replace(task, requeue=done))
         return draft.note(f"task {task.task_id}: job {task.job_id} requeued; launching once it runs")
     start_failed(draft, task, f"requeue failed: {_what(outcome)}")
     return draft.decision()
