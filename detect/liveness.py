@@ -61,8 +61,10 @@ class Expired:
 @dataclass
 class _Entry:
     since_s: float
-    """Last beat, or when the node was expected."""
+    """Last beat, or when the node was expected (or its launch performed)."""
     beaten: bool
+    started: bool = True
+    """False: expected by a launch not performed yet; its silence does not count."""
 
 
 def _finite(name: str, value: float) -> None:
@@ -83,21 +85,23 @@ class HeartbeatTracker:
         self.initial_timeout_s = initial
         self._entries: dict[tuple[int, str], _Entry] = {}
 
-    def expect(self, job_id: int, node: str, now_s: float) -> None:
+    def expect(self, job_id: int, node: str, now_s: float, *, started: bool = True) -> None:
         """An agent for (job, node) was launched at ``now_s``; its first beat is due within
-        ``initial_timeout_s``. No effect on a node that already beat."""
+        ``initial_timeout_s``. ``started=False``: its launch is decided but not performed
+        yet (it may wait behind other actions): its silence counts only from
+        :meth:`launched`. No effect on a node that already beat."""
         _finite("now_s", now_s)
-        self._entries.setdefault((job_id, node), _Entry(now_s, beaten=False))
+        self._entries.setdefault((job_id, node), _Entry(now_s, beaten=False, started=started))
 
     def launched(self, job_id: int, node: str, now_s: float) -> None:
         """The launch of the expected agent of (job, node) was performed at ``now_s``: its
-        first beat is due within ``initial_timeout_s`` of then, not of when it was expected
-        (a launch may wait behind other actions). No effect on an agent that has beaten,
-        nor on one not tracked."""
+        first beat is due within ``initial_timeout_s`` of then, not of when it was expected.
+        No effect on an agent that has beaten, nor on one not tracked."""
         _finite("now_s", now_s)
         entry = self._entries.get((job_id, node))
-        if entry is not None and not entry.beaten and now_s > entry.since_s:
-            entry.since_s = now_s
+        if entry is not None and not entry.beaten:
+            entry.since_s = now_s if not entry.started else max(entry.since_s, now_s)
+            entry.started = True
 
     def beat(self, job_id: int, node: str, now_s: float) -> None:
         """A heartbeat from (job, node) arrived at ``now_s``.
@@ -130,6 +134,8 @@ class HeartbeatTracker:
         entry = self._entries.get((job_id, node))
         if entry is None:
             return None
+        if not entry.started:
+            return Liveness.WAITING
         if now_s - entry.since_s > self._timeout(entry):
             return Liveness.EXPIRED
         return Liveness.ALIVE if entry.beaten else Liveness.WAITING
@@ -139,6 +145,8 @@ class HeartbeatTracker:
         _finite("now_s", now_s)
         found = []
         for (job_id, node), entry in self._entries.items():
+            if not entry.started:
+                continue
             timeout = self._timeout(entry)
             silent = now_s - entry.since_s
             if silent > timeout:

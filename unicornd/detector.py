@@ -140,8 +140,9 @@ class Detector:
 
     _unheard: set[int] = field(init=False, default_factory=set)
     """Jobs whose task, in the committed snapshot, waits for a requeue or is not live (held
-    pending, stopped): their heartbeats and iteration reports are not heard
-    (:meth:`on_message`); their processes end on purpose. Found by the 4,096-node hour:
+    pending, or ended: stopped, finished, failed): their heartbeats and iteration reports
+    are not heard (:meth:`on_message`); their processes end on purpose. (Bounded like the
+    snapshot's tasks, which are kept.) Found by the 4,096-node hour:
     the job is forgotten when its requeue is committed, and a beat of its agents read after
     that (they run until the requeue, which may wait behind other allocation changes, is
     performed) put them back under watch; when the requeue ended them, their silence was
@@ -177,26 +178,28 @@ class Detector:
         self._new_epoch(job_id, node)
 
     def _agent_launched(self, job_id: int, node: str, now_s: float) -> None:
-        """A new agent was launched for (job, node) on purpose: a new episode. Its silence
-        counts from now, after a new agent's grace, and a silence found of the agent it
-        replaces (in ``_lost`` until a beat) no longer keeps the new one from being watched
-        (a probe's verdict about the old agent is dropped: :meth:`agent_epoch`)."""
+        """A new agent's launch for (job, node) was committed: a new episode. Its silence
+        counts only once the executor performs the launch (:meth:`launching`), after a new
+        agent's grace, and a silence found of the agent it replaces (in ``_lost`` until a
+        beat) no longer keeps the new one from being watched (a probe's verdict about the
+        old agent is dropped: :meth:`agent_epoch`)."""
         self.liveness.forget(job_id, node)
         self._lost.discard((job_id, node))
-        self.expect_agent(job_id, node, now_s)
+        self.liveness.expect(job_id, node, now_s, started=False)
+        self._new_epoch(job_id, node)
 
     def launching(self, job_id: int, nodes: Collection[str], launch_id: str, now_s: float) -> None:
         """The executor performs launch ``launch_id`` of the agents of ``job_id`` on ``nodes``
-        now. Their grace for a first beat counts from now, not from the launch's commit: it
-        may have waited behind other actions on the job (its resize, which waits for every
-        allocation change committed before it, one at a time). Found by the 4,096-node hour:
-        a replan's launches ran more than the 30 s grace after their commit, and the agents
-        were "never heard from" before they were started. A node that a later action has
-        launched or stopped since keeps that action's grace."""
+        now: their grace for a first beat starts now. Until then their silence does not
+        count: a launch may wait minutes after its commit behind other actions on its job
+        (its resize waits for every allocation change committed before it, one at a time).
+        Found by the 4,096-node hour: a replan's agents were "never heard from" 30 s after
+        the commit, before they had been started. A node that a later action has launched
+        or stopped since keeps that action's state; one this unicornd has no launch on
+        record for (a launch owed by the leader before it) starts its grace again."""
         for node in nodes:
-            if self._launches.get((job_id, node)) == launch_id:
+            if self._launches.get((job_id, node), launch_id) == launch_id:
                 self.liveness.launched(job_id, node, now_s)
-                self._lost.discard((job_id, node))
 
     def agent_epoch(self, job_id: int, node: str) -> int:
         """Changes each time unicornd launches or stops the agent of (job, node) on purpose
@@ -298,7 +301,7 @@ class Detector:
                 and (old is None or old.state not in ENDED_STATES)
             ):
                 self.forget_job(task.job_id)
-                self._unheard.discard(task.job_id)  # its id is never used again
+                self._unheard.add(task.job_id)  # its agents beat until they have stopped
         self._follow_reports(after)
 
     def _hear(self, task: TaskRecord) -> None:
@@ -331,8 +334,7 @@ class Detector:
         for job_id, node in expected_agents(snapshot):
             self.expect_agent(job_id, node, now_s)
         for task in snapshot.tasks.values():
-            if task.state not in ENDED_STATES:
-                self._hear(task)
+            self._hear(task)
 
     def heard_until(self, t_s: float) -> None:
         """Every agent event written before monotonic ``t_s`` has been handled: the events

@@ -63,8 +63,16 @@ from unicornd.state import (
 )
 
 REQUEUE_TIMEOUT_S: Final = 120.0
-"""How long a requeued job may take to run again before its rung fails (Slurm holds a
-requeued job for cred_expire, then the scheduler starts it: seconds on a healthy cluster)."""
+"""How long a requeued job may take to run again, from the requeue's return, before its rung
+fails (Slurm holds a requeued job for cred_expire, then the scheduler starts it: seconds on
+a healthy cluster)."""
+
+REQUEUE_QUEUED_LIMIT_S: Final = 1800.0
+"""How long a committed requeue may wait to be performed before its rung fails. A backstop
+only: allocation changes run one at a time (a whole-cluster replan at 4,096 nodes queues
+minutes of them), and the requeue's own outcome ends the wait if it fails; but an owed
+action that is lost (one the store cannot read after an upgrade) would otherwise hold its
+task waiting for good."""
 
 
 @dataclass(frozen=True)
@@ -653,7 +661,7 @@ def _move_task(
         # The agents start once the job runs again (:func:`unicornd.decide.on_job_running`);
         # until then its processes die on purpose and their exits are not faults.
         phases.resizes.append(Requeue(f"{base}/requeue", task.task_id, job, new_nodes))
-        wait = RequeueWait(f"{base}/requeue", deadline_s=now_s + REQUEUE_TIMEOUT_S)
+        wait = RequeueWait(f"{base}/requeue", deadline_s=now_s + REQUEUE_QUEUED_LIMIT_S)
         new = replace(new, resizes_this_run=0, requeue=wait)
         how = "requeue"
     else:

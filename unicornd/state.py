@@ -261,10 +261,11 @@ class RequeueWait:
     not faults. ``done_s``: when the requeue command returned (None: not yet); the job
     RUNNING at a Slurm poll started after that is the signal to launch its agents.
     ``deadline_s``: when waiting for the job to run again ends in failure (the rung fails,
-    see :func:`unicornd.decide.on_tick`); it is counted from the requeue's return, and
-    holds only once ``done_s`` is set. Until then the requeue may wait behind other
-    allocation changes (they run one at a time: a whole-cluster replan at 4,096 nodes
-    queued minutes of them), and its own outcome ends the wait if it fails.
+    see :func:`unicornd.decide.on_tick`): 120 s after the requeue returned. Until then it is
+    a backstop (:data:`unicornd.replan.REQUEUE_QUEUED_LIMIT_S` after the commit): the
+    requeue may wait behind other allocation changes (they run one at a time: a
+    whole-cluster replan at 4,096 nodes queued minutes of them), and its own outcome ends
+    the wait if it fails.
     """
 
     action_id: str

@@ -111,3 +111,12 @@ def test_a_launch_performed_late_moves_only_an_unbeaten_agents_grace() -> None:
     assert t.state(1, "c", 21.0) is None
     t.launched(1, "a", 10.0)  # never back in time
     assert t.state(1, "a", 45.0) is Liveness.WAITING
+
+
+def test_an_agent_whose_launch_is_not_performed_yet_is_never_silent() -> None:
+    t = HeartbeatTracker(timeout_s=1.5, initial_timeout_s=30.0)
+    t.expect(1, "a", 0.0, started=False)
+    assert t.state(1, "a", 500.0) is Liveness.WAITING and t.expired(500.0) == []
+    t.launched(1, "a", 500.0)
+    assert t.state(1, "a", 529.0) is Liveness.WAITING
+    assert [e.node for e in t.expired(531.0)] == ["a"]

@@ -500,12 +500,14 @@ def test_a_relaunched_agent_is_watched_afresh_and_its_silence_found_again() -> N
     empty = Snapshot(tasks={}, nodes={}, gpus_per_node=8)
     first = LaunchAgents("plan-1/launch/4", "a", 4, (NodeArgv("n1", ("train",)),))
     d.follow(empty, empty, Decision(actions=(first,)), 1.0)
+    d.launching(4, ("n1",), first.action_id, 1.0)
     d.on_message(beat("n1", None), 2.0)
     lost = d.check(5.0)
     assert [(f.evidence.node, f.agent_epoch) for f in lost] == [("n1", d.agent_epoch(4, "n1"))]
     assert lost[0].agent_epoch > 0
     again = LaunchAgents("plan-2/relaunch/4", "a", 4, (NodeArgv("n1", ("train",)),))
     d.follow(empty, empty, Decision(actions=(again,)), 6.0)
+    d.launching(4, ("n1",), again.action_id, 6.0)
     assert d.agent_epoch(4, "n1") != lost[0].agent_epoch
     assert d.check(20.0) == []  # within the new agent's grace (30 s)
     found = d.check(40.0)  # never beat: found again, with the new epoch
@@ -536,6 +538,7 @@ def test_a_job_waiting_for_its_requeue_is_not_heard_until_its_agents_are_launche
     launched = Snapshot(tasks={"t": running}, nodes={}, gpus_per_node=8)
     launch = LaunchAgents("plan-2/t/requeue/launch", "t", 4, (NodeArgv("n1", ("a",)), NodeArgv("n2", ("a",))))
     d.follow(after, launched, Decision(actions=(launch,), tasks=(running,)), now)
+    d.launching(4, ("n1", "n2"), launch.action_id, now)
     d.on_message(beat("n1", 0.0), now + 0.1)
     d.on_message(beat("n2", 0.0), now + 0.1)
     lost = [f.evidence.node for f in d.check(now + 2.0) if f.evidence.source == "heartbeat"]
@@ -558,12 +561,27 @@ def test_a_launch_waiting_behind_other_actions_gets_its_grace_when_it_runs() -> 
     snap = Snapshot(tasks={"t": task("t", 4, ("n1", "n2"))}, nodes={}, gpus_per_node=8)
     launch = LaunchAgents("plan-5/t/launch", "t", 4, (NodeArgv("n1", ("a",)), NodeArgv("n2", ("a",))))
     d.follow(snap, snap, Decision(actions=(launch,)), 100.0)
-    d.launching(4, ("n1", "n2"), "plan-5/t/launch", 125.0)  # performed 25 s after its commit
-    assert d.check(140.0) == []  # 40 s after the commit, 15 s after the launch
-    d.on_message(beat("n1", 0.0), 155.0)
-    lost = [f.evidence for f in d.check(155.5) if f.evidence.source == "heartbeat"]
+    for t in range(101, 200):  # queued 99 s: the ticker checks each second meanwhile
+        assert d.check(float(t)) == [], t
+    d.launching(4, ("n1", "n2"), "plan-5/t/launch", 200.0)  # performed at last
+    assert d.check(225.0) == []  # within the grace from the launch
+    d.on_message(beat("n1", 0.0), 230.0)
+    lost = [f.evidence for f in d.check(230.5) if f.evidence.source == "heartbeat"]
     assert [e.node for e in lost] == ["n2"] and "never heard from" in lost[0].classification.evidence
-    # A launch that a later one replaced does not move the later one's grace.
-    d.follow(snap, snap, Decision(actions=(replace(launch, action_id="plan-6/t/launch"),)), 200.0)
-    d.launching(4, ("n1", "n2"), "plan-5/t/launch", 225.0)
-    assert sorted(f.evidence.node for f in d.check(231.0)) == ["n1", "n2"]
+    # A launch that a later one replaced does not start the later one's grace.
+    later = replace(launch, action_id="plan-6/t/launch")
+    d.follow(snap, snap, Decision(actions=(later,)), 300.0)
+    d.launching(4, ("n1", "n2"), "plan-5/t/launch", 301.0)
+    assert d.check(400.0) == []
+    d.launching(4, ("n1", "n2"), "plan-6/t/launch", 401.0)
+    assert sorted(f.evidence.node for f in d.check(432.0)) == ["n1", "n2"]
+
+
+def test_a_launch_owed_by_the_leader_before_starts_its_agents_grace_when_performed() -> None:
+    """A new leader expects the agents of every running task from its start; a launch the
+    leader before it committed and never performed runs now: the grace counts from then."""
+    d = Detector(DetectConfig(heartbeat_timeout_s=1.5), AgentConfig(), load_classifier(None))
+    d.expect_running(Snapshot(tasks={"t": task("t", 4, ("n1",))}, nodes={}, gpus_per_node=8), 10.0)
+    d.launching(4, ("n1",), "plan-9/t/launch", 35.0)
+    assert d.check(60.0) == []
+    assert [f.evidence.node for f in d.check(66.0)] == ["n1"]

@@ -266,7 +266,7 @@ async def test_the_agents_grace_for_a_first_beat_starts_when_the_launch_is_perfo
     launch = _on_nodes(2)
     async with running_daemon(slurm, redis_url, PREFIX, exits_cleanly=False) as daemon:
         snap = Snapshot(tasks={"t": task("t", 7, ("n1", "n2"))}, nodes={}, gpus_per_node=8)
-        committed = time.monotonic() - 29.0  # committed 29 s ago, queued since
+        committed = time.monotonic() - 60.0  # committed a minute ago, queued since
         daemon.detector.follow(snap, snap, Decision(actions=(launch,)), committed)
         try:
             await daemon.executor._launch(launch)
@@ -275,5 +275,5 @@ async def test_the_agents_grace_for_a_first_beat_starts_when_the_launch_is_perfo
                 if step.process.returncode is None:
                     step.process.kill()
                 await step.process.wait()
-        assert not daemon.detector.silent(7, "n1", committed + 35.0)
+        assert not daemon.detector.silent(7, "n1", committed + 65.0)
         assert daemon.detector.silent(7, "n1", time.monotonic() + 31.0)

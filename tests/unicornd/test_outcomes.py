@@ -34,7 +34,7 @@ from unicornd.decide import (
     on_tick,
     resolve,
 )
-from unicornd.replan import REQUEUE_TIMEOUT_S, PlanContext, plan_transition
+from unicornd.replan import REQUEUE_QUEUED_LIMIT_S, REQUEUE_TIMEOUT_S, PlanContext, plan_transition
 from unicornd.state import LadderStage, NodeHealth, Policy, Snapshot, TaskState
 
 T0 = 1_700_000_000.0
@@ -233,6 +233,9 @@ def test_a_requeue_that_never_runs_asks_the_operator_at_its_deadline() -> None:
     # before the requeue ran; the wait ended, and the requeue that still ran then killed
     # the agents of a task unicornd no longer held as requeued.
     assert not on_tick(snap, T0 + 3 * REQUEUE_TIMEOUT_S).actions
+    # A requeue never performed (its owed action lost) ends at the backstop.
+    lost = on_tick(snap, T0 + REQUEUE_QUEUED_LIMIT_S + 1)
+    assert [type(a) for a in lost.actions] == [NotifyOperator]
     done_at = T0 + 3 * REQUEUE_TIMEOUT_S
     snap = apply(snap, on_outcome(snap, Outcome(wait.action_id, "requeue", OutcomeStatus.DONE), done_at))
     assert not on_tick(snap, done_at + REQUEUE_TIMEOUT_S - 1).actions

@@ -693,17 +693,13 @@ def on_tick(snapshot: Snapshot, now_s: float) -> Decision:
             draft.notes.append(f"{inc.incident_id}: {inc.node} runs no task any more; report closed")
     for task in sorted(snapshot.tasks.values(), key=lambda t: t.task_id):
         wait = task.requeue
-        # Only once the requeue has returned: before, it may be queued behind other
-        # allocation changes, and its own outcome ends the wait if it fails. Found by the
-        # 4,096-node hour: a replan queued requeues for minutes, the later ones' deadlines
-        # passed before they ran, the wait ended, and the requeue that still ran then killed
-        # the job's agents, whose silence then restarted a job Slurm held PENDING.
-        if (
-            wait is not None
-            and wait.done_s is not None
-            and now_s > wait.deadline_s
-            and task.state in LIVE_TASK_STATES
-        ):
+        # Until the requeue has returned, its deadline is only a backstop
+        # (REQUEUE_QUEUED_LIMIT_S): it may be queued behind other allocation changes, and
+        # its own outcome ends the wait if it fails. Found by the 4,096-node hour: with 120 s
+        # from the commit, a replan's later requeues passed their deadline before they ran,
+        # the wait ended, and each requeue that still ran killed its job's agents, whose
+        # silence then restarted a job Slurm held PENDING.
+        if wait is not None and now_s > wait.deadline_s and task.state in LIVE_TASK_STATES:
             why = f"job {task.job_id} did not run again within the requeue deadline ({wait.action_id})"
             start_failed(draft, draft.task(task.task_id), why)
     return draft.decision()

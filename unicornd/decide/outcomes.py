@@ -39,7 +39,7 @@ from unicornd.actions import Decision, Outcome, Requeue
 from unicornd.decide.common import Draft, Finding
 from unicornd.decide.ladder import on_check_outcome, on_finding, rung_failed, start_failed
 from unicornd.decide.membership import on_node_check
-from unicornd.replan import REQUEUE_TIMEOUT_S
+from unicornd.replan import REQUEUE_QUEUED_LIMIT_S, REQUEUE_TIMEOUT_S
 from unicornd.state import LIVE_TASK_STATES, Incident, LadderStage, RequeueWait, Snapshot, TaskRecord
 
 _L = LadderStage
@@ -175,6 +175,6 @@ def _resize_refused(draft: Draft, task: TaskRecord, outcome: Outcome) -> Decisio
     requeue = Requeue(f"{outcome.action_id}/requeue", task.task_id, task.job_id, task.nodes)
     draft.cancel(f"plan-{task.generation}/{task.task_id}/")
     draft.act(requeue)
-    wait_s = draft.now_s + REQUEUE_TIMEOUT_S
+    wait_s = draft.now_s + REQUEUE_QUEUED_LIMIT_S
     draft.put(replace(task, resizes_this_run=0, requeue=RequeueWait(requeue.action_id, wait_s)))
     return draft.note(f"{base}: {outcome.status.value} ({outcome.detail}); requeue {task.task_id} instead")
