@@ -5,6 +5,7 @@ call falls back to one call per drain, so each drain gets its own outcome."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from functools import partial
 
@@ -104,3 +105,24 @@ async def test_at_most_max_actions_in_flight_run_at_once_and_the_rest_follow(red
         await daemon.core.decide(time.time(), lambda _s: Decision(actions=notices))
         await until(lambda: ran == count, 30)
     assert peak == MAX_ACTIONS_IN_FLIGHT
+
+
+async def test_a_stop_that_a_library_swallows_still_ends_the_executor(redis_url: str) -> None:
+    """Seen once at stop in the 4,096-node hour: ``shutdown_stuck: ['executor']``, the
+    executor's loop waiting again after it was cancelled. A library's timeout that expires
+    as the task is cancelled can swallow the CancelledError (asyncio.wait_for and
+    async-timeout on Python 3.11); the loop now ends on the request its task still counts."""
+    async with running_daemon(FakeSlurm(["n1"]), redis_url, PREFIX) as daemon:
+        real = daemon.core.store.owed
+        entered = asyncio.Event()
+
+        async def swallowing_owed() -> list[Owed]:
+            entered.set()
+            with contextlib.suppress(asyncio.CancelledError):  # the race: the request is lost
+                await asyncio.sleep(30)
+            return await real()
+
+        daemon.core.store.owed = swallowing_owed  # type: ignore[method-assign]
+        daemon.core.wake.set()
+        await asyncio.wait_for(entered.wait(), 10)
+    # running_daemon asserts the exit status is 0 (1 after shutdown_stuck)
