@@ -36,6 +36,7 @@ from unicorn_core.logs import get_logger
 from unicorn_core.paths import CKPT_RING_ENV, agent_run_dir, agent_runs_root
 from unicorn_core.protocol import AgentAction
 from unicorn_core.slurm.backend import ResizeUnsupported, SlurmBackend, StepHandle
+from unicorn_core.slurm.types import NodeState
 from unicornd import decide
 from unicornd.actions import (
     ALLOCATION,
@@ -392,15 +393,37 @@ class Executor:
                 [action.node], argv, timeout_s=NODE_CHECK_TIMEOUT_S, job_id=action.job_id
             )
         except CommandTimeout as e:  # no verdict: Slurm's or SSH's view says whether it is dead
-            raise CheckFailed((), f"node check on {action.node} did not finish: {e}") from e
+            raise await self._unrun(action.node, f"node check on {action.node} did not finish: {e}") from e
         detail = (out.stderr or out.stdout).strip()[-300:]
         log.info("node_check", node=action.node, passed=out.exit_code == 0, detail=detail)
         if out.exit_code != 0:
             why = f"node check failed (exit {out.exit_code}): {detail or 'unhealthy'}"
-            # Only the check's own verdict convicts; srun failing to run it says nothing.
-            convicted = (action.node,) if NODE_CHECK_VERDICT in out.stderr else ()
-            raise CheckFailed(convicted, why)
+            # The check's own verdict convicts; srun failing to run it convicts only when
+            # slurmctld itself holds the node down (_held_down).
+            if NODE_CHECK_VERDICT in out.stderr:
+                raise CheckFailed((action.node,), why)
+            raise await self._unrun(action.node, why)
         return detail or "passed"
+
+    async def _unrun(self, node: str, why: str) -> CheckFailed:
+        """The node check did not run (or finish) on ``node``: it convicts the node only
+        when slurmctld marks it NOT_RESPONDING or DOWN now, Slurm's own view that the node
+        is lost (else no verdict: nothing convicted). A check runs on
+        an incident's suspect, whose agent is silent (or whose fault is node-level), so this
+        is the confirmation :meth:`unicornd.inputs.SlurmWatch` accepts (silent agent and
+        NOT_RESPONDING node). Found by the 4,096-node hour: a dead node's restarted agent
+        was "never heard from", its check failed with srun's "Required node not available
+        (down)", and the incident went to the operator with nothing drained (80 times in
+        the hour). Slurm unreadable: no conviction."""
+        try:
+            info = await self.slurm.get_node(node)
+        except UnicornError as e:
+            log.warning("node_state_unreadable", node=node, error=str(e), after=why)
+            return CheckFailed((), why)
+        if info.responding and info.state is not NodeState.DOWN:
+            return CheckFailed((), why)
+        flags = ",".join(sorted(info.flags)) or "-"
+        return CheckFailed((node,), f"{why}; slurmctld: {node} {info.state} ({flags})")
 
     async def _paired_check(self, action: CheckNode) -> str:
         report = await paired_check(

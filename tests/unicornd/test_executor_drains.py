@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from functools import partial
 
-from tests.fakes.slurm import FakeSlurm
+import pytest
+
+from tests.fakes.slurm import FakeSlurm, idle_node
 from tests.unicornd.redis_world import running_daemon, until
 from unicorn_core.errors import CommandFailed
 from unicornd.actions import Action, CheckNode, Decision, DrainNode, NotifyOperator, Replan
 from unicornd.decide import on_operator_drain
-from unicornd.executor import MAX_ACTIONS_IN_FLIGHT, _drain_group
+from unicornd.executor import MAX_ACTIONS_IN_FLIGHT, CheckFailed, _drain_group
 from unicornd.state import NodeHealth
 from unicornd.store import Owed
 
@@ -126,3 +129,29 @@ async def test_a_stop_that_a_library_swallows_still_ends_the_executor(redis_url:
         daemon.core.wake.set()
         await asyncio.wait_for(entered.wait(), 10)
     # running_daemon asserts the exit status is 0 (1 after shutdown_stuck)
+
+
+DOWN_STEP = "srun: error: Unable to create step for job 7: Required node not available (down): n2"
+
+
+async def test_a_check_slurm_cannot_run_convicts_only_a_node_slurmctld_marks_lost(redis_url: str) -> None:
+    """Found by the 4,096-node hour: a dead node's restarted agent was "never heard from",
+    its node check failed with srun's "Required node not available (down)", and the
+    incident went to the operator with nothing drained (80 times in the hour). srun failing
+    to run the check convicts the node when slurmctld marks it NOT_RESPONDING or DOWN (the
+    confirmation Slurm's view gives a silent agent); on a node Slurm holds up it says
+    nothing."""
+    lost = dataclasses.replace(idle_node("n2"), flags=frozenset({"NOT_RESPONDING"}))
+    slurm = FakeSlurm(["n1", lost, "n3"])
+    slurm.check_exit_code, slurm.check_stderr = 1, DOWN_STEP
+    async with running_daemon(slurm, redis_url, PREFIX) as daemon:
+        with pytest.raises(CheckFailed) as convicted:
+            await daemon.executor._check_node(CheckNode("i/check/n2", "n2", job_id=7))
+        assert convicted.value.nodes == ("n2",) and "NOT_RESPONDING" in str(convicted.value)
+        with pytest.raises(CheckFailed) as unknown:
+            await daemon.executor._check_node(CheckNode("i/check/n1", "n1", job_id=7))
+        assert unknown.value.nodes == ()
+        slurm.fail("get_node", CommandFailed(("scontrol", "show", "node"), 1, "", "slurmctld down"))
+        with pytest.raises(CheckFailed) as unreadable:
+            await daemon.executor._check_node(CheckNode("i/check/n2b", "n2", job_id=7))
+        assert unreadable.value.nodes == ()
