@@ -293,6 +293,7 @@ class Detector:
             task = after.tasks.get(put.task_id)
             if task is not None:
                 self._hear(task)
+                self._left(before.tasks.get(put.task_id), task)
         for task in after.tasks.values():
             old = before.tasks.get(task.task_id)
             if (
@@ -303,6 +304,17 @@ class Detector:
                 self.forget_job(task.job_id)
                 self._unheard.add(task.job_id)  # its agents beat until they have stopped
         self._follow_reports(after)
+
+    def _left(self, old: TaskRecord | None, task: TaskRecord) -> None:
+        """Forget the agents on the nodes ``task`` left: they end on purpose (a stop, or its
+        job's shrink or requeue). A node it left for being unhealthy gets no stop (it may
+        not answer): found by the 4,096-node hour, its agent ran until the job's shrink
+        (minutes later, behind the replan's other allocation changes) and was then "lost"."""
+        if old is None or old.job_id is None or old.job_id != task.job_id:
+            return
+        for node in set(old.nodes) - set(task.nodes):
+            if self._launches.get((old.job_id, node)) != STOPPED:
+                self.forget_agent(old.job_id, node)
 
     def _hear(self, task: TaskRecord) -> None:
         """Hear ``task``'s job or not, as the committed snapshot says (:attr:`_unheard`)."""

@@ -585,3 +585,22 @@ def test_a_launch_owed_by_the_leader_before_starts_its_agents_grace_when_perform
     d.launching(4, ("n1",), "plan-9/t/launch", 35.0)
     assert d.check(60.0) == []
     assert [f.evidence.node for f in d.check(66.0)] == ["n1"]
+
+
+def test_the_agent_on_a_node_its_task_left_without_a_stop_is_not_watched() -> None:
+    """Found by the 4,096-node hour: a replan moved a task off a drained node (no stop is
+    sent to an unhealthy node); its agent ran until the job's shrink, minutes later behind
+    the other allocation changes, and its silence was then a finding."""
+    d = Detector(DetectConfig(heartbeat_timeout_s=1.5), AgentConfig(), load_classifier(None))
+    now, before = steady(d, ("n1", "n2"), 10.0)
+    moved = replace(before.tasks["t"], nodes=("n1",))
+    after = Snapshot(tasks={"t": moved}, nodes={}, gpus_per_node=8)
+    d.follow(before, after, Decision(tasks=(moved,)), now)
+    for _ in range(20):  # the agent on n2 beats on until the shrink ends it
+        now += 0.5
+        d.on_message(beat("n1", 0.0), now)
+        d.on_message(beat("n2", 0.0), now)
+    for _ in range(20):
+        now += 0.5
+        d.on_message(beat("n1", 0.0), now)
+    assert [f.evidence.node for f in d.check(now) if f.evidence.source == "heartbeat"] == []
