@@ -280,7 +280,6 @@ class Detector:
                     self._launch(action.job_id, node, action.action_id, action.action_id)
             elif isinstance(action, Requeue):
                 self.forget_job(action.job_id)  # its processes are killed on purpose
-                self._unheard.add(action.job_id)
             elif isinstance(action, SendCommand):
                 if action.action in (AgentAction.RESTART_RANKS, AgentAction.RELAUNCH):
                     self.restart_job(action.job_id, nodes_of(action.job_id))
@@ -289,7 +288,9 @@ class Detector:
                     self.forget_agent(action.job_id, action.node, action.action_id)
                 elif action.action is AgentAction.CHECKPOINT_NOW:
                     self.expect_checkpoint(action.job_id, now_s)
-        for put in decision.tasks:  # the tasks this decision changed
+        # The tasks this decision changed, among them every task it requeued or ended: whether
+        # their jobs are heard follows from their committed records (_hear).
+        for put in decision.tasks:
             task = after.tasks.get(put.task_id)
             if task is not None:
                 self._hear(task)
@@ -302,7 +303,6 @@ class Detector:
                 and (old is None or old.state not in ENDED_STATES)
             ):
                 self.forget_job(task.job_id)
-                self._unheard.add(task.job_id)  # its agents beat until they have stopped
         self._follow_reports(after)
 
     def _left(self, old: TaskRecord | None, task: TaskRecord) -> None:

@@ -399,7 +399,7 @@ class Executor:
         if out.exit_code != 0:
             why = f"node check failed (exit {out.exit_code}): {detail or 'unhealthy'}"
             # The check's own verdict convicts; srun failing to run it convicts only when
-            # slurmctld itself holds the node down (_held_down).
+            # slurmctld itself holds the node down (_unrun).
             if NODE_CHECK_VERDICT in out.stderr:
                 raise CheckFailed((action.node,), why)
             raise await self._unrun(action.node, why)

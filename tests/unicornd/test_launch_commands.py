@@ -27,6 +27,7 @@ from unicorn_core.keys import PAYLOAD_FIELD, RedisKeys
 from unicorn_core.protocol import AgentAction, AgentCommand, decode, encode
 from unicorn_core.slurm.backend import StepHandle
 from unicornd.actions import Decision, LaunchAgents, NodeArgv, Outcome, OutcomeStatus
+from unicornd.daemon import Daemon
 from unicornd.state import RequeueWait, Snapshot
 
 PREFIX = "launchcmd"
@@ -60,13 +61,18 @@ async def _launch_on(slurm: FakeSlurm, redis_url: str, launch: LaunchAgents) -> 
     """Run a real unicornd on ``slurm`` and have its executor perform ``launch``; the steps
     it started are killed and unicornd stopped after."""
     async with running_daemon(slurm, redis_url, PREFIX, exits_cleanly=False) as daemon:
-        try:
-            await daemon.executor._launch(launch)
-        finally:
-            for step in slurm.steps:
-                if step.process.returncode is None:
-                    step.process.kill()
-                await step.process.wait()
+        await _perform(daemon, slurm, launch)
+
+
+async def _perform(daemon: Daemon, slurm: FakeSlurm, launch: LaunchAgents) -> None:
+    """``daemon``'s executor performs ``launch``; the steps it started are killed after."""
+    try:
+        await daemon.executor._launch(launch)
+    finally:
+        for step in slurm.steps:
+            if step.process.returncode is None:
+                step.process.kill()
+            await step.process.wait()
 
 
 class _RecordingSlurm(FakeSlurm):
@@ -268,12 +274,6 @@ async def test_the_agents_grace_for_a_first_beat_starts_when_the_launch_is_perfo
         snap = Snapshot(tasks={"t": task("t", 7, ("n1", "n2"))}, nodes={}, gpus_per_node=8)
         committed = time.monotonic() - 60.0  # committed a minute ago, queued since
         daemon.detector.follow(snap, snap, Decision(actions=(launch,)), committed)
-        try:
-            await daemon.executor._launch(launch)
-        finally:
-            for step in slurm.steps:
-                if step.process.returncode is None:
-                    step.process.kill()
-                await step.process.wait()
+        await _perform(daemon, slurm, launch)
         assert not daemon.detector.silent(7, "n1", committed + 65.0)
         assert daemon.detector.silent(7, "n1", time.monotonic() + 31.0)
