@@ -32,7 +32,11 @@ What is emulated, and why
   5.5 s later (dev cluster: 4.9-6.3 s with SlurmdTimeout=3).
 - **Node agents** (``scale_agents.py``): 4,096 Python agents do not fit either. One
   process writes every agent's messages (each tick's in one pipeline) and answers
-  commands after fixed delays; no torchrun, no ranks, no checkpoints.
+  commands after fixed delays; no torchrun, no ranks, no checkpoints. A job's step time
+  is the performance model's for the layout unicornd committed for it, read again at each
+  launch and relaunch (:func:`step_time_of`), so the calibration measures what the
+  planner predicts: the calibration's own behaviour is tested elsewhere, and a step time
+  that ignores the layout made it reshuffle the cluster on false evidence.
 - **Registration**: tasks are committed already running (a registration is MUNGE-signed,
   and munged is not part of this bench).
 - Configuration differs from the defaults only where the emulation needs it: no SSH probe
@@ -98,7 +102,7 @@ import tempfile
 import time
 import tracemalloc
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final, cast
@@ -113,10 +117,11 @@ from scale_agents import AgentTimings, Fault, Fleet, InjectedFault, Job, deaths,
 from scale_daemon import LAG_PERIOD_S, slurm_stream, t0_key  # noqa: E402
 from scale_slurm import SlurmTimings  # noqa: E402
 
+from plan.perf import estimate_layout  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from unicorn_core import redis_io  # noqa: E402
 from unicorn_core.config import Config, load_config  # noqa: E402
-from unicorn_core.errors import RedisCallError  # noqa: E402
+from unicorn_core.errors import RedisCallError, UnicornError  # noqa: E402
 from unicorn_core.keys import RedisKeys  # noqa: E402
 from unicorn_core.taskspec import load_task_file  # noqa: E402
 from unicornd.replan import PlanContext, replan_decision  # noqa: E402
@@ -443,11 +448,31 @@ def build_cluster(n_nodes: int, n_jobs: int, cfg: Config, ctx: PlanContext, now:
     samples = {}
     for t in running.values():
         est = estimates.get(t.name)
-        iter_s[cast(int, t.job_id)] = min(30.0, max(0.5, est.iteration_s if est is not None else 2.0))
+        iter_s[cast(int, t.job_id)] = est.iteration_s if est is not None else 2.0
         samples[cast(int, t.job_id)] = t.model.global_batch
     return Cluster(
         snap, names, jobs, {cast(int, t.job_id): t.task_id for t in running.values()}, iter_s, samples
     )
+
+
+def step_time_of(ctx: PlanContext, gpus_per_node: int) -> Callable[[bytes], float | None]:
+    """A stored task record (``{"o": n, "r": record}``) -> the performance model's step
+    time of its layout (None: no layout, or a record this bench cannot read)."""
+
+    def step_time(raw: bytes) -> float | None:
+        try:
+            doc = json.loads(raw)
+            task = TaskRecord.from_dict(doc["r"])
+        except (ValueError, KeyError, TypeError, UnicornError):
+            return None
+        if task.layout is None:
+            return None
+        try:
+            return estimate_layout(task.model, task.layout, ctx.gpu, gpus_per_node, ctx.assume).iteration_s
+        except UnicornError:
+            return None
+
+    return step_time
 
 
 def failure_snapshot(snap: Snapshot) -> Snapshot:
@@ -663,6 +688,7 @@ async def _drive(
         heartbeat_timeout_s=cfg.detect.heartbeat_timeout_s,
         events_stream=slurm_stream(PREFIX),
         seed=args.seed,
+        step_time=step_time_of(PlanContext.from_config(cfg), GPUS_PER_NODE),
     )
     loops = [
         asyncio.create_task(fleet.tick_loop(), name="ticks"),
@@ -918,6 +944,7 @@ def _analyse(
         "faults_by_kind": by_kind,
         "commands_received": dict(fleet.counters.commands),
         "generator_errors": dict(fleet.errors),
+        "step_time_changes": fleet.step_time_changes,
         "redis_pool_in_use_max": max((int(n) for _t, n in dump.get("redis_pool_in_use", [])), default=None),
         "redis_pool_in_use_last": [
             [_r(float(t) - w0, 0), int(n)] for t, n in dump.get("redis_pool_in_use", [])[-12:]

@@ -10,9 +10,15 @@ Redis connection write for all agents (each tick's messages in one pipeline, whe
 agents would use 4,096 connections; Redis receives the same commands), and what the
 training does (:class:`AgentTimings`): no torchrun, no ranks, no checkpoints.
 
-Training: a job iterates every ``iter_s`` (its layout's step time from the planner's
-performance model) while every node of it has a live agent whose ranks run; its last node
-reports each iteration (Megatron-LM's last rank prints the iteration line). A crashed rank,
+Training: a job iterates every ``iter_s`` while every node of it has a live agent whose
+ranks run; its last node reports each iteration (Megatron-LM's last rank prints the
+iteration line). ``iter_s`` is the step time of the layout the job runs: whenever its agents
+start or relaunch, :class:`Fleet` reads the job's task record as unicornd committed it and
+asks ``step_time`` (the bench passes the planner's performance model). A job keeping the
+step time of its first layout after a replan gave it fewer nodes would report that layout
+as faster than the model says, and unicornd's calibration would then reshuffle the
+cluster on that false evidence (session 24: 67 of 200 tasks moved at the second drain in
+an offline replay, 2 with the step time following the layout). A crashed rank,
 a dead node or a GPU fault stalls the whole job until unicornd restarts or relaunches it.
 
 Faults (:func:`fault_schedule`, a Poisson process seeded by the bench's seed):
@@ -36,7 +42,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
@@ -229,7 +235,10 @@ class Fleet:
         events_stream: str,
         timings: AgentTimings | None = None,
         seed: int = 0,
+        step_time: Callable[[bytes], float | None] | None = None,
     ) -> None:
+        """``step_time``: a task record as stored (:meth:`RedisKeys.state_records`) -> the
+        step time of its layout (None: unknown, the job keeps its step time)."""
         self.client = client
         self.keys = keys
         self.jobs = {j.job_id: j for j in jobs}
@@ -239,6 +248,10 @@ class Fleet:
         self.events_stream = events_stream
         self.timings = timings or AgentTimings()
         self.rng = random.Random(seed)
+        self.step_time = step_time
+        self._layout_reads: dict[int, asyncio.Task[None]] = {}
+        """Jobs whose step time is being read (one read at a time per job)."""
+        self.step_time_changes = 0
         self.agents: dict[tuple[int, str], Agent] = {}
         self.dead_nodes: set[str] = set()
         self.counters = FleetCounters()
@@ -299,6 +312,7 @@ class Fleet:
                 self.agents[(ev.job_id, node)].ready_mono = (
                     now + self.timings.agent_start_s + self.timings.resume_s
                 )
+            self._follow_layout(job)
         elif ev.op in ("requeue", "cancel") and job is not None:
             self._kill(job.job_id, job.nodes)
             job.nodes = ev.nodes if ev.op == "requeue" else ()
@@ -312,6 +326,32 @@ class Fleet:
                 if set(ev.nodes) & set(j.nodes):
                     self._kill(j.job_id, ev.nodes)
                     j.nodes = tuple(n for n in j.nodes if n not in ev.nodes)
+
+    def _follow_layout(self, job: Job) -> None:
+        """Read ``job``'s committed task record and take its layout's step time (module
+        docstring). A read already under way for the job is enough: the record it reads
+        is at least as new as the launch that asked."""
+        if self.step_time is None or job.job_id in self._layout_reads:
+            return
+        step_time = self.step_time
+
+        async def read() -> None:
+            try:
+                raw = await redis_io.call(
+                    ("HGET", "tasks"),
+                    self.client.hget(self.keys.state_records("tasks"), job.task_id),
+                )
+            except RedisCallError as e:
+                self.errors[f"layout read: {str(e)[:60]}"] += 1
+                return
+            finally:
+                self._layout_reads.pop(job.job_id, None)
+            seconds = step_time(cast(bytes, raw)) if raw is not None else None
+            if seconds is not None and seconds != job.iter_s:
+                job.iter_s = seconds
+                self.step_time_changes += 1
+
+        self._layout_reads[job.job_id] = asyncio.get_running_loop().create_task(read())
 
     def live_agents(self) -> int:
         return sum(1 for a in self.agents.values() if a.alive)
@@ -397,6 +437,8 @@ class Fleet:
             if cmd.action in (AgentAction.RESTART_RANKS, AgentAction.RELAUNCH):
                 agent.launch_id = cmd.command_id
                 agent.ready_mono = time.monotonic() + t.resume_s
+            if cmd.action is AgentAction.RELAUNCH:
+                self._follow_layout(self.jobs[agent.job_id])
             result = CommandResult(
                 job_id=agent.job_id,
                 node=agent.node,

@@ -406,3 +406,61 @@ async def test_agents_write_and_read_what_real_agents_do_on_a_real_redis(redis_u
         assert f.commands[0]["action"] == "stop" and (7, "n2") not in f.agents
     finally:
         await client.aclose()
+
+
+async def test_a_job_takes_the_step_time_of_the_layout_unicornd_committed(redis_url: str) -> None:
+    """A launch after a replan: the job reads its task record as committed and iterates at
+    the performance model's step time of its new layout (a job keeping its first layout's
+    step time made unicornd's calibration reshuffle the cluster on false evidence)."""
+    import asyncio
+    import time
+
+    import redis.asyncio as aioredis
+
+    from plan.perf import estimate_layout
+    from unicorn_core.config import load_config
+    from unicornd.replan import PlanContext, replan_decision
+    from unicornd.store import Store
+
+    cfg = load_config(None, env={})
+    ctx = PlanContext.from_config(cfg)
+    now = time.time()
+    cluster = BENCH.build_cluster(64, 4, cfg, ctx, now)
+    failed = BENCH.failure_snapshot(cluster.snapshot)
+    _plan, decision = replan_decision(failed, ctx, now)
+    after = decision.applied_to(failed)
+    moved = [
+        t
+        for t in after.tasks.values()
+        if t.layout is not None and t.layout != cluster.snapshot.tasks[t.task_id].layout
+    ]
+    assert moved, "the drain changed no task's layout: nothing to follow"
+    task = moved[0]
+    job_id = cast(int, task.job_id)
+    old_s = cluster.iter_s[job_id]
+    new_s = estimate_layout(task.model, cast(Any, task.layout), ctx.gpu, 8, ctx.assume).iteration_s
+    assert new_s != old_s
+
+    client = aioredis.Redis.from_url(redis_url)
+    keys = RedisKeys("t")
+    try:
+        await Store(client, keys, cfg.recovery).commit(after)
+        jobs = [AGENTS.Job(job_id, task.task_id, task.nodes, 8, 100, old_s, 512)]
+        f = AGENTS.Fleet(
+            client,
+            keys,
+            jobs,
+            heartbeat_interval_s=1.0,
+            heartbeat_ttl_s=5.0,
+            heartbeat_timeout_s=1.5,
+            events_stream="t:bench:slurm",
+            step_time=BENCH.step_time_of(ctx, 8),
+        )
+        f.on_slurm(SLURM.SlurmEvent(1.0, "launch", job_id, task.nodes, "plan-2/x/launch"))
+        for _ in range(100):
+            if not f._layout_reads:
+                break
+            await asyncio.sleep(0.02)
+        assert f.jobs[job_id].iter_s == new_s and f.step_time_changes == 1
+    finally:
+        await client.aclose()
