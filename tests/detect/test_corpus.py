@@ -1,9 +1,9 @@
 """The built-in rules against the real-line corpus (tests/detect/data/corpus/, README there).
 
-Rules are written from the train and dev sets (and, after its blind measurement, from the
-held-out set's benign lines that fired). The held-out set's error lines (``fresh/``) are
-read by the bench (scripts/bench/classify.py) alone, and only its aggregate figures are
-checked here, so a failure never prints a held-out line.
+Rules are written from the train and dev sets and, since 2026-11-29, from the spent blind
+set of 2026-11-25 (``fresh/``). The blind set (``blind2/``) is read by the bench
+(scripts/bench/classify.py) alone, and only its aggregate figures are checked here, so a
+failure never prints a blind line.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ from detect.classify import Classifier, load_classifier
 
 REPO = Path(__file__).resolve().parents[2]
 
-HELD_OUT_STATUS_FLOOR = 0.87
-"""The blind held-out set's status accuracy (``corpus/fresh/*-errors``) measured when the
-rules were last changed (0.879 on 157 lines, 2026-11-25 after the second train batch), less
-a small margin: a regression fails."""
+HELD_OUT_STATUS_FLOOR = 0.85
+"""The blind set's status accuracy (``corpus/blind2/*-errors``) measured when the rules were
+last changed (0.866 on 149 lines, 2026-11-29, the same before and after that day's rules),
+less a small margin: a regression fails."""
 HELD_OUT_BENIGN_FIRES_CEILING = 1
-"""Held-out benign lines classified SEV1/SEV2 when the rules were last changed: the exception
-line of an ``Exception ignored in`` report, which only the agent's stream context
-(:mod:`detect.unraisable`) can tell from a crash. More fails."""
+"""Blind benign lines classified SEV1/SEV2 when the rules were last changed (1 of 144,
+2026-11-29; not read). More fails."""
 DEV_STATUS_FLOOR = 0.91
 """The dev set's status accuracy (the first held-out half and the second batch's hash half,
 both read to write rules on 2026-11-25: 0.922 on 205 lines), less a small margin."""
@@ -149,6 +148,74 @@ def _known(text: str) -> tuple[str, str | None, str] | None:
 
 TRAIN = BENCH.load("errors-train") + BENCH.load("benign-train")
 
+KNOWN_FRESH_MISSES: dict[str, tuple[str, str | None, str]] = {
+    # fresh lines (the 2026-11-25 blind set, read for rules on 2026-11-29), by their text without
+    # leading blanks: what we give them, and why
+    "Link 3: <inactive>": (
+        "none",
+        None,
+        "a row of `nvidia-smi nvlink -s`: a link is inactive on any system that does not wire it; only "
+        "the thread says this one should have been up",
+    ),
+    "Pending  ": (
+        "none",
+        None,
+        "a bare row of nvidia-smi's Remapped Rows section; 'Pending : Yes' alone names no GPU table and "
+        "is too generic to drain on (its section's 'Uncorrectable Error : 4' row fires)",
+    ),
+    "[Node-01: vifmgr: vifmgr.portup:notice]": (
+        "none",
+        None,
+        "a NetApp storage appliance's port event (notice level), not a training node's",
+    ),
+    "[Node-01: vifmgr: vifmgr.port.monitor.failed:error]": (
+        "none",
+        None,
+        "a NetApp storage appliance's own health check, not a training node's line",
+    ),
+    "[2026-05-04 19:55:27] GPU-606:534134:535429 [1] transport/net_ib/p2p_resiliency.cc": (
+        "other_network_error",
+        "SEV3",
+        "labelled link_flapping by its thread; the line says NCCL marked an IB device failed: the same "
+        "severity (SEV3, retry in place), another network status",
+    ),
+    "zgiot:1183664:1184669 [0] NCCL INFO socketPollConnect": (
+        "none",
+        None,
+        "an NCCL INFO line: by design no INFO line fires (issue 17 item 1), even the last of its retries",
+    ),
+}
+KNOWN_FRESH_BENIGN_FIRES: dict[str, str] = {
+    "(RayWorkerVllm pid=14289) AttributeError: 'NCCLCommunicator' object has no attribute 'comm'": (
+        "the exception line of an 'Exception ignored in' report: only the agent's stream context "
+        "(detect.unraisable) tells it from a crash"
+    ),
+}
+FRESH = BENCH.load("fresh/*-errors") + BENCH.load("fresh/*-benign")
+
+
+@pytest.mark.parametrize("line", FRESH, ids=[f"{i}-{line.status}" for i, line in enumerate(FRESH)])
+def test_fresh_line_classifies_as_labelled(classifier: Classifier, line: Any) -> None:
+    """The 2026-11-25 blind set, spent once a newer blind set existed: its misses were read
+    to write rules (2026-11-29), and every line now classifies as labelled or as named here."""
+    result = classifier.classify_line(line.text)
+    got = (result.status.value, BENCH.severity_of(result))
+    known = next(
+        (v for prefix, v in KNOWN_FRESH_MISSES.items() if line.text.lstrip().startswith(prefix)), None
+    )
+    if known is not None:
+        assert got == known[:2], f"known miss changed: {known[2]}"
+        return
+    if line.status == "none" and any(line.text.startswith(p) for p in KNOWN_FRESH_BENIGN_FIRES):
+        assert got[1] in ("SEV1", "SEV2")
+        return
+    assert got == (line.status, line.severity), line.source
+
+
+def test_known_fresh_misses_name_one_line_each() -> None:
+    for prefix in (*KNOWN_FRESH_MISSES, *KNOWN_FRESH_BENIGN_FIRES):
+        assert sum(line.text.lstrip().startswith(prefix) for line in FRESH) == 1, prefix
+
 
 @pytest.mark.parametrize("line", TRAIN, ids=[f"{i}-{line.status}" for i, line in enumerate(TRAIN)])
 def test_train_line_classifies_as_labelled(classifier: Classifier, line: Any) -> None:
@@ -213,7 +280,7 @@ def test_bench_prints_one_json_object_without_held_out_lines() -> None:
     } <= set(doc)
     held_out = {
         line.text
-        for name in ("errors-heldout", "benign-heldout", "fresh/*-errors", "fresh/*-benign")
+        for name in ("errors-heldout", "benign-heldout", "fresh/*-errors", "fresh/*-benign", "blind2/*")
         for line in BENCH.load(name)
     }
     assert not any(text in done.stderr for text in held_out if len(text) > 20)
