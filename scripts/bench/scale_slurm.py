@@ -492,7 +492,9 @@ class ScriptedSlurm:
         await self._emit("grow", job_id, added)
         return GrowResult(job_id, "expand", added)
 
-    async def requeue(self, job_id: int, nodes: Sequence[str] = ()) -> None:
+    async def requeue(
+        self, job_id: int, nodes: Sequence[str] = (), *, placed: Callable[[], None] | None = None
+    ) -> None:
         """PENDING now (its steps die), RUNNING on ``nodes`` :attr:`SlurmTimings.requeue_running_s`
         later; returns when the CLI adapter's requeue would (after its StartTime poke)."""
         job = self._job(job_id)
@@ -506,6 +508,8 @@ class ScriptedSlurm:
         job.nodes = tuple(nodes) or job.nodes
         job.runs_at = start + self.timings.requeue_running_s
         await self._emit("requeue", job_id, job.nodes)
+        if placed is not None:
+            placed()
         await self.sleep(max(0.0, self.timings.requeue_running_s - 0.1))
 
     async def cancel(self, job_id: int, *, signal: str | None = None) -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from unicorn_core.errors import InvalidArgument, UnknownJob, UnknownNode
 from unicorn_core.proc import CommandOutput
@@ -90,6 +90,9 @@ class FakeSlurm:
         self.steps: list[StepHandle] = []
         self.limits: dict[int, JobLimits] = {}
         """Job id -> Slurm's policy limits for it (``job_limits``; default: none)."""
+        self.requeue_start_s = 0.0
+        """How long ``requeue`` waits after placing the job (the CLI adapter's wait for its
+        start: about 2.5 s on the dev cluster)."""
 
     # ------------------------------------------------------------------ scripting
 
@@ -285,14 +288,21 @@ class FakeSlurm:
         self._set_job(job_id, nodes=job.nodes + added, num_nodes=job.num_nodes + add_nodes)
         return GrowResult(job_id, "expand", added)
 
-    async def requeue(self, job_id: int, nodes: Sequence[str] = ()) -> None:
+    async def requeue(
+        self, job_id: int, nodes: Sequence[str] = (), *, placed: Callable[[], None] | None = None
+    ) -> None:
         """Back to PENDING (``start_job`` runs it again). A job already pending (Slurm
         requeued it itself) stays pending and gets the new node count, as the CLI adapter
-        then still sets it."""
+        then still sets it. ``placed`` is called at the end, then ``requeue_start_s``
+        (default 0) is waited, as the CLI adapter waits for the job's start."""
         self._act("requeue", job_id, tuple(nodes))
         job = self._job(job_id)
         if job.state is JobState.PENDING:
             self._set_job(job_id, num_nodes=len(nodes) or job.num_nodes)
+            if placed is not None:
+                placed()
+            if self.requeue_start_s:
+                await asyncio.sleep(self.requeue_start_s)
             return
         self._set_job(
             job_id,
@@ -303,6 +313,10 @@ class FakeSlurm:
             num_nodes=len(nodes) or job.num_nodes,
             restarts=job.restarts + 1,
         )
+        if placed is not None:
+            placed()
+        if self.requeue_start_s:
+            await asyncio.sleep(self.requeue_start_s)
 
     async def cancel(self, job_id: int, *, signal: str | None = None) -> None:
         """With ``signal`` only recorded (the job's processes are the test's business)."""

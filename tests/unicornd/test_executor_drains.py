@@ -12,10 +12,10 @@ from functools import partial
 
 import pytest
 
-from tests.fakes.slurm import FakeSlurm, idle_node
+from tests.fakes.slurm import FakeSlurm, idle_node, running_job
 from tests.unicornd.redis_world import running_daemon, until
 from unicorn_core.errors import CommandFailed
-from unicornd.actions import Action, CheckNode, Decision, DrainNode, NotifyOperator, Replan
+from unicornd.actions import Action, CheckNode, Decision, DrainNode, NotifyOperator, Replan, Requeue
 from unicornd.decide import on_operator_drain
 from unicornd.executor import MAX_ACTIONS_IN_FLIGHT, CheckFailed, _drain_group
 from unicornd.state import NodeHealth
@@ -155,3 +155,34 @@ async def test_a_check_slurm_cannot_run_convicts_only_a_node_slurmctld_marks_los
         with pytest.raises(CheckFailed) as unreadable:
             await daemon.executor._check_node(CheckNode("i/check/n2b", "n2", job_id=7))
         assert unreadable.value.nodes == ()
+
+
+async def test_a_requeue_waiting_for_its_job_to_start_lets_later_allocation_changes_run(
+    redis_url: str,
+) -> None:
+    """Found by the 4,096-node hour: a replan's 102 requeues ran one at a time, each holding
+    the allocation while it waited ~2.5 s for its job to start, so a drain committed after
+    them waited 7 minutes. A requeue holds the allocation only until its job is placed; a
+    second requeue of the same job still waits for the first (the job is its resource)."""
+    slurm = FakeSlurm(["n1", "n2", "n3", "n4"], jobs=[running_job(7, ("n1", "n2")), running_job(8, ("n3",))])
+    slurm.requeue_start_s = 3.0
+    actions = (
+        Requeue("r/7", "t7", 7, ("n1", "n2")),
+        Requeue("r/8", "t8", 8, ("n3",)),
+        DrainNode("d/n4", "n4", "test"),
+        Requeue("r/7-again", "t7", 7, ("n1",)),
+    )
+    async with running_daemon(slurm, redis_url, PREFIX) as daemon:
+        t0 = time.monotonic()
+        await daemon.core.decide(time.time(), lambda _s: Decision(actions=actions))
+        await until(lambda: any(c[0] == "drain" and c[1] == "n4" for c in slurm.calls), 10)
+        placed_all = time.monotonic() - t0
+        assert placed_all < slurm.requeue_start_s, placed_all  # before the first requeue's wait ended
+        requeues = [c for c in slurm.calls if c[0] == "requeue"]
+        assert [c[1] for c in requeues] == [7, 8]  # 7 again waits for 7's first requeue
+        await until(lambda: not daemon.executor.in_flight(), 20)
+    assert [c[1:] for c in slurm.calls if c[0] == "requeue"] == [
+        (7, ("n1", "n2")),
+        (8, ("n3",)),
+        (7, ("n1",)),
+    ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -123,6 +123,14 @@ class SlurmBackend(Protocol):
 
     async def grow(self, job_id: int, add_nodes: int, *, exclude: Sequence[str] = ()) -> GrowResult: ...
 
-    async def requeue(self, job_id: int, nodes: Sequence[str] = ()) -> None: ...
+    async def requeue(
+        self, job_id: int, nodes: Sequence[str] = (), *, placed: Callable[[], None] | None = None
+    ) -> None:
+        """Requeue batch job ``job_id`` onto ``nodes`` and return once it runs again (or
+        once Slurm will start it on its own). ``placed`` is called, at most once, as soon as
+        the job is pending with its nodes set, before the wait for its start: from then on
+        nothing of this call changes the allocation (the executor lets other allocation
+        changes run meanwhile)."""
+        ...
 
     async def cancel(self, job_id: int, *, signal: str | None = None) -> None: ...

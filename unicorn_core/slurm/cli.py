@@ -11,7 +11,7 @@ import asyncio
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from unicorn_core import proc
@@ -430,7 +430,9 @@ class CliSlurm:
         after = await self.get_job(job_id)
         return GrowResult(job_id, "expand", tuple(n for n in after.nodes if n not in job.nodes))
 
-    async def requeue(self, job_id: int, nodes: Sequence[str] = ()) -> None:
+    async def requeue(
+        self, job_id: int, nodes: Sequence[str] = (), *, placed: Callable[[], None] | None = None
+    ) -> None:
         """Requeue a batch job and let it start again as soon as nodes allow.
 
         With ``nodes`` the job restarts on exactly those (``NumNodes`` and ``ReqNodeList``
@@ -440,6 +442,8 @@ class CliSlurm:
         credential). No event wakes the scheduler when that time passes, so the job would
         wait for the next periodic pass (~20 s on the dev cluster): once the 2 s are over,
         ``StartTime=now`` pokes it (measured: RUNNING 2.5-2.8 s after the requeue).
+        ``placed`` is called once the job is pending with its nodes and start time set,
+        before those 2 s.
         """
         check_job_id(job_id)
         for n in nodes:
@@ -462,6 +466,8 @@ class CliSlurm:
         where = [f"NumNodes={len(nodes)}", f"ReqNodeList={compress(list(nodes))}"] if nodes else []
         start = f"StartTime=now+{REQUEUE_START_DELAY_S}"
         await self._run("scontrol", "update", f"jobid={job_id}", *where, start)
+        if placed is not None:
+            placed()
         await asyncio.sleep(REQUEUE_START_DELAY_S + 0.2)
         if (await self.get_job(job_id)).state is JobState.PENDING:
             await self._run("scontrol", "update", f"jobid={job_id}", "StartTime=now")
