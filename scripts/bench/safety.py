@@ -6,7 +6,8 @@ Starts a private dev cluster (4 nodes x 1 GPU) and, per scenario, a fresh real u
 torchrun ranks of the built-in trainer:
 
 - ``benign_fires``: every rank of a 2-node task prints every line of the benign corpora
-  (``tests/detect/data/corpus/benign-*.toml`` and ``fresh/*-benign.toml``) before it
+  (``tests/detect/data/corpus/benign-*.toml``, ``fresh/*-benign.toml`` and the blind set's
+  ``blind2/*-benign.toml``, of which only the count of fires is reported) before it
   trains, through the agents' real output path. Counted: the agents' fault reports at
   SEV1/SEV2 on the job's stream.
 - ``user_bug_drains``: rank 1 raises the same ``RuntimeError`` at iteration 5 of every
@@ -108,6 +109,7 @@ def benign(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
         CORPUS / "benign-train.toml",
         CORPUS / "benign-heldout.toml",
         *sorted(CORPUS.glob("fresh/*-benign.toml")),
+        *sorted(CORPUS.glob("blind2/*-benign.toml")),  # counted only: no line is printed here
     ]:
         lines += [str(e["text"]) for e in tomllib.loads(path.read_text())["line"]]
     text = tmp / "benign.txt"
