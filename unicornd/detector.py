@@ -148,15 +148,6 @@ class Detector:
     performed) put them back under watch; when the requeue ended them, their silence was
     a finding about processes ended on purpose."""
 
-    _agent_beats: dict[tuple[int, str], tuple[int, int]] = field(init=False, default_factory=dict)
-    """Per (job, node): the (pid, seq) of the last heartbeat counted (one per agent)."""
-    _replaced_agents: dict[tuple[int, str], tuple[int, int]] = field(init=False, default_factory=dict)
-    """Per (job, node) with a new agent launched and not heard from yet: the (pid, seq) of
-    the agent it replaces. That agent's later beats (same pid, higher seq) are not the new
-    one's first beat: an old agent beating on (its step also runs elsewhere, and the new
-    agent that would end it never started) would otherwise hide a launch that failed. A
-    new agent that reuses the pid starts its seq at 0, so it is heard."""
-
     _heard_until_s: float | None = field(init=False, default=None)
     """Every agent event written before this (monotonic) time has been handled
     (:meth:`heard_until`); None: trust the clock (no reader reports its progress)."""
@@ -196,9 +187,6 @@ class Detector:
         self._lost.discard((job_id, node))
         self.liveness.expect(job_id, node, now_s, started=False)
         self._new_epoch(job_id, node)
-        old = self._agent_beats.pop((job_id, node), None)
-        if old is not None:
-            self._replaced_agents[(job_id, node)] = old
 
     def launching(self, job_id: int, nodes: Collection[str], launch_id: str, now_s: float) -> None:
         """The executor performs launch ``launch_id`` of the agents of ``job_id`` on ``nodes``
@@ -246,8 +234,6 @@ class Detector:
         self._stragglers.pop(job_id, None)
         self._reported.pop(job_id, None)
         self._lost = {k for k in self._lost if k[0] != job_id}
-        self._agent_beats = {k: v for k, v in self._agent_beats.items() if k[0] != job_id}
-        self._replaced_agents = {k: v for k, v in self._replaced_agents.items() if k[0] != job_id}
         self._launches = {k: v for k, v in self._launches.items() if k[0] != job_id}
         self._undo = {k: v for k, v in self._undo.items() if k[0] != job_id}
         # Dropped: a probe in flight holds a number > 0 and now reads 0, a change.
@@ -424,15 +410,8 @@ class Detector:
             # again (then "lost" when it ends) and its CPU-wait series, never fed again,
             # would freeze the job's silence horizon (detect.stats: found in review).
             return
-        key = (msg.job_id, msg.node)
-        old = self._replaced_agents.get(key)
-        if old is not None:
-            if msg.agent_pid == old[0] and msg.seq > old[1]:
-                return  # the replaced agent beating on: not the new one's first beat
-            del self._replaced_agents[key]
-        self._agent_beats[key] = (msg.agent_pid, msg.seq)
         self.liveness.beat(msg.job_id, msg.node, now_s)
-        self._lost.discard(key)
+        self._lost.discard((msg.job_id, msg.node))
         if msg.cpu_wait_s is not None:
             # How long the node's ranks waited for a CPU: starvation is no hang.
             self._job(msg.job_id).monitor.observe_cpu_wait(msg.node, msg.cpu_wait_s, now_s)

@@ -604,32 +604,3 @@ def test_the_agent_on_a_node_its_task_left_without_a_stop_is_not_watched() -> No
         now += 0.5
         d.on_message(beat("n1", 0.0), now)
     assert [f.evidence.node for f in d.check(now) if f.evidence.source == "heartbeat"] == []
-
-
-def test_the_replaced_agents_late_beats_are_not_the_new_agents_first_beat() -> None:
-    """An agent whose step also runs on other nodes is ended by the new agent that replaces
-    it on its node; when that new agent never starts, the old one beats on. Its beats kept
-    the new agent from being "never heard from", which hid the failed launch. A new agent
-    whose pid is the old one's starts its seq afresh and is heard."""
-    d = Detector(DetectConfig(heartbeat_timeout_s=1.5), AgentConfig(), load_classifier(None))
-    snap = Snapshot(tasks={"t": task("t", 4, ("n1", "n2"))}, nodes={}, gpus_per_node=8)
-    d.expect_running(snap, 0.0)
-
-    def hb(node: str, pid: int, seq: int) -> Heartbeat:
-        return Heartbeat(
-            job_id=4, node=node, wall_time_s=1.0, agent_pid=pid, pids=[], iteration=None, seq=seq
-        )
-
-    for seq in range(5):
-        d.on_message(hb("n1", 100, seq), 1.0 + seq)
-        d.on_message(hb("n2", 200, seq), 1.0 + seq)
-    launch = LaunchAgents("plan-3/t/launch", "t", 4, (NodeArgv("n1", ("a",)), NodeArgv("n2", ("a",))))
-    d.follow(snap, snap, Decision(actions=(launch,)), 6.0)
-    d.launching(4, ("n1", "n2"), launch.action_id, 6.0)
-    now = 6.0
-    for seq in range(5, 45):  # the old agents beat on; on n2 a new agent (pid reused) starts at 10 s
-        now += 1.0
-        d.on_message(hb("n1", 100, seq), now)
-        d.on_message(hb("n2", 200, seq - 9) if seq >= 9 else hb("n2", 200, seq), now)
-    lost = [f.evidence for f in d.check(now) if f.evidence.source == "heartbeat"]
-    assert [e.node for e in lost] == ["n1"] and "never heard from" in lost[0].classification.evidence
