@@ -374,7 +374,8 @@ class Decision:
 ALLOCATION: Final = "slurm-allocation"
 """The resource every change of Slurm's node allocation holds (drain, resume, shrink, grow,
 requeue): they run one at a time, in commit order, because each may free or take a node
-another one needs."""
+another one needs. A requeue onto named nodes holds it only until its job is pending on
+them, not through its wait for the job's start (:meth:`unicornd.executor.Executor._requeue`)."""
 
 
 def resources(action: Action) -> frozenset[str]:

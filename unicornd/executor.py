@@ -389,11 +389,11 @@ class Executor:
         holds only the job. Found by the 4,096-node hour: a replan's 102 requeues, one at a
         time, kept every drain and resize after them waiting 7 minutes. Later allocation
         changes cannot take those nodes: a plan gives each node to one task, and a grow
-        takes only the nodes its plan named."""
+        takes only the nodes its plan named. A requeue that holds its job (no nodes) keeps
+        the allocation to the end: nothing names where that job may start."""
+        placed = (lambda: self._release(action.action_id, ALLOCATION)) if action.nodes else None
         try:
-            await self.slurm.requeue(
-                action.job_id, action.nodes, placed=lambda: self._release(action.action_id, ALLOCATION)
-            )
+            await self.slurm.requeue(action.job_id, action.nodes, placed=placed)
         except CommandFailed as e:
             # Already requeued (e.g. by the action's first run before a crash): idempotent.
             if "pending" not in f"{e.stdout} {e.stderr}".lower():

@@ -186,3 +186,16 @@ async def test_a_requeue_waiting_for_its_job_to_start_lets_later_allocation_chan
         (8, ("n3",)),
         (7, ("n1",)),
     ]
+
+
+async def test_a_requeue_that_holds_its_job_keeps_the_allocation_to_the_end(redis_url: str) -> None:
+    """A requeue with no nodes names nowhere its job may start: later allocation changes
+    wait for its end, as before."""
+    slurm = FakeSlurm(["n1", "n2", "n3"], jobs=[running_job(7, ("n1", "n2"))])
+    slurm.requeue_start_s = 1.5
+    async with running_daemon(slurm, redis_url, PREFIX) as daemon:
+        t0 = time.monotonic()
+        actions = (Requeue("r/7", "t7", 7, ()), DrainNode("d/n3", "n3", "test"))
+        await daemon.core.decide(time.time(), lambda _s: Decision(actions=actions))
+        await until(lambda: any(c[0] == "drain" for c in slurm.calls), 20)
+        assert time.monotonic() - t0 >= slurm.requeue_start_s
