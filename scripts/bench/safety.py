@@ -269,6 +269,7 @@ def quiet(cluster: DevCluster, tmp: Path, minutes: float) -> dict[str, Any]:
         with coordinator(cluster, tmp) as c:
             start(c, "q", "n1,n2", tmp)
             c.wait(lambda s: running(s, "q", 5), "q training", 300)
+            started = time.time()
             end = time.monotonic() + 60 * minutes
             while time.monotonic() < end:
                 time.sleep(5)
@@ -278,6 +279,15 @@ def quiet(cluster: DevCluster, tmp: Path, minutes: float) -> dict[str, Any]:
             return {
                 "false_alarms": len(incidents),
                 "alarm_rules": [f"{i.status.value}:{i.rule}" for i in incidents][:10],
+                # what each alarm saw and what it did: the next diagnosis starts here
+                "alarms": [
+                    {
+                        "after_s": round(i.opened_s - started, 1),
+                        "evidence": i.evidence[:300],
+                        "stages": [e.stage.value for e in i.timeline],
+                    }
+                    for i in incidents[:10]
+                ],
                 "drained": drained(snap),
                 "last_iteration": snap.tasks["q"].last_iteration,
             }
