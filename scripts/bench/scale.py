@@ -642,7 +642,7 @@ def run_size(n_nodes: int, args: argparse.Namespace, folder: Path) -> dict[str, 
         (folder / "spec.json").write_text(json.dumps(spec))
         daemon = spawn_daemon(folder, env)
         log(f"N={n_nodes}: {len(cluster.jobs)} jobs planned, unicornd started")
-        row, fleet, status = asyncio.run(_drive(n_nodes, args, cfg, cluster, daemon, schedule))
+        row, fleet, status = asyncio.run(_drive(n_nodes, args, cfg, ctx, cluster, daemon, schedule))
         log(f"N={n_nodes}: unicornd stopped ({status}); analysing")
         out = folder / "daemon.json"
         dump = json.loads(out.read_text()) if out.exists() else {}
@@ -667,6 +667,7 @@ async def _drive(
     n_nodes: int,
     args: argparse.Namespace,
     cfg: Config,
+    ctx: PlanContext,
     cluster: Cluster,
     daemon: subprocess.Popen[bytes],
     schedule: Sequence[Fault],
@@ -688,7 +689,7 @@ async def _drive(
         heartbeat_timeout_s=cfg.detect.heartbeat_timeout_s,
         events_stream=slurm_stream(PREFIX),
         seed=args.seed,
-        step_time=step_time_of(PlanContext.from_config(cfg), GPUS_PER_NODE),
+        step_time=step_time_of(ctx, GPUS_PER_NODE),
     )
     loops = [
         asyncio.create_task(fleet.tick_loop(), name="ticks"),

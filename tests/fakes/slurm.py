@@ -299,20 +299,16 @@ class FakeSlurm:
         job = self._job(job_id)
         if job.state is JobState.PENDING:
             self._set_job(job_id, num_nodes=len(nodes) or job.num_nodes)
-            if placed is not None:
-                placed()
-            if self.requeue_start_s:
-                await asyncio.sleep(self.requeue_start_s)
-            return
-        self._set_job(
-            job_id,
-            state=JobState.PENDING,
-            state_raw="PENDING",
-            reason="BeginTime",
-            nodes=(),
-            num_nodes=len(nodes) or job.num_nodes,
-            restarts=job.restarts + 1,
-        )
+        else:
+            self._set_job(
+                job_id,
+                state=JobState.PENDING,
+                state_raw="PENDING",
+                reason="BeginTime",
+                nodes=(),
+                num_nodes=len(nodes) or job.num_nodes,
+                restarts=job.restarts + 1,
+            )
         if placed is not None:
             placed()
         if self.requeue_start_s:

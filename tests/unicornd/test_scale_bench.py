@@ -241,17 +241,17 @@ async def test_a_step_starts_a_real_process_and_names_its_launch() -> None:
 # --- the emulated agents -------------------------------------------------------------------
 
 
-def fleet() -> Any:
-    keys = RedisKeys("t")
-    jobs = [AGENTS.Job(7, "t000", ("n1", "n2"), 8, 100, 1.0, 512)]
+def fleet(client: Any = None, jobs: list[Any] | None = None, **kw: Any) -> Any:
+    """A fleet under prefix ``t`` (default: job 7 on n1, n2; no Redis client)."""
     return AGENTS.Fleet(
-        cast(Any, None),
-        keys,
-        jobs,
+        client,
+        RedisKeys("t"),
+        jobs or [AGENTS.Job(7, "t000", ("n1", "n2"), 8, 100, 1.0, 512)],
         heartbeat_interval_s=1.0,
         heartbeat_ttl_s=5.0,
         heartbeat_timeout_s=1.5,
         events_stream="t:bench:slurm",
+        **kw,
     )
 
 
@@ -446,16 +446,7 @@ async def test_a_job_takes_the_step_time_of_the_layout_unicornd_committed(redis_
     try:
         await Store(client, keys, cfg.recovery).commit(after)
         jobs = [AGENTS.Job(job_id, task.task_id, task.nodes, 8, 100, old_s, 512)]
-        f = AGENTS.Fleet(
-            client,
-            keys,
-            jobs,
-            heartbeat_interval_s=1.0,
-            heartbeat_ttl_s=5.0,
-            heartbeat_timeout_s=1.5,
-            events_stream="t:bench:slurm",
-            step_time=BENCH.step_time_of(ctx, 8),
-        )
+        f = fleet(client, jobs, step_time=BENCH.step_time_of(ctx, 8))
         f.on_slurm(SLURM.SlurmEvent(1.0, "launch", job_id, task.nodes, "plan-2/x/launch"))
         for _ in range(100):
             if not f._layout_reads:
