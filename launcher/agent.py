@@ -50,7 +50,7 @@ import click
 import msgspec
 import redis.asyncio as aioredis
 
-from detect import SLOW_STEP_TIMEOUT_S, Classifier, IterationMonitor, load_classifier
+from detect import SLOW_STEP_TIMEOUT_S, Classifier, ErrorStatus, IterationMonitor, load_classifier
 from detect.unraisable import IgnoredBlocks
 from launcher import megatron, supersede
 from launcher.ckptagent import CkptPlan
@@ -130,6 +130,8 @@ class AgentCounters:
     commands_done: int = 0
     commands_rejected: int = 0
     faults_suppressed: int = 0
+    exit_lines_seen: int = 0
+    """Lines that report a process's exit (not sent: see :meth:`Agent._on_line`)."""
     iterations_unattributed: int = 0
     """Megatron-LM log lines seen before this node's ranks were known (not reported)."""
 
@@ -530,6 +532,14 @@ class Agent:
             return
         result = self.classifier.classify_line(line)
         if result.severity is None:
+            return
+        if result.status is ErrorStatus.EXITED_ABNORMALLY:
+            # A launcher's or shell's report of a process's exit ("failed (exitcode: 1)",
+            # "srun: error: ...: Exited with exit code 1", "Killed"). The agent sees the exit
+            # of every process it supervises first-hand (ProcessExit, with this line in its
+            # stderr tail, where classify_exit reads it); a line about any other process is
+            # about one the training code started and outlived, so its own to handle.
+            self.counters.exit_lines_seen += 1
             return
         m = _RANK_PREFIX.match(line)
         rank = int(m.group(1)) if m else None

@@ -611,3 +611,18 @@ def test_missing_rules_file(tmp_path: Path) -> None:
 def test_empty_rules_file_is_fine(tmp_path: Path) -> None:
     assert load_rules_file(write(tmp_path, "# nothing yet\n")) == ()
     assert len(load_classifier(write(tmp_path, "")).rules) == len(builtin_rules())
+
+
+@pytest.mark.parametrize("prefix", ["[rank3]:", "[rank3]: ", "[default0]:", "(RayWorker pid=12) "])
+def test_a_launchers_rank_prefix_changes_no_result(classifier: Classifier, prefix: str) -> None:
+    """Rules read the rank's own line: torchrun's ``[rank3]:`` (or ``--tee``'s ``[default0]:``)
+    before it neither hides a log level (a WARNING stays benign) nor an anchored rule."""
+    for line in (
+        "WARNING:torch.distributed.elastic.agent.server.api:Received 2 death signal, shutting down workers",
+        "Root Cause (first observed failure):",
+        "RuntimeError: CUDA error: an illegal memory access was encountered",
+        "[W socket.cpp:663] [c10d] The client socket has failed to connect to [::ffff:10.0.0.1]:29500 "
+        "(errno: 111 - Connection refused).",
+    ):
+        bare, prefixed = classifier.classify_line(line), classifier.classify_line(prefix + line)
+        assert (prefixed.status, prefixed.rule) == (bare.status, bare.rule), (line, prefixed)

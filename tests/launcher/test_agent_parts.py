@@ -577,3 +577,27 @@ def test_megatron_saves_and_evaluations_are_timed_by_the_wall_clock_and_announce
     ]  # fmt: skip
     # A real stall after a training step is still one: 1 s steps, 2 x deadline.
     assert agent.monitor.check(clock[0] + 30.0) is not None
+
+
+def test_a_line_that_reports_a_process_exit_is_not_a_fault_of_its_own(tmp_path: Path) -> None:
+    """The agent sees every exit of the processes it supervises (ProcessExit); a launcher's
+    line about an exit is context, kept in the exit's stderr tail, not a second report.
+    Faults the line states itself (a CUDA error) are still sent."""
+    from launcher.agent import Agent
+    from unicorn_core.config import Config
+    from unicorn_core.protocol import FaultReport, Message
+
+    agent = Agent(Config(), job_id=5, node="n1", run_dir=tmp_path, argv=[])
+    sent: list[Message] = []
+    agent._emit = sent.append  # type: ignore[method-assign]
+    for line in (
+        "[rank0]: srun: error: node7: tasks 10-11: Exited with exit code 1",
+        "[default1]:torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+        "[rank1]:   exitcode  : -9 (pid: 4242)",
+    ):
+        agent._on_line(line)
+    assert [m for m in sent if isinstance(m, FaultReport)] == []
+    assert agent.counters.exit_lines_seen == 3
+    agent._on_line("[rank0]: RuntimeError: CUDA error: an illegal memory access was encountered")
+    faults = [m for m in sent if isinstance(m, FaultReport)]
+    assert [(f.status, f.rank) for f in faults] == [("illegal_memory_access", 0)]
