@@ -418,11 +418,14 @@ class SlurmWatch:
         jobs = {j.job_id: j for j in view.jobs}
         core = self.core
         now = time.time()
-        # Jobs first: a join's replan must see which nodes other users' jobs hold now.
+        # Jobs and Slurm's down nodes first: a join's (or a retyped node's) replan must see
+        # which nodes other users' jobs hold now, and which Slurm holds down.
         await self._node_jobs(view.held, now)
+        await self._node_down(view.nodes, now)
         await self._node_gpus(view.nodes, now)
         await self._nodes(view.nodes, now, view.held)
         await self._node_jobs(view.held, now)  # the nodes that joined just now
+        await self._node_down(view.nodes, now)
         render = core.ctx.render_for
         for task in list(core.snap.tasks.values()):
             if task.job_id is None or task.state not in PLANNED_STATES:
@@ -494,8 +497,15 @@ class SlurmWatch:
                     now, partial(decide.on_node_drained, node=info.name, now_s=now, reason=info.reason)
                 )
         for info in nodes:
-            if not info.responding or info.state is NodeState.DOWN:
+            if _down(info):
                 await self._silent_and_not_responding(info, now)
+
+    async def _node_down(self, nodes: Sequence[NodeInfo], now: float) -> None:
+        """Known nodes Slurm now holds down (NOT_RESPONDING or DOWN), or up again: decided only then."""
+        core = self.core
+        down = frozenset(info.name for info in nodes if _down(info))
+        if any(rec.slurm_down != (name in down) for name, rec in core.snap.nodes.items()):
+            await core.decide(now, partial(decide.on_node_slurm_down, down=down, now_s=now))
 
     async def _silent_and_not_responding(self, info: NodeInfo, now: float) -> None:
         """Slurm's view confirms a lost agent: its node is NOT_RESPONDING or DOWN while the
@@ -530,6 +540,11 @@ class SlurmWatch:
         )
         log.warning("finding", job_id=task.job_id, node=info.name, rule=finding.rule, confirmed_by="slurm")
         await core.decide(now, partial(decide.on_finding, finding=finding, now_s=now))
+
+
+def _down(info: NodeInfo) -> bool:
+    """slurmctld holds ``info`` down: NOT_RESPONDING, or DOWN."""
+    return not info.responding or info.state is NodeState.DOWN
 
 
 class Ticker:

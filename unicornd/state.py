@@ -454,7 +454,11 @@ class NodeRecord(_Record):
     nor plans a node they run on. ``gpus`` and ``gpu_type``: its GPUs as Slurm's GRES
     says (``gpu:h100:8``); ``gpus`` 0 means unknown (the snapshot's ``gpus_per_node``), and
     ``gpu_type`` "" untyped. Nodes of one type and count form a planning pool
-    (:func:`unicornd.replan.pools`).
+    (:func:`unicornd.replan.pools`). ``slurm_down``: slurmctld said NOT_RESPONDING or DOWN
+    at the last poll (Slurm's view, not unicorn's verdict: health is unchanged); such a
+    node is no new capacity (:meth:`Snapshot.plannable`), as Slurm will not start a job
+    there, but a task that runs on it keeps it (slurmd can die on a node that trains on;
+    a silent agent there as well is a confirmed loss, :mod:`unicornd.inputs`).
     """
 
     name: str
@@ -467,6 +471,7 @@ class NodeRecord(_Record):
     jobs: tuple[int, ...] = ()
     gpus: int = 0
     gpu_type: str = ""
+    slurm_down: bool = False
 
     def __post_init__(self) -> None:
         _name(self.name, "node name")
@@ -718,14 +723,15 @@ class Snapshot:
 
     def plannable(self) -> list[str]:
         """The nodes the planner may use, by name: healthy, not held, and free of other
-        users' jobs unless a task runs there already (it keeps what it has)."""
+        users' jobs and up in Slurm (not ``slurm_down``) unless a task runs there already
+        (it keeps what it has)."""
         used = {n for t in self.tasks.values() for n in t.nodes}
         return sorted(
             n.name
             for n in self.nodes.values()
             if n.health is NodeHealth.HEALTHY
             and not n.held
-            and (n.name in used or not self.foreign_jobs(n.name))
+            and (n.name in used or (not n.slurm_down and not self.foreign_jobs(n.name)))
         )
 
     def task_of_job(self, job_id: int) -> TaskRecord | None:

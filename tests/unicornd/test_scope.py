@@ -32,6 +32,7 @@ from unicorn_core.errors import InvalidArgument
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import reset_logging
 from unicorn_core.slurm.scope import Scope, ScopeError
+from unicorn_core.slurm.types import NodeState
 from unicornd.actions import CheckNode, DrainNode, NotifyOperator, Replan
 from unicornd.agentusers import AgentUsers
 from unicornd.cli import Caller, cli
@@ -43,13 +44,14 @@ from unicornd.decide import (
     on_finding,
     on_node_jobs,
     on_node_join,
+    on_node_slurm_down,
     on_operator_confirm_drain,
     on_operator_drain,
 )
 from unicornd.inputs import RESERVATION_REFRESH_S, SlurmWatch, observe
 from unicornd.replan import PlanContext, plan_transition
 from unicornd.state import LadderStage, NodeHealth, NodeRecord, Policy, Snapshot
-from unicornd.store import Store, snapshot_to_json
+from unicornd.store import Store, snapshot_from_json, snapshot_to_json
 
 T0 = 1_700_000_000.0
 PREFIX = "scopetest"
@@ -352,5 +354,50 @@ async def test_the_reservation_is_read_again_only_now_and_then_and_its_end_stops
         assert slurm.queries.count("reservation_nodes") == 2
         assert watch.scope.reserved == frozenset({"g1", "g3"})  # the last nodes read, kept
         assert watch.core.snap.nodes["g1"].jobs == (7,)  # and the poll went on
+    finally:
+        await client.aclose()
+
+
+# --- Slurm's view of a node that stopped responding ---------------------------------------
+
+
+def test_an_idle_node_slurm_holds_down_is_no_new_capacity_and_asks_for_a_replan_when_back() -> None:
+    """slurmctld marks idle n3 NOT_RESPONDING: Slurm would start no job there, so a plan
+    must not give it to a task (a requeue onto it would wait for a start that never
+    comes). Its health is unchanged, and n1, where task a runs, stays a's even when down
+    (slurmd can die on a node that trains on). n3 responding again asks for a replan."""
+    snap = world(3, [task("a", 7, ["n1"])])
+    d = on_node_slurm_down(snap, {"n1", "n3"}, T0)
+    assert not d.actions and any("n3" in n for n in d.notes)
+    down = apply(snap, d)
+    assert down.nodes["n3"].slurm_down and down.nodes["n3"].health is NodeHealth.HEALTHY
+    assert down.plannable() == ["n1", "n2"]
+    assert apply(down, plan_transition(down, plan({"a": 4}), render, T0)).tasks["a"].nodes == ("n1", "n2")
+    assert on_node_slurm_down(down, {"n1", "n3"}, T0 + 1).empty  # nothing new: no change
+    restored = snapshot_from_json(snapshot_to_json(down), down.policy)
+    assert restored.nodes["n3"].slurm_down  # kept across a restart
+    d = on_node_slurm_down(down, {"n1"}, T0 + 2)
+    (replan,) = d.actions
+    assert isinstance(replan, Replan) and "n3" in replan.reason
+    assert apply(down, d).plannable() == ["n1", "n2", "n3"]
+
+
+async def test_the_poll_records_which_nodes_slurm_holds_down(redis_url: str) -> None:
+    slurm = FakeSlurm([idle_node(n, partitions=("gpu",)) for n in ("g1", "g2", "g3")])
+    slurm.jobs[7] = running_job(7, ["g1"])
+    snap = world(0, [task("a", 7, ["g1"])]).apply(
+        nodes=[NodeRecord("g1", jobs=(7,)), NodeRecord("g2"), NodeRecord("g3")]
+    )
+    watch, client = await _watch(redis_url, slurm, snap, Scope())
+    try:
+        slurm.set_node("g2", flags=frozenset({"NOT_RESPONDING"}))
+        slurm.set_node("g3", state=NodeState.DOWN)
+        await watch.poll()
+        core = watch.core
+        assert [n for n, rec in sorted(core.snap.nodes.items()) if rec.slurm_down] == ["g2", "g3"]
+        assert core.snap.plannable() == ["g1"] and core.snap.tasks["a"].nodes == ("g1",)
+        slurm.set_node("g2", flags=frozenset())
+        await watch.poll()
+        assert core.snap.plannable() == ["g1", "g2"]
     finally:
         await client.aclose()

@@ -4,7 +4,7 @@ finish, stop; a requeued job runs again."""
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 
 from unicorn_core.errors import InvalidArgument
@@ -311,3 +311,33 @@ def on_job_running(
     draft.act(LaunchAgents(f"{wait.action_id}/launch", task.task_id, job_id, commands))
     draft.put(replace(task, requeue=None, launched_s=now_s))
     return draft.note(f"task {task.task_id}: job {job_id} runs again; agents on {', '.join(task.nodes)}")
+
+
+def on_node_slurm_down(snapshot: Snapshot, down: Collection[str], now_s: float) -> Decision:
+    """A Slurm poll says which nodes are NOT_RESPONDING or DOWN (``down``; others: up).
+
+    Each node's record keeps it (``slurm_down``). Slurm starts no job on such a node, so
+    an idle one leaves the plannable set: a plan that gave it to a task (a requeue onto a
+    dead spare) would wait for a start that never comes. A node that is plannable again
+    (it responds once more) asks for a replan, as a freed node does. Health is
+    unchanged: Slurm's view alone convicts nothing. Unknown nodes are ignored; nothing
+    changed: an empty decision.
+    """
+    wanted = frozenset(down)
+    changed = [
+        replace(rec, slurm_down=name in wanted)
+        for name, rec in sorted(snapshot.nodes.items())
+        if rec.slurm_down != (name in wanted)
+    ]
+    if not changed:
+        return Decision()
+    after = snapshot.apply(nodes=changed)
+    freed = sorted(set(after.plannable()) - set(snapshot.plannable()))
+    lost = sorted(set(snapshot.plannable()) - set(after.plannable()))
+    notes = [f"slurmctld: {n} NOT_RESPONDING or DOWN: no new work there" for n in lost]
+    actions: tuple[Replan, ...] = ()
+    if freed:
+        key = ",".join(f"{n}:{after.node(n).joins}:{now_s:.0f}" for n in freed)
+        actions = (Replan(f"up/{zlib.crc32(key.encode()):08x}", f"slurmctld: {', '.join(freed)} up again"),)
+        notes.append(f"slurmctld: {', '.join(freed)} up again: replan")
+    return Decision(actions=actions, nodes=tuple(changed), notes=tuple(notes))
