@@ -19,6 +19,7 @@ from typing import Final
 
 from detect.builtin_rules import BUILTIN_RULES
 from detect.literals import Gate, NeedleSet, gates, lowered
+from detect.origin import LAUNCHER_PREFIX
 from detect.rules import Rule, RuleKind, load_rules_file, merge_rules, parse_rules
 from detect.statuses import ErrorStatus, Severity, worst
 from detect.unraisable import IgnoredBlocks
@@ -31,11 +32,6 @@ MAX_LINE_CHARS: Final = 8192
 EVIDENCE_CHARS: Final = 1000
 """Evidence is cut to this many characters (the line that matched, or a summary)."""
 
-_LAUNCHER_PREFIX: Final = re.compile(r"^(?:\[(?:rank|default)\d+\]:|\(\S+ pid=\d+\))[ \t]?")
-"""The prefix a launcher puts before each line of a rank (torchrun's ``[rank3]:`` and
-``--tee``'s ``[default3]:``, Ray's ``(RayWorker pid=12)``). Rules read the rank's own line:
-anchored rules (log levels, torchrun's failure summary) would otherwise miss a prefixed one,
-so a rank's ``WARNING:`` line was a fault only when torchrun prefixed it."""
 _XID = re.compile(r"\bXID\b\s*(?:\([^)]*\))?\s*[:=]?\s*(\d{1,5})\b", re.IGNORECASE)
 """The Xid code of a line: ``NVRM: Xid (PCI:0000:0a:00): 79, ...``, ``XID 48 ...``, ``Xid=79``."""
 _MAX_SIGNAL: Final = 64
@@ -147,7 +143,7 @@ class Classifier:
     # --- log lines --------------------------------------------------------------------
 
     def _line_rule(self, line: str) -> Rule | None:
-        prefix = _LAUNCHER_PREFIX.match(line)
+        prefix = LAUNCHER_PREFIX.match(line)  # rules read the rank's own line
         text = (line[prefix.end() :] if prefix is not None else line)[:MAX_LINE_CHARS]
         low = lowered(text)
         xid_match = _XID.search(text) if "xid" in low else None

@@ -50,7 +50,8 @@ import click
 import msgspec
 import redis.asyncio as aioredis
 
-from detect import SLOW_STEP_TIMEOUT_S, Classifier, ErrorStatus, IterationMonitor, load_classifier
+from detect import SLOW_STEP_TIMEOUT_S, Classifier, ErrorStatus, IterationMonitor, Severity, load_classifier
+from detect.origin import node_report
 from detect.unraisable import IgnoredBlocks
 from launcher import megatron, supersede
 from launcher.ckptagent import CkptPlan
@@ -131,6 +132,8 @@ class AgentCounters:
     commands_rejected: int = 0
     faults_suppressed: int = 0
     exit_lines_seen: int = 0
+    node_reports_recorded: int = 0
+    """Copies of kernel or node-tool lines in the ranks' output, sent at SEV3 (detect.origin)."""
     """Lines that report a process's exit (not sent: see :meth:`Agent._on_line`)."""
     iterations_unattributed: int = 0
     """Megatron-LM log lines seen before this node's ranks were known (not reported)."""
@@ -541,6 +544,13 @@ class Agent:
             # about one the training code started and outlived, so its own to handle.
             self.counters.exit_lines_seen += 1
             return
+        severity = str(result.severity)
+        copied = node_report(line) if result.severity is not Severity.SEV3 else None
+        if copied is not None:
+            # A copy of the kernel's or a node tool's report (detect.origin): the agent's
+            # NVML monitor and the kernel-log probe read those sources first-hand.
+            self.counters.node_reports_recorded += 1
+            severity = str(Severity.SEV3)
         m = _RANK_PREFIX.match(line)
         rank = int(m.group(1)) if m else None
         key = (result.rule, rank)
@@ -554,10 +564,10 @@ class Agent:
             FaultReport(
                 **self._env(),
                 status=str(result.status),
-                severity=str(result.severity),
+                severity=severity,
                 rule=result.rule,
                 rank=rank,
-                evidence=line[:2048],
+                evidence=line[:2048] if copied is None else f"{line[:2000]} (a copy of a {copied} line)",
                 launch_id=self.launch_id if launch_id is None else launch_id,
             )
         )

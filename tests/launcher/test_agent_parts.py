@@ -601,3 +601,32 @@ def test_a_line_that_reports_a_process_exit_is_not_a_fault_of_its_own(tmp_path: 
     agent._on_line("[rank0]: RuntimeError: CUDA error: an illegal memory access was encountered")
     faults = [m for m in sent if isinstance(m, FaultReport)]
     assert [(f.status, f.rank) for f in faults] == [("illegal_memory_access", 0)]
+
+
+def test_a_copy_of_a_kernel_or_node_tool_report_in_rank_output_is_recorded_not_acted_on(
+    tmp_path: Path,
+) -> None:
+    """A rank cannot witness a driver's Xid or a DCGM verdict; its copy of one (the training
+    code ran the tool, or printed the text) is sent at SEV3. The same fault in the CUDA
+    runtime's words, from the process itself, keeps its severity."""
+    from launcher.agent import Agent
+    from unicorn_core.config import Config
+    from unicorn_core.protocol import FaultReport, Message
+
+    agent = Agent(Config(), job_id=5, node="n1", run_dir=tmp_path, argv=[])
+    sent: list[Message] = []
+    agent._emit = sent.append  # type: ignore[method-assign]
+    agent._on_line("[rank0]: NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, GPU has fallen off the bus.")
+    agent._on_line("[rank1]:|    -> NVLINK system       | Failure                                       |")
+    agent._on_line(
+        "[rank0]: RuntimeError: CUDA error: uncorrectable NVLink error detected during the execution"
+    )
+    faults = [m for m in sent if isinstance(m, FaultReport)]
+    assert [(f.status, f.severity, f.rank) for f in faults] == [
+        ("gpu_driver_error", "SEV3", 0),
+        ("nvlink_error", "SEV3", 1),
+        ("nvlink_error", "SEV1", 0),
+    ], faults
+    assert "(a copy of a kernel log line)" in faults[0].evidence
+    assert "(a copy of a node tool line)" in faults[1].evidence
+    assert agent.counters.node_reports_recorded == 2
