@@ -263,7 +263,21 @@ def _stall_and_report(c: Coordinator, task: TaskRecord, n: int, stopped: set[int
     return snap
 
 
+def trainers_running() -> list[int]:
+    """Pids of built-in trainer processes (``-m launcher.train``) on this machine."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if b"launcher.train" in argv and b"-m" in argv:
+                    pids.append(int(entry.name))
+    return sorted(pids)
+
+
 def quiet(cluster: DevCluster, tmp: Path, minutes: float) -> dict[str, Any]:
+    # Ranks an earlier scenario left behind would compete for the CPU: reported, not hidden.
+    strays = trainers_running()
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         with coordinator(cluster, tmp) as c:
@@ -290,6 +304,8 @@ def quiet(cluster: DevCluster, tmp: Path, minutes: float) -> dict[str, Any]:
                 ],
                 "drained": drained(snap),
                 "last_iteration": snap.tasks["q"].last_iteration,
+                "trainers_left_by_earlier_scenarios": len(strays),
+                "load_avg_1m_end": round(os.getloadavg()[0], 2),
             }
     finally:
         hog.kill()
