@@ -19,7 +19,7 @@ from typing import Final
 
 from detect.builtin_rules import BUILTIN_RULES
 from detect.literals import Gate, NeedleSet, gates, lowered
-from detect.origin import LAUNCHER_PREFIX
+from detect.origin import LAUNCHER_PREFIX, node_report
 from detect.rules import Rule, RuleKind, load_rules_file, merge_rules, parse_rules
 from detect.statuses import ErrorStatus, Severity, worst
 from detect.unraisable import IgnoredBlocks
@@ -171,11 +171,13 @@ class Classifier:
         rule = self._line_rule(line)
         return BENIGN if rule is None else _from_rule(rule, line)
 
-    def _best(self, text: str) -> _Match | None:
+    def _best(self, text: str, *, process_output: bool = False) -> _Match | None:
+        """``process_output``: ``text`` is a process's own output, where a copy of a node's
+        report (:func:`detect.origin.node_report`) is not evidence of how it ended."""
         best: _Match | None = None
         ignored = IgnoredBlocks()
         for position, line in enumerate(text.splitlines()):
-            if ignored.inside(line):
+            if ignored.inside(line) or (process_output and node_report(line) is not None):
                 continue
             rule = self._line_rule(line)
             if rule is None or rule.status is ErrorStatus.NONE:
@@ -224,7 +226,7 @@ class Classifier:
         ended = _ending(exit_code, number)
 
         texts = [*_error_file_texts(error_file_text), stderr_tail]
-        found = self._best("\n".join(t for t in texts if t))
+        found = self._best("\n".join(t for t in texts if t), process_output=True)
         exit_rule = next(
             (r for r in self._exit_rules if (number in r.signals) or (exit_code in r.exit_codes)),
             None,

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -89,6 +90,8 @@ log = get_logger(__name__)
 
 _RANK_PREFIX: Final = re.compile(r"^\[(?:rank|default)(\d+)\]:")
 _FAULT_DEDUP_S: Final = 5.0
+EXIT_LINE_WINDOW_S: Final = 30.0
+"""A line reporting a process's exit this soon after the agent saw one is about that exit."""
 _STDERR_TAIL_CHARS: Final = 8192
 _SOCKET_PATH_MAX: Final = 100
 _DATAGRAMS_PER_WAKEUP: Final = 256
@@ -132,15 +135,18 @@ class AgentCounters:
     commands_rejected: int = 0
     faults_suppressed: int = 0
     exit_lines_seen: int = 0
-    node_reports_recorded: int = 0
-    """Copies of kernel or node-tool lines in the ranks' output, sent at SEV3 (detect.origin)."""
-    """Lines that report a process's exit (not sent: see :meth:`Agent._on_line`)."""
+    """Lines that report a process's exit (see :meth:`Agent._on_line`)."""
+    node_reports_copied: int = 0
+    """Copies of kernel or node-tool lines in the ranks' output: logged, not sent (detect.origin)."""
     iterations_unattributed: int = 0
     """Megatron-LM log lines seen before this node's ranks were known (not reported)."""
 
 
 class Agent:
     """The agent of ``job_id`` on ``node``; :meth:`run` returns the process exit status."""
+
+    _last_exit_s: float = -math.inf
+    """Monotonic time of the last exit of a supervised process (:meth:`_on_exit`)."""
 
     def __init__(
         self,
@@ -476,6 +482,7 @@ class Agent:
         iteration, or with an error file (an exception), it is reported at once: a failure
         must not wait for torchrun, which may take 30 s to stop the other workers.
         """
+        self._last_exit_s = time.monotonic()
         unknown = info.exit_code is None and info.signal is None and info.error_file_text is None
         if not info.is_main and unknown and self._final_seen:
             self._unsettled[info.pid] = (info, generation)
@@ -536,20 +543,26 @@ class Agent:
         result = self.classifier.classify_line(line)
         if result.severity is None:
             return
-        if result.status is ErrorStatus.EXITED_ABNORMALLY:
-            # A launcher's or shell's report of a process's exit ("failed (exitcode: 1)",
-            # "srun: error: ...: Exited with exit code 1", "Killed"). The agent sees the exit
-            # of every process it supervises first-hand (ProcessExit, with this line in its
-            # stderr tail, where classify_exit reads it); a line about any other process is
-            # about one the training code started and outlived, so its own to handle.
-            self.counters.exit_lines_seen += 1
+        copied = node_report(line)
+        if copied is not None:
+            # A copy of the kernel's or a node tool's report (detect.origin): the training
+            # code ran the tool or printed the text. Logged and counted, never sent: even a
+            # SEV3 report opens an incident that climbs when no iteration follows.
+            self.counters.node_reports_copied += 1
+            log.info("node_report_copy", origin=copied, rule=result.rule, line=line[:300])
             return
         severity = str(result.severity)
-        copied = node_report(line) if result.severity is not Severity.SEV3 else None
-        if copied is not None:
-            # A copy of the kernel's or a node tool's report (detect.origin): the agent's
-            # NVML monitor and the kernel-log probe read those sources first-hand.
-            self.counters.node_reports_recorded += 1
+        if result.status is ErrorStatus.EXITED_ABNORMALLY:
+            # A launcher's or shell's report of a process's exit ("failed (exitcode: 1)",
+            # "srun: error: ...: Exited with exit code 1", "Killed"). The agent sees the
+            # exits of the processes it supervises first-hand (ProcessExit; a rank's comes
+            # before torchrun's summary of it, torchrun's own exit carries the summary in its
+            # stderr tail). Within EXIT_LINE_WINDOW_S of such an exit the line is context;
+            # otherwise it reports an exit the agent did not see (a worker torchrun restarted
+            # before the agent found it, a process the training code started): sent at SEV3.
+            self.counters.exit_lines_seen += 1
+            if time.monotonic() - self._last_exit_s <= EXIT_LINE_WINDOW_S:
+                return
             severity = str(Severity.SEV3)
         m = _RANK_PREFIX.match(line)
         rank = int(m.group(1)) if m else None
@@ -567,7 +580,7 @@ class Agent:
                 severity=severity,
                 rule=result.rule,
                 rank=rank,
-                evidence=line[:2048] if copied is None else f"{line[:2000]} (a copy of a {copied} line)",
+                evidence=line[:2048],
                 launch_id=self.launch_id if launch_id is None else launch_id,
             )
         )

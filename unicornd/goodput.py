@@ -700,8 +700,8 @@ walking every node."""
 def _node_counts(snap: Snapshot) -> tuple[int, int]:
     """(ours, not out): the nodes that are unicorn's (other users' jobs hold the rest:
     ``[slurm]`` scope, neither in the ideal nor idle: their GPUs are someone else's work,
-    not unicorn's loss), and of those the ones not out (healthy and not held, or running
-    a task)."""
+    not unicorn's loss), and of those the ones not out (healthy, not held and not held
+    down by Slurm, or running a task)."""
     places = tuple((t.state, t.nodes, t.job_id) for t in snap.tasks.values())
     if _COUNTS and _COUNTS[0][0] is snap.nodes and _COUNTS[0][1] == places:
         return _COUNTS[0][2]
@@ -713,7 +713,8 @@ def _node_counts(snap: Snapshot) -> tuple[int, int]:
     not_out = sum(
         1
         for n in snap.nodes.values()
-        if n.name not in foreign and ((n.health is NodeHealth.HEALTHY and not n.held) or n.name in used)
+        if n.name not in foreign
+        and ((n.health is NodeHealth.HEALTHY and not n.held and not n.slurm_down) or n.name in used)
     )
     counts = (len(snap.nodes) - len(foreign), not_out)
     _COUNTS[:] = [(snap.nodes, places, counts)]

@@ -504,8 +504,9 @@ class SlurmWatch:
         """Known nodes Slurm now holds down (NOT_RESPONDING or DOWN), or up again: decided only then."""
         core = self.core
         down = frozenset(info.name for info in nodes if _down(info))
-        if any(rec.slurm_down != (name in down) for name, rec in core.snap.nodes.items()):
-            await core.decide(now, partial(decide.on_node_slurm_down, down=down, now_s=now))
+        polled = frozenset(info.name for info in nodes)
+        if any(rec.slurm_down != (name in down) for name, rec in core.snap.nodes.items() if name in polled):
+            await core.decide(now, partial(decide.on_node_slurm_down, polled=polled, down=down, now_s=now))
 
     async def _silent_and_not_responding(self, info: NodeInfo, now: float) -> None:
         """Slurm's view confirms a lost agent: its node is NOT_RESPONDING or DOWN while the

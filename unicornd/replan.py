@@ -480,10 +480,13 @@ def _allocate(
     taken: set[str] = set()
     out: dict[str, list[str]] = {}
     for task in tasks:
-        kept = [n for n in task.nodes if n in usable_set][: needs[task.task_id]]
-        out[task.task_id] = kept
-        taken.update(kept)
-    free = [n for n in usable if n not in taken]
+        # A node Slurm holds down stays its task's only while the task keeps enough up ones:
+        # a task that shrinks lets it go first, and it is nobody's new node (Slurm would
+        # start no job there).
+        kept = sorted((n for n in task.nodes if n in usable_set), key=lambda n: snapshot.node(n).slurm_down)
+        out[task.task_id] = kept[: needs[task.task_id]]
+        taken.update(out[task.task_id])
+    free = [n for n in usable if n not in taken and not snapshot.node(n).slurm_down]
     short = sum(needs[t.task_id] - len(out[t.task_id]) for t in tasks) - len(free)
     if short > 0:
         raise InvalidArgument(

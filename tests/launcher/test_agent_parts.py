@@ -579,36 +579,48 @@ def test_megatron_saves_and_evaluations_are_timed_by_the_wall_clock_and_announce
     assert agent.monitor.check(clock[0] + 30.0) is not None
 
 
-def test_a_line_that_reports_a_process_exit_is_not_a_fault_of_its_own(tmp_path: Path) -> None:
-    """The agent sees every exit of the processes it supervises (ProcessExit); a launcher's
-    line about an exit is context, kept in the exit's stderr tail, not a second report.
-    Faults the line states itself (a CUDA error) are still sent."""
-    from launcher.agent import Agent
+def test_a_line_that_reports_an_exit_the_agent_saw_is_context_and_one_it_did_not_see_is_sev3(
+    tmp_path: Path,
+) -> None:
+    """The agent sees each exit of its processes first-hand (ProcessExit); a launcher's line
+    about an exit soon after one is context, not a second report. A line about an exit the
+    agent did not see (a worker torchrun restarted before the agent found it, a process the
+    training code started) is sent at SEV3. Faults the line states itself keep their severity."""
+    from launcher.agent import EXIT_LINE_WINDOW_S, Agent
+    from launcher.supervisor import ExitInfo
     from unicorn_core.config import Config
     from unicorn_core.protocol import FaultReport, Message
 
     agent = Agent(Config(), job_id=5, node="n1", run_dir=tmp_path, argv=[])
     sent: list[Message] = []
     agent._emit = sent.append  # type: ignore[method-assign]
-    for line in (
+    lines = (
         "[rank0]: srun: error: node7: tasks 10-11: Exited with exit code 1",
         "[default1]:torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
-        "[rank1]:   exitcode  : -9 (pid: 4242)",
-    ):
+    )
+    agent._on_line(lines[0])  # no exit seen: an exit the agent did not see
+    faults = [m for m in sent if isinstance(m, FaultReport)]
+    assert [(f.status, f.severity, f.rank) for f in faults] == [("exited_abnormally", "SEV3", 0)]
+    sent.clear()
+    agent._on_exit(ExitInfo(101, 1, 0, 1, None, None, is_main=False), 1)  # rank 1 exits 1
+    for line in lines:
         agent._on_line(line)
     assert [m for m in sent if isinstance(m, FaultReport)] == []
     assert agent.counters.exit_lines_seen == 3
+    agent._last_exit_s -= EXIT_LINE_WINDOW_S + 1  # long after that exit
+    agent._on_line(lines[1])
+    assert [(f.severity, f.rank) for f in sent if isinstance(f, FaultReport)] == [("SEV3", 1)]
     agent._on_line("[rank0]: RuntimeError: CUDA error: an illegal memory access was encountered")
     faults = [m for m in sent if isinstance(m, FaultReport)]
-    assert [(f.status, f.rank) for f in faults] == [("illegal_memory_access", 0)]
+    assert [(f.status, f.severity) for f in faults][-1] == ("illegal_memory_access", "SEV2")
 
 
-def test_a_copy_of_a_kernel_or_node_tool_report_in_rank_output_is_recorded_not_acted_on(
-    tmp_path: Path,
-) -> None:
+def test_a_copy_of_a_kernel_or_node_tool_report_in_rank_output_is_not_sent(tmp_path: Path) -> None:
     """A rank cannot witness a driver's Xid or a DCGM verdict; its copy of one (the training
-    code ran the tool, or printed the text) is sent at SEV3. The same fault in the CUDA
-    runtime's words, from the process itself, keeps its severity."""
+    code ran the tool, or printed the text) is logged and counted, never sent (even a SEV3
+    report opens an incident that climbs when no iteration follows). The same fault in the
+    CUDA runtime's words, from the process itself, is sent at its severity, also right after
+    a copy that matched the same rule."""
     from launcher.agent import Agent
     from unicorn_core.config import Config
     from unicorn_core.protocol import FaultReport, Message
@@ -619,14 +631,8 @@ def test_a_copy_of_a_kernel_or_node_tool_report_in_rank_output_is_recorded_not_a
     agent._on_line("[rank0]: NVRM: Xid (PCI:0000:3b:00): 79, pid=4242, GPU has fallen off the bus.")
     agent._on_line("[rank1]:|    -> NVLINK system       | Failure                                       |")
     agent._on_line(
-        "[rank0]: RuntimeError: CUDA error: uncorrectable NVLink error detected during the execution"
+        "[rank1]: RuntimeError: CUDA error: uncorrectable NVLink error detected during the execution"
     )
     faults = [m for m in sent if isinstance(m, FaultReport)]
-    assert [(f.status, f.severity, f.rank) for f in faults] == [
-        ("gpu_driver_error", "SEV3", 0),
-        ("nvlink_error", "SEV3", 1),
-        ("nvlink_error", "SEV1", 0),
-    ], faults
-    assert "(a copy of a kernel log line)" in faults[0].evidence
-    assert "(a copy of a node tool line)" in faults[1].evidence
-    assert agent.counters.node_reports_recorded == 2
+    assert [(f.status, f.severity, f.rank) for f in faults] == [("nvlink_error", "SEV1", 1)], faults
+    assert agent.counters.node_reports_copied == 2

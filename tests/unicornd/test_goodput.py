@@ -421,3 +421,18 @@ async def test_a_quiet_cluster_still_saves_its_ledger_on_the_tick(redis_url: str
     finally:
         await client.delete(keys.goodput(), keys.state_meta(), *(keys.state_records(k) for k in KINDS))
         await client.aclose()
+
+
+def test_an_idle_node_slurm_holds_down_is_out_not_idle() -> None:
+    """As the idle test, but idle n2 is NOT_RESPONDING in Slurm (``slurm_down``): no plan
+    may use it, so its GPUs are out of service, not capacity unicorn left idle."""
+    ledger = new_ledger(T0)
+
+    def down(iteration: int, at: float) -> Snapshot:
+        snap = running(("n1",), 1, iteration, at)
+        return snap.apply(nodes=[replace(snap.nodes["n2"], slurm_down=True)])
+
+    for sec in range(6):
+        ledger = book(ledger, down(sec, sec), sec)
+    assert ledger.gpus_idle == 0 and ledger.gpus_out == GPN
+    assert ledger.totals.lost_gpu_s[Cause.IDLE] == 0.0

@@ -361,25 +361,38 @@ async def test_the_reservation_is_read_again_only_now_and_then_and_its_end_stops
 # --- Slurm's view of a node that stopped responding ---------------------------------------
 
 
-def test_an_idle_node_slurm_holds_down_is_no_new_capacity_and_asks_for_a_replan_when_back() -> None:
+def test_an_idle_node_slurm_holds_down_is_no_new_capacity() -> None:
     """slurmctld marks idle n3 NOT_RESPONDING: Slurm would start no job there, so a plan
     must not give it to a task (a requeue onto it would wait for a start that never
     comes). Its health is unchanged, and n1, where task a runs, stays a's even when down
-    (slurmd can die on a node that trains on). n3 responding again asks for a replan."""
-    snap = world(3, [task("a", 7, ["n1"])])
-    d = on_node_slurm_down(snap, {"n1", "n3"}, T0)
+    (slurmd can die on a node that trains on). n3 responding again is plannable but asks
+    for no replan (a flapping node must not cost a solve per flap). A node the poll did
+    not list keeps what it had."""
+    snap = world(4, [task("a", 7, ["n1"])])
+    every = {"n1", "n2", "n3", "n4"}
+    d = on_node_slurm_down(snap, every, {"n1", "n3"}, T0)
     assert not d.actions and any("n3" in n for n in d.notes)
     down = apply(snap, d)
     assert down.nodes["n3"].slurm_down and down.nodes["n3"].health is NodeHealth.HEALTHY
-    assert down.plannable() == ["n1", "n2"]
-    assert apply(down, plan_transition(down, plan({"a": 4}), render, T0)).tasks["a"].nodes == ("n1", "n2")
-    assert on_node_slurm_down(down, {"n1", "n3"}, T0 + 1).empty  # nothing new: no change
+    assert down.plannable() == ["n1", "n2", "n4"]
+    grown = apply(down, plan_transition(down, plan({"a": 6}), render, T0)).tasks["a"].nodes
+    assert grown == ("n1", "n2", "n4")
+    assert on_node_slurm_down(down, every, {"n1", "n3"}, T0 + 1).empty  # nothing new: no change
     restored = snapshot_from_json(snapshot_to_json(down), down.policy)
     assert restored.nodes["n3"].slurm_down  # kept across a restart
-    d = on_node_slurm_down(down, {"n1"}, T0 + 2)
-    (replan,) = d.actions
-    assert isinstance(replan, Replan) and "n3" in replan.reason
-    assert apply(down, d).plannable() == ["n1", "n2", "n3"]
+    assert on_node_slurm_down(down, {"n1", "n2"}, {"n1"}, T0 + 2).empty  # n3 not polled: unchanged
+    d = on_node_slurm_down(down, every, {"n1"}, T0 + 2)
+    assert not d.actions and any("n3 up again" in n for n in d.notes)
+    assert apply(down, d).plannable() == ["n1", "n2", "n3", "n4"]
+
+
+def test_a_task_that_shrinks_lets_its_node_slurm_holds_down_go_first() -> None:
+    """Task a runs on n1, n2; n1 (its first node) is held down by Slurm. Shrunk to one node,
+    a keeps n2, and n1 goes to nobody: b, growing, gets n3."""
+    snap = world(3, [task("a", 7, ["n1", "n2"]), task("b", 8, [])])
+    snap = apply(snap, on_node_slurm_down(snap, {"n1", "n2", "n3"}, {"n1"}, T0))
+    after = apply(snap, plan_transition(snap, plan({"a": 2, "b": 2}), render, T0))
+    assert after.tasks["a"].nodes == ("n2",) and after.tasks["b"].nodes == ("n3",)
 
 
 async def test_the_poll_records_which_nodes_slurm_holds_down(redis_url: str) -> None:

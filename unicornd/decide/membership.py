@@ -313,31 +313,28 @@ def on_job_running(
     return draft.note(f"task {task.task_id}: job {job_id} runs again; agents on {', '.join(task.nodes)}")
 
 
-def on_node_slurm_down(snapshot: Snapshot, down: Collection[str], now_s: float) -> Decision:
-    """A Slurm poll says which nodes are NOT_RESPONDING or DOWN (``down``; others: up).
+def on_node_slurm_down(
+    snapshot: Snapshot, polled: Collection[str], down: Collection[str], now_s: float
+) -> Decision:
+    """A Slurm poll of the nodes ``polled`` says which of them are NOT_RESPONDING or DOWN
+    (``down``; the other polled ones: up). Nodes not polled keep what they had.
 
     Each node's record keeps it (``slurm_down``). Slurm starts no job on such a node, so
     an idle one leaves the plannable set: a plan that gave it to a task (a requeue onto a
-    dead spare) would wait for a start that never comes. A node that is plannable again
-    (it responds once more) asks for a replan, as a freed node does. Health is
-    unchanged: Slurm's view alone convicts nothing. Unknown nodes are ignored; nothing
-    changed: an empty decision.
+    dead spare) would wait for a start that never comes. Health is unchanged: Slurm's view
+    alone convicts nothing. A node that responds again is plannable for the next plan but
+    asks for none: a node flapping between polls (a resumed node is NOT_RESPONDING for a
+    moment) must not cost a solve per flap. Unknown nodes are ignored; nothing changed: an
+    empty decision. ``now_s`` is unused (the decision signature).
     """
-    wanted = frozenset(down)
+    polled_set, down_set = frozenset(polled), frozenset(down)
     changed = [
-        replace(rec, slurm_down=name in wanted)
+        replace(rec, slurm_down=name in down_set)
         for name, rec in sorted(snapshot.nodes.items())
-        if rec.slurm_down != (name in wanted)
+        if name in polled_set and rec.slurm_down != (name in down_set)
     ]
     if not changed:
         return Decision()
-    after = snapshot.apply(nodes=changed)
-    freed = sorted(set(after.plannable()) - set(snapshot.plannable()))
-    lost = sorted(set(snapshot.plannable()) - set(after.plannable()))
-    notes = [f"slurmctld: {n} NOT_RESPONDING or DOWN: no new work there" for n in lost]
-    actions: tuple[Replan, ...] = ()
-    if freed:
-        key = ",".join(f"{n}:{after.node(n).joins}:{now_s:.0f}" for n in freed)
-        actions = (Replan(f"up/{zlib.crc32(key.encode()):08x}", f"slurmctld: {', '.join(freed)} up again"),)
-        notes.append(f"slurmctld: {', '.join(freed)} up again: replan")
-    return Decision(actions=actions, nodes=tuple(changed), notes=tuple(notes))
+    went = "NOT_RESPONDING or DOWN: no new work there"
+    notes = tuple(f"slurmctld: {rec.name} {went if rec.slurm_down else 'up again'}" for rec in changed)
+    return Decision(nodes=tuple(changed), notes=notes)
