@@ -42,6 +42,7 @@ from unicornd.core import Core
 from unicornd.daemon import Daemon
 from unicornd.decide import (
     on_finding,
+    on_node_check,
     on_node_jobs,
     on_node_join,
     on_node_slurm_down,
@@ -414,3 +415,14 @@ async def test_the_poll_records_which_nodes_slurm_holds_down(redis_url: str) -> 
         assert core.snap.plannable() == ["g1", "g2"]
     finally:
         await client.aclose()
+
+
+def test_a_returning_node_whose_check_passed_is_up_whatever_the_last_poll_said() -> None:
+    """A resumed node is NOT_RESPONDING for a moment; a poll then may have marked it down
+    just before its node check (run there through srun) passed: the join's replan uses it."""
+    snap = world(2, [task("a", 7, ["n1"])])
+    snap = snap.apply(nodes=[NodeRecord("n2", health=NodeHealth.RETURNING, slurm_down=True, joins=1)])
+    d = on_node_check(snap, "n2", True, T0)
+    after = apply(snap, d)
+    assert after.nodes["n2"].health is NodeHealth.HEALTHY and not after.nodes["n2"].slurm_down
+    assert "n2" in after.plannable() and any(isinstance(a, Replan) for a in d.actions)

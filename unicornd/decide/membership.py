@@ -157,7 +157,9 @@ def on_node_check(snapshot: Snapshot, node: str, passed: bool, now_s: float, det
     draft = Draft(snapshot, now_s)
     base = f"join/{node}/{rec.joins}"
     if passed:
-        draft.put(rec.with_health(NodeHealth.HEALTHY, ""))
+        # The check ran there through srun, so slurmd answers, whatever the last poll said
+        # (a resumed node is NOT_RESPONDING for a moment): the join's replan may use it.
+        draft.put(replace(rec.with_health(NodeHealth.HEALTHY, ""), slurm_down=False))
         draft.act(Replan(f"{base}/replan", f"node {node} joined"))
         return draft.decision()
     pol = draft.policy
