@@ -91,7 +91,7 @@ log = get_logger(__name__)
 _RANK_PREFIX: Final = re.compile(r"^\[(?:rank|default)(\d+)\]:")
 _FAULT_DEDUP_S: Final = 5.0
 EXIT_LINE_WINDOW_S: Final = 30.0
-"""A line reporting a process's exit this soon after the agent saw one is about that exit."""
+"""A line reporting a process's exit this soon after the agent saw one corroborates that exit."""
 _STDERR_TAIL_CHARS: Final = 8192
 _SOCKET_PATH_MAX: Final = 100
 _DATAGRAMS_PER_WAKEUP: Final = 256
@@ -554,16 +554,14 @@ class Agent:
         severity = str(result.severity)
         if result.status is ErrorStatus.EXITED_ABNORMALLY:
             # A launcher's or shell's report of a process's exit ("failed (exitcode: 1)",
-            # "srun: error: ...: Exited with exit code 1", "Killed"). The agent sees the
-            # exits of the processes it supervises first-hand (ProcessExit; a rank's comes
-            # before torchrun's summary of it, torchrun's own exit carries the summary in its
-            # stderr tail). Within EXIT_LINE_WINDOW_S of such an exit the line is context;
-            # otherwise it reports an exit the agent did not see (a worker torchrun restarted
-            # before the agent found it, a process the training code started): sent at SEV3.
+            # "srun: error: ...: Exited with exit code 1", "Killed"). Within
+            # EXIT_LINE_WINDOW_S of an exit the agent saw (ProcessExit) it corroborates that
+            # exit and is sent at its severity. Otherwise it reports an exit the agent did not
+            # see (a worker torchrun restarted before the agent found it, a process the
+            # training code started and outlived, or no process at all): sent at SEV3.
             self.counters.exit_lines_seen += 1
-            if time.monotonic() - self._last_exit_s <= EXIT_LINE_WINDOW_S:
-                return
-            severity = str(Severity.SEV3)
+            if time.monotonic() - self._last_exit_s > EXIT_LINE_WINDOW_S:
+                severity = str(Severity.SEV3)
         m = _RANK_PREFIX.match(line)
         rank = int(m.group(1)) if m else None
         key = (result.rule, rank)
