@@ -177,10 +177,12 @@ class Classifier:
         best: _Match | None = None
         ignored = IgnoredBlocks()
         for position, line in enumerate(text.splitlines()):
-            if ignored.inside(line) or (process_output and node_report(line) is not None):
+            if ignored.inside(line):
                 continue
             rule = self._line_rule(line)
             if rule is None or rule.status is ErrorStatus.NONE:
+                continue
+            if process_output and node_report(line) is not None:  # only for lines a rule matched
                 continue
             match = _Match(rule, line, position)
             if best is None or match.key() < best.key():
