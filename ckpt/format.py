@@ -27,16 +27,19 @@ import enum
 import math
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeGuard
 
 import msgspec
 import numpy as np
-import torch
 import xxhash
+
+if TYPE_CHECKING:
+    import torch
 
 from ckpt.errors import InvalidArgument, InvalidTransition
 
@@ -241,8 +244,19 @@ def encode(value: msgspec.Struct) -> bytes:
 
 # --- flattening a state into a JSON tree plus raw leaves ---------------------------
 
-Leaf = torch.Tensor | bytes | np.ndarray
+Leaf: TypeAlias = "torch.Tensor | bytes | np.ndarray"
 """What goes to ``.bin``: tensors (any device), bytes-like values, numpy arrays."""
+
+
+def is_tensor(value: object) -> TypeGuard[torch.Tensor]:
+    """Whether ``value`` is a torch tensor, without importing torch.
+
+    A process that never imported torch holds no tensor. The node agent's checkpoint
+    process seals, persists and copies bytes only, and importing torch there cost ~1 s of
+    CPU at each agent start, taken from the training ranks on a busy node (measured:
+    ``detection.py``'s overhead loop, 2 cores, session 26)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 @dataclass(frozen=True)
@@ -268,8 +282,8 @@ def flatten_state(state: Mapping[str, Any]) -> FlatState:
         return {tag: len(leaves) - 1}
 
     def walk(value: Any, path: str) -> Any:  # noqa: PLR0911 - one branch per supported type
-        if isinstance(value, torch.Tensor):
-            if value.layout != torch.strided or value.is_quantized:
+        if is_tensor(value):
+            if value.layout != sys.modules["torch"].strided or value.is_quantized:
                 raise InvalidArgument(
                     f"state[{path}]: only dense tensors can be snapshot, got {value.layout}"
                 )
@@ -333,7 +347,7 @@ def _hashable(key: Any) -> Any:
 
 
 def leaf_nbytes(value: Leaf) -> int:
-    if isinstance(value, torch.Tensor):
+    if is_tensor(value):
         return value.numel() * value.element_size()
     if isinstance(value, np.ndarray):
         return int(value.nbytes)
@@ -351,7 +365,7 @@ def layout_entries(flat: FlatState) -> tuple[tuple[Entry, ...], int]:
     for name, value in zip(flat.names, flat.leaves, strict=True):
         offset = align(offset)
         nbytes = leaf_nbytes(value)
-        if isinstance(value, torch.Tensor):
+        if is_tensor(value):
             kind, dtype, shape = EntryKind.TENSOR, dtype_name(value.dtype), tuple(value.shape)
         elif isinstance(value, np.ndarray):
             kind, dtype, shape = EntryKind.NDARRAY, value.dtype.str, tuple(value.shape)
@@ -367,6 +381,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    import torch  # only a process that reads tensors pays for it (is_tensor)
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise InvalidArgument(f"unknown torch dtype {name!r}")

@@ -20,11 +20,10 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 import numpy as np
-import torch
 
 from ckpt.errors import ShardUnavailable
 from ckpt.format import (
@@ -43,6 +42,9 @@ from ckpt.format import (
     unflatten_state,
     write_atomic,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 _LOCK_POLL_S: Final = 0.002
 VERIFY_THREADS: Final = max(1, min(8, os.cpu_count() or 1))
@@ -120,7 +122,6 @@ class OpenShard:
         if self.meta.data_bytes:
             self._mm = mmap.mmap(self._fd, self.meta.data_bytes, access=mmap.ACCESS_COPY)
             advise_huge_pages(self._mm)
-            self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._by_name = {entry.name: i for i, entry in enumerate(self.meta.entries)}
 
     def _read_meta(self, require_sealed: bool) -> ShardMeta:
@@ -219,9 +220,13 @@ class OpenShard:
         if entry.kind == EntryKind.NDARRAY:
             array = np.frombuffer(self.view(entry), dtype=np.dtype(entry.dtype)).reshape(entry.shape)
             return array.copy() if copy else array
+        import torch  # tensors only: sealing and copying need no torch (format.is_tensor)
+
         dtype = torch_dtype(entry.dtype)
-        if entry.nbytes == 0 or self._base is None:
+        if entry.nbytes == 0 or self._mm is None:
             return torch.empty(entry.shape, dtype=dtype)
+        if self._base is None:
+            self._base = torch.frombuffer(self._mm, dtype=torch.uint8)
         tensor = self._base[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
         return tensor.clone() if copy else tensor
 

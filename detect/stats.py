@@ -486,7 +486,7 @@ class IterationMonitor:
         if self._ratio_iterations < self.noise_iterations:
             return self.max_hang_factor
         if self._max_ratio is None:
-            self._max_ratio = max(self._ratios)
+            self._max_ratio = max(self._ratios, default=0.0)  # none yet: no noise seen
         return min(self.max_hang_factor, max(self.hang_factor, self.learn_margin * self._max_ratio))
 
     def deadline_s(self) -> float | None:

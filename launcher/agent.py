@@ -277,6 +277,8 @@ class Agent:
         ]
         if self.ckpt is not None:  # seal, persist and replicate the ranks' memory snapshots
             tasks.append(asyncio.create_task(self._ckpt_process(), name="ckpt"))
+        for t in tasks:
+            t.add_done_callback(_log_task_end)
         log.info("agent_started", job_id=self.job_id, node=self.node, run_dir=str(self.run_dir))
         try:
             self.job_env = await self._job_environment()
@@ -938,6 +940,19 @@ class Agent:
             for pid, info in sup.ranks.items()
             if info.rank is not None and pid not in sup.exited and process_state(pid) in ("T", "t")
         ]
+
+
+def _log_task_end(task: asyncio.Task[None]) -> None:
+    """Log a background task that ended with an exception, at once.
+
+    These tasks run until the agent stops; before, one that raised was found only when the
+    agent stopped (``gather(return_exceptions=True)`` dropped it): a ``ValueError`` in the
+    local hang monitor silently ended the agent's stopped-rank reports in every run
+    (``detection.py``, session 26). Training goes on: the coordinator still judges the
+    task's heartbeats and iterations, and our own bug must not take a healthy job down."""
+    if task.cancelled() or (exc := task.exception()) is None:
+        return
+    log.error("agent_task_failed", task=task.get_name(), error=repr(exc), exc_info=exc)
 
 
 def run_queue_wait_s(pid: int) -> float | None:

@@ -197,6 +197,9 @@ class Bench:
                 "--",
                 *self.train_argv(i, extra),
             ]
+            if self.args.agent_logs is not None:  # the agent's JSON log lines, appended per node
+                log = self.args.agent_logs / f"agent-{node}.log"
+                argv = ["/bin/sh", "-c", 'exec "$@" 2>>"$0"', str(log), *argv]
             self.agents[node] = await self.slurm.launch_step(self.job_id, [node], argv, capture=False)
             self.detector.expect_agent(self.job_id, node, time.monotonic())
 
@@ -512,6 +515,7 @@ def main() -> None:
         type=Path,
         help="write every timing, slow-step notice, command and finding here (JSON lines)",
     )
+    ap.add_argument("--agent-logs", type=Path, help="append each agent's log (stderr) to DIR/agent-NODE.log")
     ap.add_argument("--overhead-iters", type=int, default=300)
     ap.add_argument("--overhead-compute", type=int, default=150, help="matmuls per overhead iteration")
     args = ap.parse_args()

@@ -592,3 +592,22 @@ def test_a_counter_series_keeps_the_newest_samples_and_interpolates_between_them
 def test_a_counter_series_needs_room_for_one() -> None:
     with pytest.raises(InvalidArgument, match="capacity"):
         CounterSeries(0)
+
+
+def test_without_a_lenient_start_the_factor_is_the_base_one_before_any_ratio() -> None:
+    """``noise_iterations=0`` (the node agent's monitor) with ``max_hang_factor`` above
+    ``hang_factor``: once the mean is learned and before any iteration's ratio is in, ``k``
+    is ``hang_factor``. It raised ``ValueError`` (the max of no ratios), which ended the
+    agent's hang task in every run and with it its stopped-rank reports (session 26)."""
+    m = IterationMonitor(
+        hang_factor=2.0, warmup_iterations=0, min_samples=3, max_hang_factor=4.0, noise_iterations=0
+    )
+    t = 0.0
+    for i in range(3):  # the third sample learns the mean; no ratio yet
+        t += 1.0
+        m.observe(0, i, 1.0, now_s=t)
+    assert m.effective_hang_factor() == 2.0
+    assert m.deadline_s() == pytest.approx(2.0)
+    assert m.check(t + 1.9) is None
+    verdict = m.check(t + 2.1)
+    assert verdict is not None and verdict.ranks == (0,)

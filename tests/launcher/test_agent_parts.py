@@ -632,3 +632,31 @@ def test_a_copy_of_a_kernel_or_node_tool_report_in_rank_output_is_not_sent(tmp_p
     faults = [m for m in sent if isinstance(m, FaultReport)]
     assert [(f.status, f.severity, f.rank) for f in faults] == [("nvlink_error", "SEV1", 1)], faults
     assert agent.counters.node_reports_copied == 2
+
+
+async def test_a_background_task_that_raises_is_logged_when_it_ends() -> None:
+    """The agent's tasks (heartbeats, commands, hangs...) run until it stops; one that raised
+    was seen only then. A ``ValueError`` in the hang task ended the stopped-rank reports
+    of every run unnoticed (session 26): it is logged, with its name, as it ends."""
+    import structlog.testing
+
+    from launcher.agent import _log_task_end
+
+    async def hangs() -> None:
+        raise ValueError("max() arg is an empty sequence")
+
+    async def cancelled() -> None:
+        await asyncio.sleep(3600)
+
+    with structlog.testing.capture_logs() as logs:
+        failed = asyncio.create_task(hangs(), name="hangs")
+        stopped = asyncio.create_task(cancelled(), name="commands")
+        for t in (failed, stopped):
+            t.add_done_callback(_log_task_end)
+        await asyncio.sleep(0)
+        stopped.cancel()
+        await asyncio.gather(failed, stopped, return_exceptions=True)
+        await asyncio.sleep(0)  # done callbacks run on the next turn of the loop
+    seen = [(e["event"], e["task"], e["log_level"]) for e in logs]
+    assert seen == [("agent_task_failed", "hangs", "error")]
+    assert "empty sequence" in logs[0]["error"]
