@@ -26,6 +26,8 @@ from __future__ import annotations
 import re
 from typing import Final
 
+from detect.origin import LAUNCHER_PREFIX  # a line a launcher prefixed: never part of an unprefixed report
+
 MAX_BLOCK_LINES: Final = 200
 """A block longer than this is not Python's report (its tracebacks are a few dozen lines)."""
 MAX_OPEN_BLOCKS: Final = 64
@@ -35,8 +37,6 @@ _OPENING: Final = re.compile(r"Exception ignored (?:in|on calling)\b")
 _HEADER: Final = "Traceback (most recent call last):"
 _EXCEPTION_LINE: Final = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Warning|Exit|Interrupt)\b")
 """The line that ends a report: the exception's (qualified) name, then its message."""
-_PREFIXED: Final = re.compile(r"^\[(?:rank|default)\d+\]:|^\(\S+ pid=\d+\)")
-"""A line a launcher prefixed with its rank or worker: never part of an unprefixed report."""
 
 
 class IgnoredBlocks:
@@ -78,7 +78,7 @@ class IgnoredBlocks:
         """The longest open block's prefix that ``line`` starts with."""
         best: str | None = None
         for prefix in self._open:
-            if not line.startswith(prefix) or (not prefix and _PREFIXED.match(line)):
+            if not line.startswith(prefix) or (not prefix and LAUNCHER_PREFIX.match(line)):
                 continue
             if best is None or len(prefix) > len(best):
                 best = prefix

@@ -15,10 +15,13 @@ Accuracy. ``tests/detect/data/corpus/`` holds real lines with public sources:
   never saw the rules. It was measured blind three times (BENCHMARKS.md); once a newer
   blind set existed (2026-11-29) its misses were read to write rules, so it is reported as
   ``fresh_*``;
-- ``held_out`` (``blind2/*-errors.toml``, ``blind2/*-benign.toml``): the blind set of
-  2026-11-29, from sources in none of the sets above, collected by four collectors who
-  never saw the rules. Its lines are read here and nowhere else; only aggregate figures
-  about them are printed.
+- ``blind2`` (``blind2/*-errors.toml``, ``blind2/*-benign.toml``): the blind set of
+  2026-11-29, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
+  26) its misses were read to write rules, so it is reported as ``blind2_*``;
+- ``held_out`` (``blind3/*-errors.toml``, ``blind3/*-benign.toml``): the blind set of
+  2026-11-29 (session 26), from sources in none of the sets above, collected by four
+  collectors who never saw the rules. Its lines are read here and nowhere else; only
+  aggregate figures about them are printed.
 
 Figures:
 
@@ -33,7 +36,7 @@ Figures:
   ``benign_n``: benign lines; ``<set>_benign_fires``/``<set>_benign_n``: the same for
   one set.
 
-``--show-misses train|dev|fresh`` also lists every line of that set (errors and benign)
+``--show-misses train|dev|fresh|blind2`` also lists every line of that set (errors and benign)
 classified other than labelled, on stderr; held-out misses are never shown.
 
 Throughput (``--speed SECONDS``): lines per second for real fault lines
@@ -105,7 +108,8 @@ SETS: Final = {
     "train": ("errors-train", "benign-train"),
     "dev": ("errors-heldout", "benign-heldout"),
     "fresh": ("fresh/*-errors", "fresh/*-benign"),
-    "held_out": ("blind2/*-errors", "blind2/*-benign"),
+    "blind2": ("blind2/*-errors", "blind2/*-benign"),
+    "held_out": ("blind3/*-errors", "blind3/*-benign"),
 }
 """Set name -> (error lines, benign lines), see the module doc."""
 
@@ -224,7 +228,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--show-misses",
-        choices=["train", "dev", "fresh"],
+        choices=["train", "dev", "fresh", "blind2"],
         help="list the lines of that set classified other than labelled (on stderr)",
     )
     parser.add_argument("--speed", type=float, metavar="SECONDS", help="also measure throughput, per case")

@@ -1,9 +1,9 @@
 """The built-in rules against the real-line corpus (tests/detect/data/corpus/, README there).
 
 Rules are written from the train and dev sets and, since 2026-11-29, from the spent blind
-set of 2026-11-25 (``fresh/``). The blind set (``blind2/``) is read by the bench
-(scripts/bench/classify.py) alone, and only its aggregate figures are checked here, so a
-failure never prints a blind line.
+sets of 2026-11-25 (``fresh/``) and 2026-11-29 (``blind2/``, spent in session 26). The blind
+set (``blind3/``) is read by the bench (scripts/bench/classify.py) alone, and only its
+aggregate figures are checked here, so a failure never prints a blind line.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from detect.classify import Classifier, load_classifier
 REPO = Path(__file__).resolve().parents[2]
 
 HELD_OUT_STATUS_FLOOR = 0.85
-"""The blind set's status accuracy (``corpus/blind2/*-errors``) measured when the rules were
-last changed (0.866 on 149 lines, 2026-11-29, the same before and after that day's rules),
+"""The blind set's status accuracy (``corpus/blind3/*-errors``) measured when the rules were
+last changed (0.864 on 140 lines, session 26; 0.850 with the rules before that session's),
 less a small margin: a regression fails."""
-HELD_OUT_BENIGN_FIRES_CEILING = 1
-"""Blind benign lines classified SEV1/SEV2 when the rules were last changed (1 of 144,
-2026-11-29; not read). More fails."""
+HELD_OUT_BENIGN_FIRES_CEILING = 4
+"""Blind benign lines classified SEV1/SEV2 when the rules were last changed (4 of 160,
+session 26, the same before that session's rules; not read). More fails."""
 DEV_STATUS_FLOOR = 0.91
 """The dev set's status accuracy (the first held-out half and the second batch's hash half,
 both read to write rules on 2026-11-25: 0.922 on 205 lines), less a small margin."""
@@ -217,6 +217,49 @@ def test_known_fresh_misses_name_one_line_each() -> None:
         assert sum(line.text.lstrip().startswith(prefix) for line in FRESH) == 1, prefix
 
 
+KNOWN_BLIND2_MISSES: dict[str, tuple[str, str | None, str]] = {
+    # blind2 lines (the second blind set, read for rules in session 26), by their text without
+    # leading blanks: what we give them, and why
+    "[rank2]: Cuda failure 802 'system not yet initialized'": (
+        "gpu_driver_error",
+        "SEV1",
+        "labelled cuda_error by its thread; CUDA's error 802 (cudaErrorSystemNotReady) says a driver "
+        "daemon the node needs is not running, on NVSwitch systems the fabric manager: a fault of "
+        "the node, not of the process (isolation still waits for out-of-band confirmation)",
+    ),
+}
+KNOWN_BLIND2_BENIGN_FIRES: dict[str, str] = {
+    "TypeError: 'NoneType' object is not callable": (
+        "the exception line of an 'Exception ignored in' report at shutdown: only the agent's stream "
+        "context (detect.unraisable) tells it from a crash"
+    ),
+}
+BLIND2 = BENCH.load("blind2/*-errors") + BENCH.load("blind2/*-benign")
+
+
+@pytest.mark.parametrize("line", BLIND2, ids=[f"{i}-{line.status}" for i, line in enumerate(BLIND2)])
+def test_blind2_line_classifies_as_labelled(classifier: Classifier, line: Any) -> None:
+    """The second blind set, spent once a newer one existed: its misses were read to write
+    rules (session 26), and every line now classifies as labelled or as named here."""
+    result = classifier.classify_line(line.text)
+    got = (result.status.value, BENCH.severity_of(result))
+    known = next(
+        (v for prefix, v in KNOWN_BLIND2_MISSES.items() if line.text.lstrip().startswith(prefix)), None
+    )
+    if known is not None:
+        assert got == known[:2], f"known miss changed: {known[2]}"
+        return
+    if line.status == "none" and any(line.text.startswith(p) for p in KNOWN_BLIND2_BENIGN_FIRES):
+        assert got[1] in ("SEV1", "SEV2")
+        return
+    assert got == (line.status, line.severity), line.source
+
+
+def test_known_blind2_misses_name_one_line_each() -> None:
+    for prefix in (*KNOWN_BLIND2_MISSES, *KNOWN_BLIND2_BENIGN_FIRES):
+        assert sum(line.text.lstrip().startswith(prefix) for line in BLIND2) == 1, prefix
+
+
 @pytest.mark.parametrize("line", TRAIN, ids=[f"{i}-{line.status}" for i, line in enumerate(TRAIN)])
 def test_train_line_classifies_as_labelled(classifier: Classifier, line: Any) -> None:
     result = classifier.classify_line(line.text)
@@ -280,7 +323,7 @@ def test_bench_prints_one_json_object_without_held_out_lines() -> None:
     } <= set(doc)
     held_out = {
         line.text
-        for name in ("errors-heldout", "benign-heldout", "fresh/*-errors", "fresh/*-benign", "blind2/*")
+        for name in ("errors-heldout", "benign-heldout", "fresh/*", "blind2/*", "blind3/*")
         for line in BENCH.load(name)
     }
     assert not any(text in done.stderr for text in held_out if len(text) > 20)

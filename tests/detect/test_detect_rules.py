@@ -28,11 +28,19 @@ REAL_LINES: list[tuple[str, str, str]] = [
     (str(entry["text"]), str(entry["status"]), str(entry["rule"]))
     for entry in tomllib.loads((DATA / "real-log-lines.toml").read_text())["line"]
 ]
-CORPUS_TRAIN: list[str] = [  # the rules' sources: train, and the spent first held-out half ("dev")
+CORPUS_TRAIN: list[str] = [  # the rules' sources: train, the spent first held-out half ("dev"),
+    # and the spent blind sets (fresh/, blind2/); never the blind set (blind3/)
     str(entry["text"])
-    for name in ("errors-train", "benign-train", "errors-heldout", "benign-heldout")
-    if (DATA / "corpus" / f"{name}.toml").exists()
-    for entry in tomllib.loads((DATA / "corpus" / f"{name}.toml").read_text())["line"]
+    for path in [
+        *(
+            DATA / "corpus" / f"{name}.toml"
+            for name in ("errors-train", "benign-train", "errors-heldout", "benign-heldout")
+        ),
+        *sorted((DATA / "corpus" / "fresh").glob("*.toml")),
+        *sorted((DATA / "corpus" / "blind2").glob("*.toml")),
+    ]
+    if path.exists()
+    for entry in tomllib.loads(path.read_text())["line"]
 ]
 
 BENIGN_LINES = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import json
 import time
 from typing import Any
@@ -267,6 +268,32 @@ def test_status_shows_nodes_outside_the_scope_and_those_that_are_not_ours() -> N
     st = ClusterStatus(list(slurm.nodes.values()), [], True, "", True, snap, scope=Scope(partitions=("gpu",)))
     seen = {n.name: ownership(st, n) for n in st.nodes}
     assert seen == {"g1": ("ours", []), "g2": ("not ours", [99]), "g3": ("ours", []), "c1": ("outside", [])}
+
+
+ROOT = Caller(uid=0, user="root", gids=frozenset())
+
+
+def test_status_shows_the_nodes_slurm_holds_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """unicornd's view of Slurm's NOT_RESPONDING/DOWN at its last poll (idle such nodes are
+    left out of every plan) is in ``unicornctl status``, text and JSON."""
+    slurm = site()
+    snap = world(0, []).apply(nodes=[NodeRecord("g1"), NodeRecord("g2", slurm_down=True), NodeRecord("g3")])
+    st = ClusterStatus(list(slurm.nodes.values()), [], True, "", True, snap, scope=Scope(partitions=("gpu",)))
+
+    async def gathered(_cfg: object) -> ClusterStatus:
+        return st
+
+    monkeypatch.setattr(importlib.import_module("unicornd.cli.status"), "gather_status", gathered)
+    env: dict[str, str] = {}
+    try:
+        text = CliRunner().invoke(cli, ["status"], env=env, obj={"caller": ROOT})
+        doc = CliRunner().invoke(cli, ["status", "--json"], env=env, obj={"caller": ROOT})
+    finally:
+        reset_logging()
+    assert text.exit_code == 0, text.output
+    assert "  Slurm holds down (NOT_RESPONDING/DOWN): g2\n" in text.output
+    health = json.loads(doc.output)["unicorn"]["node_health"]
+    assert {n: h["slurm_down"] for n, h in health.items()} == {"g1": False, "g2": True, "g3": False}
 
 
 # --- the Slurm poll (SlurmWatch) ---------------------------------------------------------

@@ -130,7 +130,10 @@ def _unicorn_json(st: ClusterStatus) -> dict[str, Any]:
             }
             for t in sorted(snap.tasks.values(), key=lambda t: t.task_id)
         ],
-        "node_health": {n.name: {"health": n.health.value, "reason": n.reason} for n in snap.nodes.values()},
+        "node_health": {
+            n.name: {"health": n.health.value, "reason": n.reason, "slurm_down": n.slurm_down}
+            for n in snap.nodes.values()
+        },
         "incidents": [
             {
                 "incident_id": i.incident_id,
@@ -229,6 +232,9 @@ def status(ctx: click.Context, as_json: bool, check: bool) -> None:
                 f"nodes {','.join(t['nodes']) or '-':<16} weight {t['weight']:g}  "
                 f"iteration {t['last_iteration']}"
             )
+        down = sorted(name for name, h in u.get("node_health", {}).items() if h["slurm_down"])
+        if down:  # unicornd's view at its last poll: idle ones are left out of every plan
+            click.echo(f"  Slurm holds down (NOT_RESPONDING/DOWN): {compress(down)}")
         for i in u["incidents"]:
             click.echo(
                 f"  incident {i['incident_id']} {i['status']} {i['severity']} on {i['node']}: {i['stage']}"
