@@ -255,8 +255,8 @@ def is_tensor(value: object) -> TypeGuard[torch.Tensor]:
     process seals, persists and copies bytes only, and importing torch there cost ~1 s of
     CPU at each agent start, taken from the training ranks on a busy node (measured:
     ``detection.py``'s overhead loop, 2 cores, session 26)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)  # None: not (yet) imported
+    return tensor is not None and isinstance(value, tensor)
 
 
 @dataclass(frozen=True)

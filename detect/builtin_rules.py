@@ -869,8 +869,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "ray_node_dead",
         "status": "lost_connection",
         "pattern": r"\bmarked (?:as )?dead because .*\bmissed too many heartbeats",
-        "doc": "Ray's head declared a node dead after missing its heartbeats: a node of the job is lost "
-        "(isolating it still needs unicorn's own out-of-band confirmation)",
+        "secondary": True,
+        "doc": "Ray's head declared a node dead after missing its heartbeats: a node of the job is lost, "
+        "but the line names another node than the one that printed it, so it is secondary (unicorn's "
+        "own heartbeats are the first-hand evidence; isolation needs out-of-band confirmation)",
     },
     {
         "name": "program_usage_error",
@@ -968,7 +970,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "nccl_peer_closed",
         "status": "other_network_error",
-        "pattern": r"(?:NCCL )?WARN .*Connection closed by remote peer",
+        "pattern": r"(?:NCCL|\.h:\d+) WARN .*Connection closed by remote peer",
         "doc": "NCCL's socket to a peer was closed by the other side: the peer (or the network) went "
         "away; a network failure of NCCL's own, not a reset that the caller retries",
     },
@@ -1012,7 +1014,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|UCX\s+ERROR"
         r"|\bfi_\w+\b.*\bfailed"
         r"|Gloo connectFullMesh failed"
-        r"|no socket interface found|Socket creation failed|is neither AF_INET",
+        r"|Bootstrap : no socket interface found|\bWARN Socket creation failed|is neither AF_INET",
         "ignore_case": True,
     },
     {

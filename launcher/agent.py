@@ -317,9 +317,9 @@ class Agent:
     async def _ckpt_process(self) -> None:
         """Run the checkpoint agent (:mod:`launcher.ckptagent`) as a child process.
 
-        A process, not a task of this loop: it imports torch and hashes and copies shards,
-        which would hold the GIL for seconds and starve the heartbeats (measured: every
-        agent of a 4-node job went silent for 1.5 s while importing it in a thread). It
+        A process, not a task of this loop: it hashes and copies shards, which would hold
+        the GIL for seconds and starve the heartbeats (measured when it still imported torch:
+        every agent of a 4-node job went silent for 1.5 s while importing it in a thread). It
         runs until this agent stops; if it dies, checkpoints stay in memory only (logged).
         """
         argv = [
@@ -882,38 +882,51 @@ class Agent:
         coordinator hears of (every agent's ``cpu_wait_s``); a stopped rank is certain.
         """
         next_sample = 0.0
+        failed: set[str] = set()
         while True:
             await asyncio.sleep(_HANG_CHECK_S)
-            now = time.monotonic()
-            deadline = self.monitor.deadline_s()
-            near = deadline is not None and self.monitor.silent_s(now) >= _NEAR_DEADLINE * deadline
-            if near or now >= next_sample:
-                next_sample = now + _CPU_WAIT_SAMPLE_S
-                self._sample_cpu_wait(now)
-            verdict = self.monitor.check(now)
-            if verdict is None:
-                self._hang_reported = None
-                continue
-            if self._hang_reported == verdict.last_iteration:
-                continue
-            stopped = self.stopped_ranks()
-            if not stopped:
-                continue
-            self._hang_reported = verdict.last_iteration
-            c = verdict.classification()
-            evidence = f"{c.evidence}; stopped (state T): rank(s) {stopped}"
-            log.warning("hang_detected", ranks=verdict.ranks, stopped=stopped, waited_s=verdict.waited_s)
-            self._emit(
-                FaultReport(
-                    **self._env(),
-                    status=str(c.status),
-                    severity=str(c.severity),
-                    rule=c.rule,
-                    rank=stopped[0],
-                    evidence=evidence[:2048],
-                    launch_id=self.launch_id,
-                )
+            try:
+                next_sample = self._check_hang(next_sample)
+            except (
+                Exception
+            ) as exc:  # our bug: keep watching, and sampling the CPU waits every heartbeat carries
+                if type(exc).__name__ not in failed:  # logged once per kind, not 50 times a second
+                    failed.add(type(exc).__name__)
+                    log.error("hang_check_failed", error=repr(exc), exc_info=exc)
+
+    def _check_hang(self, next_sample: float) -> float:
+        """One turn of :meth:`_watch_hangs`; returns when to sample CPU waits next."""
+        now = time.monotonic()
+        deadline = self.monitor.deadline_s()
+        near = deadline is not None and self.monitor.silent_s(now) >= _NEAR_DEADLINE * deadline
+        if near or now >= next_sample:
+            next_sample = now + _CPU_WAIT_SAMPLE_S
+            self._sample_cpu_wait(now)
+        verdict = self.monitor.check(now)
+        if verdict is None:
+            self._hang_reported = None
+            return next_sample
+        if self._hang_reported == verdict.last_iteration:
+            return next_sample
+        stopped = self.stopped_ranks()
+        if not stopped:
+            return next_sample
+        self._hang_reported = verdict.last_iteration
+        c = verdict.classification()
+        evidence = f"{c.evidence}; stopped (state T): rank(s) {stopped}"
+        log.warning("hang_detected", ranks=verdict.ranks, stopped=stopped, waited_s=verdict.waited_s)
+        self._emit(
+            FaultReport(
+                **self._env(),
+                status=str(c.status),
+                severity=str(c.severity),
+                rule=c.rule,
+                rank=stopped[0],
+                evidence=evidence[:2048],
+                launch_id=self.launch_id,
             )
+        )
+        return next_sample
 
     # --- diagnosis helpers ------------------------------------------------------------
 

@@ -20,8 +20,7 @@ job's, ``$SLURM_NODELIST``, Slurm's order), and
 the agent of node ``i`` of job ``J`` listens on ``peer_port_base + (97*J + i) % 1000``,
 so every agent and rank computes every endpoint without asking anyone. The engine is
 imported in a worker thread when :meth:`CkptAgent.run` starts, and imports no torch: it
-seals, persists and copies bytes (:func:`ckpt.format.is_tensor`). The process runs at
-``ckpt.agent_nice`` (:func:`yield_cpu`): the training ranks come first.
+seals, persists and copies bytes (:func:`ckpt.format.is_tensor`).
 """
 
 from __future__ import annotations
@@ -458,27 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = CkptPlan.from_config(cfg, job_id=args.job_id, node=args.node, env=os.environ, scope=args.scope)
     if plan is None:
         return 0
-    yield_cpu(cfg.agent_nice)  # before the engine's import: training ranks come first
     with contextlib.suppress(KeyboardInterrupt):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         parent = os.getppid() if args.parent_pid is None else args.parent_pid
         asyncio.run(_run_while_parent_lives(CkptAgent(plan), parent))
     return 0
-
-
-def yield_cpu(nice: int) -> None:
-    """Run at niceness ``nice`` against the training ranks (``CkptConfig.agent_nice``).
-
-    With the kernel's autogroups (``kernel.sched_autogroup_enabled``, on in most
-    distributions) a process's niceness counts only against the processes of its own
-    session, and the training ranks run in sessions of their own: this process starts a
-    session and gives its autogroup the niceness too (``/proc/self/autogroup``). Raising
-    a niceness needs no privilege; a kernel without autogroups has no such file."""
-    with contextlib.suppress(OSError):
-        os.setsid()  # a session leader already (started so): keep its group
-    os.nice(nice)
-    with contextlib.suppress(OSError):
-        Path("/proc/self/autogroup").write_text(f"{nice}\n")
 
 
 async def _run_while_parent_lives(agent: CkptAgent, parent: int) -> None:

@@ -519,6 +519,8 @@ def main() -> None:
     ap.add_argument("--overhead-iters", type=int, default=300)
     ap.add_argument("--overhead-compute", type=int, default=150, help="matmuls per overhead iteration")
     args = ap.parse_args()
+    if args.agent_logs is not None:
+        args.agent_logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="unicorn-bench-") as tmp:
         state = Path(tmp) / "cluster"
         Path(tmp).chmod(0o755)

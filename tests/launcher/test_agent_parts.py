@@ -660,3 +660,31 @@ async def test_a_background_task_that_raises_is_logged_when_it_ends() -> None:
     seen = [(e["event"], e["task"], e["log_level"]) for e in logs]
     assert seen == [("agent_task_failed", "hangs", "error")]
     assert "empty sequence" in logs[0]["error"]
+
+
+async def test_the_hang_watch_survives_its_own_bug(tmp_path: Path) -> None:
+    """A turn of the hang watch that raises is logged once per kind and the watch goes on:
+    it also samples the ranks' CPU waits, which every heartbeat carries (the coordinator
+    excuses a starved node's silence with them)."""
+    import structlog.testing
+
+    from launcher.agent import Agent
+    from unicorn_core.config import Config
+
+    agent = Agent(Config(), job_id=5, node="n1", run_dir=tmp_path, argv=[])
+    turns: list[float] = []
+
+    def turn(next_sample: float) -> float:
+        turns.append(next_sample)
+        if len(turns) <= 3:
+            raise ValueError("max() arg is an empty sequence")
+        return next_sample
+
+    agent._check_hang = turn  # type: ignore[method-assign]
+    with structlog.testing.capture_logs() as logs:
+        watch = asyncio.create_task(agent._watch_hangs())
+        await asyncio.sleep(0.3)  # ~15 turns of 20 ms
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+    assert len(turns) > 5 and watch.cancelled()  # went on after three failed turns, until stopped
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["hang_check_failed"]

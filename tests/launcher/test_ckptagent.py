@@ -224,24 +224,10 @@ def test_checkpoint_child_does_not_outlive_a_killed_node_agent(tmp_path: Path) -
     assert not alive, "the checkpoint child outlived its node agent"
 
 
-def test_the_checkpoint_process_imports_no_torch_and_yields_the_cpu() -> None:
+def test_the_checkpoint_process_imports_no_torch() -> None:
     """The agent's checkpoint process seals, persists and copies bytes: its engine imports
     no torch (~1 s of CPU at every agent start, taken from the training ranks: the
-    agent-overhead loop of ``detection.py`` ran 25 % slower on 2 cores, session 26), and
-    it runs at ``agent_nice`` in a session of its own, so that the kernel's autogroups do not
-    void the niceness against the ranks' sessions."""
-    code = (
-        "import os, sys\n"
-        "from launcher.ckptagent import _import_engine, yield_cpu\n"
-        "_import_engine()\n"
-        "before = os.nice(0)\n"
-        "yield_cpu(7)\n"
-        "group = open('/proc/self/autogroup').read() if os.path.exists('/proc/self/autogroup') else ''\n"
-        "print('torch' in sys.modules, os.nice(0) - before, os.getsid(0) == os.getpid(), group.strip())\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
-    ).stdout.split()
-    assert out[:3] == ["False", "7", "True"]
-    if len(out) > 3:  # a kernel with autogroups: the new session's group has the niceness
-        assert out[-1] == "7"
+    agent-overhead loop of ``detection.py`` ran 25 % slower on 2 cores, session 26)."""
+    code = "import sys\nimport launcher.ckptagent as c\nc._import_engine()\nprint('torch' in sys.modules)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["False"]

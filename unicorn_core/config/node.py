@@ -394,19 +394,6 @@ class CkptConfig(Section):
         ),
     )
 
-    agent_nice: int = field(
-        default=10,
-        metadata=_meta(
-            "Niceness the node agent's checkpoint process runs at (0-19): its start (it "
-            "imports torch, ~1 s of CPU) and its sealing, copies and hashes yield to the "
-            "training ranks when they want the CPU. Measured on 2 cores (detection.py's "
-            "overhead loop): at 0 its start slowed a 4.2 s training loop by ~1.1 s. A rank "
-            "that waits for a restore leaves the CPU to it. Default 10.",
-            ge=0,
-            le=19,
-        ),
-    )
-
     def memory_keep(self, stop_window: int) -> int:
         """The memory tier's versions: ``memory_versions``, or when 0 the fewest that hold a
         version older than a loss spike stopped within ``stop_window`` iterations
