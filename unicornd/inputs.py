@@ -491,7 +491,10 @@ class SlurmWatch:
                     log.debug("join_deferred", node=info.name, other_jobs=others)
                     continue
                 kind = (info.gpus, info.gpu_type)
-                await core.decide(now, partial(decide.on_node_join, node=info.name, now_s=now, gpus=kind))
+                join = partial(
+                    decide.on_node_join, node=info.name, now_s=now, gpus=kind, slurm_down=_down(info)
+                )
+                await core.decide(now, join)
             elif not info.usable and info.drained and rec.health in (NodeHealth.HEALTHY, NodeHealth.DRAINING):
                 await core.decide(
                     now, partial(decide.on_node_drained, node=info.name, now_s=now, reason=info.reason)

@@ -444,6 +444,19 @@ async def test_the_poll_records_which_nodes_slurm_holds_down(redis_url: str) -> 
         await client.aclose()
 
 
+def test_a_node_that_joins_while_slurm_holds_it_down_is_no_capacity_for_its_own_replan() -> None:
+    """With ``node_check_on_join`` off, a join is healthy at once and replans. A node the same
+    poll saw NOT_RESPONDING joins recorded down, so that replan does not plan onto it (the
+    poll's own down pass came after the join); up at the join, it is plannable at once."""
+    snap = world(2, [task("a", 7, ["n1"])])
+    snap = dataclasses.replace(snap, policy=dataclasses.replace(snap.policy, node_check_on_join=False))
+    for down, plannable in ((True, ["n1", "n2"]), (False, ["n1", "n2", "n3"])):
+        d = on_node_join(snap, "n3", T0, gpus=(8, "a100-80g"), slurm_down=down)
+        after = apply(snap, d)
+        assert after.nodes["n3"].health is NodeHealth.HEALTHY and after.nodes["n3"].slurm_down is down
+        assert after.plannable() == plannable and any(isinstance(a, Replan) for a in d.actions)
+
+
 def test_a_returning_node_whose_check_passed_is_up_whatever_the_last_poll_said() -> None:
     """A resumed node is NOT_RESPONDING for a moment; a poll then may have marked it down
     just before its node check (run there through srun) passed: the join's replan uses it."""

@@ -47,10 +47,13 @@ def on_node_join(
     *,
     by_operator: bool = False,
     gpus: tuple[int, str] | None = None,
+    slurm_down: bool | None = None,
 ) -> Decision:
     """A node appeared or came back in Slurm (``by_operator``: ``unicornctl node resume``).
     ``gpus``: its (GPU count, GPU type) as Slurm's GRES says, recorded with it (a new
-    node's kind decides its planning pool from its first replan on).
+    node's kind decides its planning pool from its first replan on). ``slurm_down``:
+    whether this same poll saw Slurm hold it NOT_RESPONDING/DOWN, recorded with it, so
+    that the join's own replan never plans onto it (None: keep what is recorded).
 
     A held node (too many failures) that an operator did not resume is drained again
     and the operator told. Otherwise it runs the node check first (``returning``), or
@@ -81,6 +84,8 @@ def on_node_join(
     rec = replace(rec, joins=joins, held=False if by_operator else rec.held)
     if gpus is not None:
         rec = replace(rec, gpus=gpus[0], gpu_type=gpus[1])
+    if slurm_down is not None:
+        rec = replace(rec, slurm_down=slurm_down)
     if by_operator:
         draft.act(ResumeNode(f"{base}/resume", node, "unicorn: resumed by operator"))
     if not known:
