@@ -497,6 +497,17 @@ def _allocate(
     for task in tasks:
         while len(out[task.task_id]) < needs[task.task_id]:
             out[task.task_id].append(free.pop(0))
+    for task in tasks:
+        # A new allocation (the task gains nodes, so its job is resized or requeued, or it is
+        # on its way back from a requeue) starts only on nodes Slurm has up: a node it keeps
+        # that Slurm holds down gives way to a free one while any is left (kept, a requeue
+        # would wait for that node forever).
+        nodes = out[task.task_id]
+        if task.requeue is None and set(nodes) <= set(task.nodes):
+            continue
+        for i, node in enumerate(nodes):
+            if free and snapshot.node(node).slurm_down:
+                nodes[i] = free.pop(0)
     return {k: tuple(v) for k, v in out.items()}
 
 

@@ -25,7 +25,7 @@ from detect.statuses import ErrorStatus
 from plan.hardware import gpu_spec
 from plan.objective import FailureModel
 from tests.fakes.slurm import FakeSlurm, idle_node, running_job
-from tests.unicornd.coord_world import apply, finding, of_kind, plan, render, task, world
+from tests.unicornd.coord_world import GPN, apply, finding, of_kind, plan, render, task, world
 from tests.unicornd.redis_world import until
 from unicorn_core import redis_io
 from unicorn_core.config import RedisConfig, load_config
@@ -421,6 +421,27 @@ def test_a_task_that_shrinks_lets_its_node_slurm_holds_down_go_first() -> None:
     snap = apply(snap, on_node_slurm_down(snap, {"n1", "n2", "n3"}, {"n1"}, T0))
     after = apply(snap, plan_transition(snap, plan({"a": 2, "b": 2}), render, T0))
     assert after.tasks["a"].nodes == ("n2",) and after.tasks["b"].nodes == ("n3",)
+
+
+def test_a_task_that_gains_nodes_leaves_its_node_slurm_holds_down_while_a_free_one_is_left() -> None:
+    """Task a runs on n1, n2; Slurm holds n1 down. Growing to three nodes gives its job a new
+    allocation (a resize or a requeue), which Slurm would never start on n1: n1 gives way to
+    a free node. With no free node left it is kept (the plan counted it). Keeping its nodes
+    as they are, a keeps n1 (slurmd can die on a node that trains on)."""
+    snap = world(4, [task("a", 7, ["n1", "n2"])])
+    snap = apply(snap, on_node_slurm_down(snap, {"n1", "n2", "n3", "n4"}, {"n1"}, T0))
+    grown = apply(snap, plan_transition(snap, plan({"a": 3 * GPN}), render, T0)).tasks["a"].nodes
+    assert "n1" not in grown and sorted(grown) == ["n2", "n3", "n4"]
+    snap3 = world(3, [task("a", 7, ["n1", "n2"])])
+    snap3 = apply(snap3, on_node_slurm_down(snap3, {"n1", "n2", "n3"}, {"n1"}, T0))
+    assert sorted(
+        apply(snap3, plan_transition(snap3, plan({"a": 3 * GPN}), render, T0)).tasks["a"].nodes
+    ) == [
+        "n1",
+        "n2",
+        "n3",
+    ]
+    assert plan_transition(snap, plan({"a": 2 * GPN}), render, T0).empty  # unchanged: a keeps n1
 
 
 async def test_the_poll_records_which_nodes_slurm_holds_down(redis_url: str) -> None:
