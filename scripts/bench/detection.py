@@ -112,6 +112,28 @@ def rank_sched(pid: int) -> dict[str, Any] | None:
     return None
 
 
+def agent_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) of process ``pid`` and of its children that run the
+    checkpoint process (``launcher.ckptagent``), not the training; None when ``pid`` is gone."""
+
+    def cpu(p: int) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    try:
+        total = cpu(pid)
+    except (OSError, ValueError, IndexError):
+        return None
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(stat[1]) == pid and b"launcher.ckptagent" in (entry / "cmdline").read_bytes():
+                total += cpu(int(entry.name))
+    return total
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, state: Path) -> None:
         self.args = args
@@ -385,7 +407,10 @@ class Bench:
 
         The loop reports every iteration through the hook when it runs under the agent;
         its own ``loop_s`` excludes process start-up, so the ratio is the agent's cost to
-        training throughput. Median of the per-pair ratios.
+        training throughput. Median of the per-pair ratios. On 2 cores the ratio moves with
+        the machine's noise and a short loop pays the agent's start; so the agent's own CPU
+        (it and its checkpoint process, from ``/proc``) is reported too: per wall second
+        from 1 s after their start (``agent_cpu_share_steady``), and in that first second.
         """
         loop = [
             sys.executable, str(TOY), "--compute", str(self.args.overhead_compute), "--iter-s", "0",
@@ -399,6 +424,34 @@ class Bench:
             text = out.stdout if log is None else log.read_text()
             return float(text.rsplit("loop_s=", 1)[1].split()[0])
 
+        shares: list[float] = []
+        """Per run under the agent: CPU the agent and its checkpoint process used from 1 s after
+        the start to their last sample, per wall second (a share of one core)."""
+        starts: list[float] = []
+        """Per run under the agent: their CPU seconds in the first second (start-up)."""
+
+        def agent_loop_s(argv: list[str], log: Path) -> float:
+            proc = subprocess.Popen(
+                argv, env={**os.environ, **self.env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            t0 = time.monotonic()
+            samples: list[tuple[float, float]] = []
+            while proc.poll() is None:
+                cpu = agent_cpu_s(proc.pid)
+                if cpu is not None:
+                    samples.append((time.monotonic() - t0, cpu))
+                time.sleep(0.25)
+            if proc.returncode != 0:
+                raise RuntimeError(f"agent run exited {proc.returncode}")
+            first = next((s for s in samples if s[0] >= 1.0), None)
+            if first is not None and samples[-1][0] > first[0]:
+                shares.append((samples[-1][1] - first[1]) / (samples[-1][0] - first[0]))
+                starts.append(first[1])
+            return loop_s_of(log)
+
+        def loop_s_of(log: Path) -> float:
+            return float(log.read_text().rsplit("loop_s=", 1)[1].split()[0])
+
         ratios: list[float] = []
         with_agent: list[float] = []
         without: list[float] = []
@@ -409,11 +462,11 @@ class Bench:
                 "--run-dir", str(run_dir), "--", *loop,
             ]  # fmt: skip
             if i % 2 == 0:
-                a = loop_s(agent, run_dir / "train.log")
+                a = agent_loop_s(agent, run_dir / "train.log")
                 b = loop_s(loop, None)
             else:
                 b = loop_s(loop, None)
-                a = loop_s(agent, run_dir / "train.log")
+                a = agent_loop_s(agent, run_dir / "train.log")
             with_agent.append(a)
             without.append(b)
             ratios.append(a / b)
@@ -423,6 +476,11 @@ class Bench:
                 "with_agent": [round(x, 3) for x in with_agent],
                 "without": [round(x, 3) for x in without],
             },
+            # the agent's own steady cost, free of the machine's noise: CPU per wall second of
+            # the agent and its checkpoint process from 1 s after their start (median of runs),
+            # and their CPU seconds in that first second
+            "agent_cpu_share_steady": round(statistics.median(shares), 4) if shares else None,
+            "agent_cpu_s_first_second": round(statistics.median(starts), 3) if starts else None,
         }
 
     async def run(self) -> dict[str, Any]:
