@@ -893,6 +893,8 @@ def _analyse(
         "gc_full_share_of_window": _r(sum(g[2] for g in full_gcs) / max(1e-9, w1 - w0), 4),
         "loop_lag_samples_over_100ms": len(late),
         "python_slope_per_h_per_h": _slope_per_h(dump.get("blocks", []), w0, w1),
+        # the bench's own samples, kept in unicornd's process (scale_daemon.Recorder): part of its RSS
+        "bench_recorder_mib_end": _r((dump.get("recorder_bytes") or 0) / 2**20, 2),
         "object_types": {str(when): dict(top[:15]) for when, top in dump.get("object_types", [])},
         **({"tracemalloc_growth": _trace_growth(dump["tracemalloc"])} if dump.get("tracemalloc") else {}),
         "loop_lag_over_100ms_during_gc_share": _r(late_with_gc / len(late)) if late else None,
