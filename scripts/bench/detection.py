@@ -99,6 +99,16 @@ def summary(xs: list[float]) -> dict[str, Any]:
     }
 
 
+def proc_stat(pid: int) -> list[str]:
+    """``/proc/<pid>/stat``'s fields after the command name (``[0]`` is the state)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_s(stat: list[str]) -> float:
+    """User + system CPU seconds from :func:`proc_stat`'s fields."""
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rank_sched(pid: int) -> dict[str, Any] | None:
     """A training rank's state, main-thread run and run-queue wait (schedstat) and process CPU
     seconds; None for a process that is not a rank (torchrun) or is gone."""
@@ -106,32 +116,35 @@ def rank_sched(pid: int) -> dict[str, Any] | None:
         if b"\0RANK=" not in b"\0" + Path(f"/proc/{pid}/environ").read_bytes():
             return None
         run_ns, wait_ns = Path(f"/proc/{pid}/schedstat").read_text().split()[:2]
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        cpu_s = (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
-        return {"state": stat[0], "run_s": int(run_ns) / 1e9, "wait_s": int(wait_ns) / 1e9, "cpu_s": cpu_s}
+        stat = proc_stat(pid)
+        return {
+            "state": stat[0],
+            "run_s": int(run_ns) / 1e9,
+            "wait_s": int(wait_ns) / 1e9,
+            "cpu_s": cpu_s(stat),
+        }
     return None
 
 
-def agent_cpu_s(pid: int) -> float | None:
+def agent_cpu_s(pid: int, children: dict[int, float]) -> float | None:
     """CPU seconds (user + system) of process ``pid`` and of its children that run the
-    checkpoint process (``launcher.ckptagent``), not the training; None when ``pid`` is gone."""
+    checkpoint process (``launcher.ckptagent``), not the training; None when ``pid`` is gone.
 
-    def cpu(p: int) -> float:
-        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
+    ``children`` (pid -> CPU seconds last read) is kept by the caller across samples: a child
+    that has ended (the agent stops it before it exits) still counts with its last reading,
+    so the sum never goes down (it did, and a short run's steady share came out negative)."""
     try:
-        total = cpu(pid)
+        total = cpu_s(proc_stat(pid))
     except (OSError, ValueError, IndexError):
         return None
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            stat = proc_stat(int(entry.name))
             if int(stat[1]) == pid and b"launcher.ckptagent" in (entry / "cmdline").read_bytes():
-                total += cpu(int(entry.name))
-    return total
+                children[int(entry.name)] = cpu_s(stat)
+    return total + sum(children.values())
 
 
 class Bench:
@@ -421,8 +434,10 @@ class Bench:
             out = subprocess.run(
                 argv, check=True, env={**os.environ, **self.env}, capture_output=True, text=True
             )
-            text = out.stdout if log is None else log.read_text()
-            return float(text.rsplit("loop_s=", 1)[1].split()[0])
+            return loop_s_in(out.stdout if log is None else log.read_text())
+
+        def loop_s_in(text: str) -> float:
+            return float(text.rsplit("loop_s=", 1)[1].split(maxsplit=1)[0])
 
         shares: list[float] = []
         """Per run under the agent: CPU the agent and its checkpoint process used from 1 s after
@@ -436,8 +451,9 @@ class Bench:
             )
             t0 = time.monotonic()
             samples: list[tuple[float, float]] = []
+            children: dict[int, float] = {}
             while proc.poll() is None:
-                cpu = agent_cpu_s(proc.pid)
+                cpu = agent_cpu_s(proc.pid, children)
                 if cpu is not None:
                     samples.append((time.monotonic() - t0, cpu))
                 time.sleep(0.25)
@@ -447,10 +463,7 @@ class Bench:
             if first is not None and samples[-1][0] > first[0]:
                 shares.append((samples[-1][1] - first[1]) / (samples[-1][0] - first[0]))
                 starts.append(first[1])
-            return loop_s_of(log)
-
-        def loop_s_of(log: Path) -> float:
-            return float(log.read_text().rsplit("loop_s=", 1)[1].split()[0])
+            return loop_s_in(log.read_text())
 
         ratios: list[float] = []
         with_agent: list[float] = []
