@@ -298,6 +298,8 @@ class Decision:
     """What one decision produced: actions in execution order, and records to persist.
 
     ``tasks``/``nodes``/``incidents`` are upserts (records not listed are unchanged);
+    ``drop_tasks``/``drop_incidents`` ids of records removed before the upserts (their time
+    in the snapshot is over: :meth:`Snapshot.expired`);
     ``notes`` say why, for the log. ``cancels``: id prefixes of owed actions this decision
     voids (not yet started; e.g. the rest of a plan's steps for a job that is requeued
     instead). ``calibration`` replaces the snapshot's (None: unchanged). unicornd persists
@@ -314,6 +316,8 @@ class Decision:
     cancels: tuple[str, ...] = ()
     calibration: Calibration | None = None
     plan_basis: PlanBasis | None = None
+    drop_tasks: tuple[str, ...] = ()
+    drop_incidents: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         ids = [a.action_id for a in self.actions]
@@ -331,6 +335,8 @@ class Decision:
             or self.cancels
             or self.calibration is not None
             or self.plan_basis is not None
+            or self.drop_tasks
+            or self.drop_incidents
         )
 
     def then(self, later: Decision) -> Decision:
@@ -354,6 +360,8 @@ class Decision:
             cancels=(*self.cancels, *later.cancels),
             calibration=later.calibration if later.calibration is not None else self.calibration,
             plan_basis=later.plan_basis if later.plan_basis is not None else self.plan_basis,
+            drop_tasks=(*self.drop_tasks, *later.drop_tasks),
+            drop_incidents=(*self.drop_incidents, *later.drop_incidents),
         )
 
     def action_ids(self) -> tuple[str, ...]:
@@ -368,6 +376,8 @@ class Decision:
             plan_generation=self.plan_generation,
             calibration=self.calibration,
             plan_basis=self.plan_basis,
+            drop_tasks=self.drop_tasks,
+            drop_incidents=self.drop_incidents,
         )
 
 

@@ -595,11 +595,30 @@ class Executor:
         :data:`LAUNCH_WATCH_S` (the launch itself was done once srun started). A step this
         executor stopped or replaced meanwhile is not a failure; a stale outcome is only
         noted by the decision. (One agent of a whole-job step that fails alone does not end
-        the step: it answers its launch as failed itself, ``launcher.agent``.)"""
+        the step: it answers its launch as failed itself, ``launcher.agent``.) Once the step
+        has ended, :attr:`steps` forgets it (:meth:`_forget_step`)."""
         try:
             code = await asyncio.wait_for(step.wait(), LAUNCH_WATCH_S)
         except TimeoutError:
+            await step.wait()  # the agents run; the step ends with the job, a stop or a requeue
+            self._forget_step(action.job_id, nodes, step)
             return
+        try:
+            await self._launch_exited(action, nodes, step, code)
+        finally:
+            self._forget_step(action.job_id, nodes, step)
+
+    def _forget_step(self, job_id: int, nodes: tuple[str, ...], step: StepHandle) -> None:
+        """Drop the ended ``step`` from :attr:`steps` where a later launch has not replaced it:
+        kept, every (job, node) a job ever ran an agent on stayed for the daemon's life."""
+        for node in nodes:
+            if self.steps.get((job_id, node)) is step:
+                del self.steps[(job_id, node)]
+
+    async def _launch_exited(
+        self, action: LaunchAgents, nodes: tuple[str, ...], step: StepHandle, code: int
+    ) -> None:
+        """The launch's step exited ``code`` within the watch: a failure unless it was 0 or stopped."""
         if code == 0 or any(self.steps.get((action.job_id, n)) is not step for n in nodes):
             return
         task = self.core.snap.tasks.get(action.task_id)

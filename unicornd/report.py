@@ -33,8 +33,7 @@ from typing import Final
 
 from unicornd.alerts import stage_spans
 from unicornd.goodput import HISTORY_KEEP_S, Cause, LayoutChange, Ledger, Totals, WafSample
-from unicornd.state import Incident, LadderStage, NodeHealth, Snapshot, TaskState
-from unicornd.store import KEEP_CLOSED_S
+from unicornd.state import KEEP_CLOSED_S, Incident, LadderStage, NodeHealth, Snapshot, TaskState
 
 _W: Final = 960
 """Width of every chart (SVG user units; the page scales them to its width)."""

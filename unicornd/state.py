@@ -212,6 +212,22 @@ def _distinct(values: tuple[str, ...], what: str) -> None:
 
 _R = TypeVar("_R")
 
+KEEP_CLOSED_S: Final = 24 * 3600.0
+"""How long a closed incident stays in the snapshot (the incidents stream keeps it)."""
+KEEP_ENDED_S: Final = 24 * 3600.0
+"""How long a finished or failed task stays in the snapshot after it ended
+(:attr:`TaskRecord.ended_s`); the goodput ledger's history and the incidents stream keep
+what it did. Without a limit every task a cluster ever ran stays, and every decision and
+the ledger's every commit walk them all."""
+
+
+def _upserted(old: Mapping[str, _R], new: dict[str, _R], drop: frozenset[str]) -> Mapping[str, _R]:
+    """``old`` without ``drop``, then with ``new`` upserted; ``old`` itself when both are empty."""
+    if not new and not drop.intersection(old):
+        return old
+    kept = {k: v for k, v in old.items() if k not in drop} if drop else old
+    return {**kept, **new}
+
 
 def _load(cls: type[_R], data: object) -> _R:
     """Convert plain JSON data to ``cls``; strict about types and unknown keys."""
@@ -345,6 +361,9 @@ class TaskRecord(_Record):
     so adding nodes to it is a requeue (:func:`unicornd.replan.plan_transition`).
     ``gpu_types``: the GPU types (Slurm's GRES type names) it may run on; empty: any. A
     task is planned on nodes of one type only (:func:`unicornd.replan.pools`).
+    ``ended_s``: when its job's end made it finished or failed (None before; a record
+    written before the field existed has none); the record is dropped
+    :data:`KEEP_ENDED_S` after it (:func:`unicornd.decide.ladder.on_tick`).
     """
 
     task_id: str
@@ -372,6 +391,7 @@ class TaskRecord(_Record):
     last_iteration_s: float | None = None
     job_gres: str = ""
     gpu_types: tuple[str, ...] = ()
+    ended_s: float | None = None
 
     def __post_init__(self) -> None:
         _name(self.task_id, "task_id")
@@ -394,7 +414,7 @@ class TaskRecord(_Record):
             _non_negative(self.last_iteration, f"task {self.task_id}: last_iteration")
         for what in ("recoveries_without_progress", "resizes_this_run", "incidents_opened", "generation"):
             _non_negative(getattr(self, what), f"task {self.task_id}: {what}")
-        stamps = (self.launched_s, self.last_iteration_s)
+        stamps = (self.launched_s, self.last_iteration_s, self.ended_s)
         for t in (*self.recovery_times_s, *(t for t in stamps if t is not None)):
             _finite(t, f"task {self.task_id}: timestamp")
 
@@ -747,6 +767,27 @@ class Snapshot:
                 return inc
         return None
 
+    def expired(self, now_s: float) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(task ids, incident ids) whose time in the snapshot is over: incidents closed
+        :data:`KEEP_CLOSED_S` ago, and tasks finished or failed :data:`KEEP_ENDED_S` ago
+        with every incident of theirs (none open: a task ends with its incident closed).
+        A task without ``ended_s`` (written before it existed) stays."""
+        ended = {
+            t.task_id
+            for t in self.tasks.values()
+            if t.state in (TaskState.FINISHED, TaskState.FAILED)
+            and t.ended_s is not None
+            and now_s - t.ended_s >= KEEP_ENDED_S
+        }
+        ended -= {i.task_id for i in self.incidents.values() if i.is_open}
+        incidents = tuple(
+            i.incident_id
+            for i in self.incidents.values()
+            if not i.is_open
+            and (i.task_id in ended or (i.timeline and now_s - i.timeline[-1].t_s >= KEEP_CLOSED_S))
+        )
+        return tuple(sorted(ended)), incidents
+
     def open_node_incident(self, node: str) -> Incident | None:
         """The open incident of an idle node (``task_id`` None) on ``node``."""
         for inc in self.incidents.values():
@@ -767,19 +808,20 @@ class Snapshot:
         plan_generation: int | None = None,
         calibration: Calibration | None = None,
         plan_basis: PlanBasis | None = None,
+        drop_tasks: Iterable[str] = (),
+        drop_incidents: Iterable[str] = (),
     ) -> Snapshot:
-        """A copy with these records upserted (what unicornd persists after a decision).
-        A mapping nothing is upserted into is the same object as before (readers that
-        derive something from one, e.g. the goodput ledger, keep it while it stays)."""
+        """A copy with these records upserted, and the ``drop_*`` ones removed first (what
+        unicornd persists after a decision). A mapping nothing is upserted into or dropped
+        from is the same object as before (readers that derive something from one, e.g. the
+        goodput ledger, keep it while it stays)."""
         new_tasks, new_nodes, new_incidents = tuple(tasks), tuple(nodes), tuple(incidents)
         return replace(
             self,
-            tasks={**self.tasks, **{t.task_id: t for t in new_tasks}} if new_tasks else self.tasks,
+            tasks=_upserted(self.tasks, {t.task_id: t for t in new_tasks}, frozenset(drop_tasks)),
             nodes={**self.nodes, **{n.name: n for n in new_nodes}} if new_nodes else self.nodes,
-            incidents=(
-                {**self.incidents, **{i.incident_id: i for i in new_incidents}}
-                if new_incidents
-                else self.incidents
+            incidents=_upserted(
+                self.incidents, {i.incident_id: i for i in new_incidents}, frozenset(drop_incidents)
             ),
             plan_generation=self.plan_generation if plan_generation is None else plan_generation,
             calibration=self.calibration if calibration is None else calibration,

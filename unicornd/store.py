@@ -17,8 +17,10 @@ back iterates its records in the order the writer's did (decisions that walk the
 decide the same after a restart). The version-2 form, one JSON document in
 ``keys.state()`` (:func:`snapshot_to_json`), is still read; the first commit replaces it.
 
-Closed incidents older than :data:`KEEP_CLOSED_S` are dropped from the snapshot (they
-stay in the incidents stream).
+Closed incidents older than :data:`~unicornd.state.KEEP_CLOSED_S`, and tasks ended longer ago than
+:data:`~unicornd.state.KEEP_ENDED_S`, are dropped from the snapshot (:func:`prune` at load,
+the ticker's decision while running: :func:`unicornd.decide.ladder.on_tick`); they stay in
+the incidents stream.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
 import msgspec
@@ -38,11 +40,18 @@ from unicorn_core.errors import ProtocolError, RedisCallError, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
 from unicornd.actions import Action, action_from_dict, action_to_dict
-from unicornd.state import Calibration, Incident, NodeRecord, PlanBasis, Policy, Snapshot, TaskRecord
+from unicornd.state import (
+    Calibration,
+    Incident,
+    NodeRecord,
+    PlanBasis,
+    Policy,
+    Snapshot,
+    TaskRecord,
+)
 
 log = get_logger(__name__)
 
-KEEP_CLOSED_S: Final = 24 * 3600.0
 SNAPSHOT_VERSION: Final = 2
 """2: node records no longer name their task (a task's ``nodes`` is the one record of it),
 tasks carry ``finished_nodes`` and ``requeue``. Version 1 documents are read and upgraded.
@@ -324,15 +333,11 @@ async def read_snapshot(client: aioredis.Redis, keys: RedisKeys, policy: Policy)
 
 
 def prune(snap: Snapshot, now_s: float) -> Snapshot:
-    """Drop incidents closed more than :data:`KEEP_CLOSED_S` ago."""
-    keep = {
-        k: i
-        for k, i in snap.incidents.items()
-        if i.is_open or not i.timeline or now_s - i.timeline[-1].t_s < KEEP_CLOSED_S
-    }
-    if len(keep) == len(snap.incidents):
+    """Drop what :meth:`Snapshot.expired` says has had its time (closed incidents, ended tasks)."""
+    tasks, incidents = snap.expired(now_s)
+    if not tasks and not incidents:
         return snap
-    return replace(snap, incidents=keep)
+    return snap.apply(drop_tasks=tasks, drop_incidents=incidents)
 
 
 @dataclass(frozen=True)

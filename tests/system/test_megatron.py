@@ -157,17 +157,36 @@ def test_node_kill_resumes_megatron_at_a_new_layout_from_memory(cluster: DevClus
         )
 
 
+_TELLING = ("Error", "error:", "Exception", "Timeout", "timed out", "restore", "Killed", "Signal")
+
+
+def _rank_story(run_root: Path, per_log: int = 6) -> str:
+    """The lines of each node's training log that say why its ranks ended (errors, restores),
+    newest last: a CI log shows only the head of a failure's message, and the agents' run
+    folders are gone with the clean clone."""
+    parts = []
+    for log in sorted(run_root.glob("*/*/train.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        telling = [line[:300] for line in lines if any(word in line for word in _TELLING)]
+        shown = "\n".join(telling[-per_log:] or lines[-2:])
+        parts.append(f"--- {log.parent.name} ({len(lines)} lines):\n{shown}")
+    return "\n".join(parts)
+
+
 @contextlib.contextmanager
 def logs_kept(c: Coordinator, tmp: Path) -> Iterator[None]:
     """On the way out, copy the agents' run folders (training logs) beside the test's other
-    files: the coordinator's exit removes them, and a failure is read from them."""
+    files: the coordinator's exit removes them, and a failure is read from them. A failed
+    assertion is raised again with each node's training log's telling lines first."""
+    run_root = AGENT_RUN_ROOT / c.keys.prefix
     try:
         yield
+    except AssertionError as exc:
+        story = _rank_story(run_root) if run_root.is_dir() else "(no agent run folders)"
+        raise AssertionError(f"training logs:\n{story}\n{exc}") from exc
     finally:
-        if (AGENT_RUN_ROOT / c.keys.prefix).is_dir():
-            shutil.copytree(
-                AGENT_RUN_ROOT / c.keys.prefix, tmp / "agent-logs", ignore=shutil.ignore_patterns("*.sock")
-            )
+        if run_root.is_dir():
+            shutil.copytree(run_root, tmp / "agent-logs", ignore=shutil.ignore_patterns("*.sock"))
 
 
 def rank_pid(cluster: DevCluster, job: int, rank: int) -> int:

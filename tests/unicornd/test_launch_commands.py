@@ -277,3 +277,37 @@ async def test_the_agents_grace_for_a_first_beat_starts_when_the_launch_is_perfo
         await _perform(daemon, slurm, launch)
         assert not daemon.detector.silent(7, "n1", committed + 65.0)
         assert daemon.detector.silent(7, "n1", time.monotonic() + 31.0)
+
+
+async def test_an_ended_step_is_forgotten_unless_a_later_launch_replaced_it(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The executor keeps each (job, node)'s agent step to stop it when a new launch replaces
+    it. Found by the 4,096-node hour's memory: an ended step stayed for unicornd's life, one
+    entry for every node a job ever ran an agent on. A step that ends, within the launch
+    watch or after it, is forgotten; a running one, or one that replaced it, stays."""
+    monkeypatch.setattr("unicornd.executor.LAUNCH_WATCH_S", 0.2)
+    slurm = _ExitingSlurm({"n1": ("true",), "n2": ("sleep", "0.6"), "n3": ("sleep", "30")})
+    async with running_daemon(slurm, redis_url, PREFIX, exits_cleanly=False) as daemon:
+        steps = daemon.executor.steps
+        try:
+            for node in ("n1", "n2", "n3"):
+                await daemon.executor._launch(
+                    LaunchAgents(f"plan-3/t/{node}", "t", 7, (NodeArgv(node, ("a",)),))
+                )
+            assert {(7, "n2"), (7, "n3")} <= set(steps)  # n1's may have ended already
+            ended = [s for s in slurm.steps if s.nodes[0] in ("n1", "n2")]
+            await asyncio.wait_for(asyncio.gather(*(s.process.wait() for s in ended)), 10)
+            await asyncio.sleep(0.2)  # the watches see the ends
+            assert set(steps) == {(7, "n3")}
+            # n3's step, replaced by a later launch there, ends: the new one stays.
+            old = steps[(7, "n3")]
+            await daemon.executor._launch(LaunchAgents("plan-4/t/n3", "t", 7, (NodeArgv("n3", ("a",)),)))
+            assert old.process.returncode is not None  # stopped by the replacing launch
+            await asyncio.sleep(0.3)
+            assert set(steps) == {(7, "n3")} and steps[(7, "n3")] is not old
+        finally:
+            for step in slurm.steps:
+                if step.process.returncode is None:
+                    step.process.kill()
+                await step.process.wait()

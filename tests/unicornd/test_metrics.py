@@ -18,8 +18,8 @@ from unicorn_core.errors import ConfigError
 from unicornd.decide import on_finding, on_progress
 from unicornd.metrics import MetricsServer, SnapshotMetrics, start_metrics_server
 from unicornd.replan import plan_transition
-from unicornd.state import NodeHealth, Snapshot, TaskState
-from unicornd.store import KEEP_CLOSED_S, prune
+from unicornd.state import KEEP_CLOSED_S, NodeHealth, Snapshot, TaskState
+from unicornd.store import prune
 
 E = ErrorStatus
 T0 = 1_700_000_000.0

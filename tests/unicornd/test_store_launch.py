@@ -14,6 +14,7 @@ from unicorn_core.layout import Layout
 from unicorn_core.model import ModelSpec
 from unicornd.launch import agent_argv, render_task, rendezvous_port
 from unicornd.state import (
+    KEEP_CLOSED_S,
     Incident,
     LadderStage,
     NodeHealth,
@@ -23,7 +24,7 @@ from unicornd.state import (
     StageEntry,
     TaskRecord,
 )
-from unicornd.store import KEEP_CLOSED_S, prune, snapshot_from_json, snapshot_to_json
+from unicornd.store import prune, snapshot_from_json, snapshot_to_json
 
 MODEL = ModelSpec(layers=24, hidden=2048, heads=16, sequence=2048, vocabulary=50257, global_batch=12)
 

@@ -27,8 +27,7 @@ from unicornd import store
 from unicornd.alerts import incident_milestones, stage_spans
 from unicornd.cli.common import clock, config_of, snapshot_of
 from unicornd.leader import election
-from unicornd.state import Incident, Snapshot, TaskRecord
-from unicornd.store import KEEP_CLOSED_S
+from unicornd.state import KEEP_CLOSED_S, Incident, Snapshot, TaskRecord
 
 
 @dataclasses.dataclass(frozen=True)

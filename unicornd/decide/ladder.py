@@ -653,8 +653,10 @@ _STAGE_TIMEOUT: Final = {
 
 
 def on_tick(snapshot: Snapshot, now_s: float) -> Decision:
-    """Climb every incident whose rung got no iteration within its timeout, and fail every
-    requeue whose job did not run again by its deadline.
+    """Climb every incident whose rung got no iteration within its timeout, fail every
+    requeue whose job did not run again by its deadline, and drop the records whose time
+    in the snapshot is over (:meth:`Snapshot.expired`: a daemon that runs for months keeps
+    a day of ended tasks and closed incidents, not all of them).
 
     A timed-out retry retries again or restarts; a timed-out restart or transition
     restarts (while restarts remain) or isolates the incident's node; with nothing left
@@ -702,6 +704,10 @@ def on_tick(snapshot: Snapshot, now_s: float) -> Decision:
         if wait is not None and now_s > wait.deadline_s and task.state in LIVE_TASK_STATES:
             why = f"job {task.job_id} did not run again within the requeue deadline ({wait.action_id})"
             start_failed(draft, draft.task(task.task_id), why)
+    tasks, incidents = snapshot.expired(now_s)
+    if tasks or incidents:
+        draft.notes.append(f"state: {len(tasks)} ended task(s), {len(incidents)} incident(s) dropped")
+        return replace(draft.decision(), drop_tasks=tasks, drop_incidents=incidents)
     return draft.decision()
 
 

@@ -235,7 +235,7 @@ def on_task_finished(snapshot: Snapshot, task_id: str, now_s: float, *, ok: bool
         return Decision()
     draft = Draft(snapshot, now_s)
     end = TaskState.FINISHED if ok else TaskState.FAILED
-    draft.put(replace(task.with_state(end), nodes=(), requeue=None))
+    draft.put(replace(task.with_state(end), nodes=(), requeue=None, ended_s=now_s))
     inc = snapshot.open_incident(task_id)
     if inc is not None:
         draft.put(replace(inc.moved(_L.CLOSED, now_s), note=f"task {end}"))
