@@ -12,6 +12,7 @@ import getpass
 import http.server
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -36,6 +37,27 @@ AGENT_RUN_ROOT = Path("/tmp/unicorn")  # unicorn_core.paths.AGENT_RUN_ROOT: agen
 
 def _entries(folder: Path) -> set[Path]:
     return set(folder.iterdir()) if folder.is_dir() else set()
+
+
+_SESSION_PREFIX: Final = re.compile(r"e2e(\d+)x\d+")
+"""The key prefix a test coordinator names its agents' run folder after
+(:func:`tests.system.coordinator.coordinator`): the pid of the pytest process that made it."""
+
+
+def _another_sessions(entry: Path) -> bool:
+    """``entry`` is the run folder of another pytest process that is still running: its
+    tests read it after this run ends (a second pytest beside a long one removed the
+    Megatron test's training logs before it read them)."""
+    m = _SESSION_PREFIX.fullmatch(entry.name)
+    if m is None or int(m.group(1)) == os.getpid():
+        return False
+    try:
+        os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 _INDUCTOR: Final = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
@@ -73,7 +95,8 @@ def _leave_nothing_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         tempfile.tempdir = None
         shutil.rmtree(run_dir, ignore_errors=True)
         for added in _entries(AGENT_RUN_ROOT) - agents_before:
-            shutil.rmtree(added, ignore_errors=True)
+            if not _another_sessions(added):
+                shutil.rmtree(added, ignore_errors=True)
         if _INDUCTOR in shared:  # made by this run: a cache only
             shutil.rmtree(_INDUCTOR, ignore_errors=True)
         if AGENT_RUN_ROOT in shared:  # made by this run; kept while anything else uses it
