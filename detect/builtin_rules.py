@@ -557,9 +557,12 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|GPU does not have the necessary power cables"
         r"|nvml error: driver not loaded"
         r"|cudaErrorInsufficientDriver"
-        r"|CUDA_ERROR_NOT_INITIALIZED",
+        r"|CUDA_ERROR_NOT_INITIALIZED"
+        r"|\bprobe with driver nvidia failed with error"
+        r"|NVRM: No NVIDIA (?:graphics adapter|devices?) probed",
         "ignore_case": True,
-        "doc": "the node's driver cannot serve CUDA (missing, mismatched, too old, or no usable GPU)",
+        "doc": "the node's driver cannot serve CUDA (missing, mismatched, too old, or no usable GPU; the "
+        "kernel's probe of the GPU failed)",
     },
     {
         "name": "fabric_manager_down",
@@ -657,7 +660,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "status": "illegal_memory_access",
         "pattern": r"illegal memory access|CUDA_ERROR_ILLEGAL_ADDRESS|cudaErrorIllegalAddress|"
         r"misaligned address"
-        r"|Warp (?:Illegal|Out-of-range|Misaligned) Address",
+        r"|Warp (?:Illegal|Out-of-range|Misaligned) Address"
+        r"|\bIllegal address in (?:cu[A-Z]\w*|CUDA)\b"
+        r"|\bCuError\(code=700\b",  # CUDA.jl's error object: 700 is CUDA_ERROR_ILLEGAL_ADDRESS
         "ignore_case": True,
     },
     {
@@ -703,7 +708,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|nvrtc: error|NVRTC_ERROR"
         r"|\bcuda[A-Z]\w*(?:\(\))? failed"
         r"|^!!!! kernel execution error\."
-        r"|Exception raised from create\w*Handle\b",  # c10's context line: a handle pool's CUDA call failed
+        r"|Exception raised from create\w*Handle\b"
+        r"|Failed to (?:create CUDA context|load CUDA kernel)\b",  # c10's context line: a handle pool's CUDA call failed
         "ignore_case": True,
         "generic": True,
     },
@@ -809,13 +815,29 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "a worker failed",
     },
     {
+        "name": "mpi_daemon_lost",
+        "status": "lost_connection",
+        "pattern": r"ORTE has lost communication with (?:its|a remote) daemon",
+        "secondary": True,
+        "doc": "Open MPI's launcher lost the daemon of another node (the next lines name it): a node of "
+        "the job is gone, but this line is printed elsewhere, so it is secondary",
+    },
+    {
+        "name": "launcher_ssh_unreachable",
+        "status": "other_network_error",
+        "pattern": r"\bwas not reachable via ssh\b"
+        r"|Command '\[?'ssh [^']*'\]?' returned non-zero exit status 255\b",
+        "doc": "a launcher (DeepSpeed's runner, a hostfile check) could not reach a host over ssh "
+        "(ssh exits 255 for its own failures): a network or configuration error before training",
+    },
+    {
         "name": "launcher_child_failed",
         "status": "exited_abnormally",
         "pattern": r"exits with return code = -?\d+|returned non-zero exit status -?\d+|"
         r"died with <Signals\.SIG\w+|exited with (?:exit )?code [1-9]\d*|ssh exited with exit code"
         r"|Received \S+ death signal"
         r"|forcing job termination"
-        r"|\bexit (?:code|status)\s*[:=]?\s*(?:[1-9]\d*|-\d+)\b"
+        r"|\bexit (?:code|status)\s*[:=]?\s*(?:[1-9]\d*|-\d+|0x0*[1-9a-f][0-9a-f]*)\b"
         r"|\berror code -(?:4|6|7|8|9|11)\b",
         "secondary": True,
         "doc": "a launcher reporting that a worker exited with an error (DeepSpeed 'exits with return code "
@@ -868,7 +890,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "ray_node_dead",
         "status": "lost_connection",
-        "pattern": r"\bmarked (?:as )?dead because .*\bmissed too many heartbeats",
+        "pattern": r"\bmarked (?:as )?dead because .*\bmissed too many heartbeats"
+        r"|node_manager\.cc:\d+: This node has bee[nm] marked as dead",  # 'beem': Ray's own spelling
         "secondary": True,
         "doc": "Ray's head declared a node dead after missing its heartbeats: a node of the job is lost, "
         "but the line names another node than the one that printed it, so it is secondary (unicorn's "
@@ -1103,7 +1126,11 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "error_level_line",
         "status": "other_software_error",
-        "pattern": _each(r"^\s*@:[\w.]*:|\[@\]", "ERROR", "CRITICAL", "FATAL") + r"|\[Errno \d+\]",
+        "pattern": _each(r"^\s*@:[\w.]*:|\[@\]", "ERROR", "CRITICAL", "FATAL")
+        + r"|\[Errno \d+\]"
+        # logging's and loguru's '%(asctime)s %(levelname)s' formats: '2023-08-16 16:27:36 ERROR [main] ...',
+        # '2022-07-06 10:48:08 | ERROR | module:98 - ...'
+        + r"|^\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\s+(?:\|\s+)?(?:ERROR|CRITICAL|FATAL)\s+[\[|]",
         "generic": True,
         "doc": "a Python logging line at ERROR level, or an OS error ('[Errno 2] No such file or "
         "directory'), "

@@ -1,9 +1,10 @@
 """The built-in rules against the real-line corpus (tests/detect/data/corpus/, README there).
 
 Rules are written from the train and dev sets and, since 2026-11-29, from the spent blind
-sets of 2026-11-25 (``fresh/``) and 2026-11-29 (``blind2/``, spent in session 26). The blind
-set (``blind3/``) is read by the bench (scripts/bench/classify.py) alone, and only its
-aggregate figures are checked here, so a failure never prints a blind line.
+sets of 2026-11-25 (``fresh/``) and 2026-11-29 (``blind2/``, spent in session 26; ``blind3/``,
+spent in session 27). The blind set (``blind4/``) is read by the bench
+(scripts/bench/classify.py) alone, and only its aggregate figures are checked here, so a
+failure never prints a blind line.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from detect.classify import Classifier, load_classifier
 
 REPO = Path(__file__).resolve().parents[2]
 
-HELD_OUT_STATUS_FLOOR = 0.85
-"""The blind set's status accuracy (``corpus/blind3/*-errors``) measured when the rules were
-last changed (0.864 on 140 lines, session 26; 0.850 with the rules before that session's),
-less a small margin: a regression fails."""
-HELD_OUT_BENIGN_FIRES_CEILING = 4
-"""Blind benign lines classified SEV1/SEV2 when the rules were last changed (4 of 160,
-session 26, the same before that session's rules; not read). More fails."""
+HELD_OUT_STATUS_FLOOR = 0.77
+"""The blind set's status accuracy (``corpus/blind4/*-errors``) measured when the rules were
+last changed (0.779 on 163 lines, session 27, with the rules written from blind3's misses;
+blind3 itself was 0.864 blind), less a small margin: a regression fails."""
+HELD_OUT_BENIGN_FIRES_CEILING = 12
+"""Blind benign lines classified SEV1/SEV2 when the rules were last changed (12 of 172,
+session 27; not read). More fails."""
 DEV_STATUS_FLOOR = 0.91
 """The dev set's status accuracy (the first held-out half and the second batch's hash half,
 both read to write rules on 2026-11-25: 0.922 on 205 lines), less a small margin."""
@@ -262,6 +263,57 @@ def test_known_blind2_misses_name_one_line_each() -> None:
     _each_known_names_one_line(BLIND2, KNOWN_BLIND2_MISSES, KNOWN_BLIND2_BENIGN_FIRES)
 
 
+_DATALOADER = (
+    "exited_abnormally",
+    "SEV2",
+    "labelled other_software_error by its collector; the earlier sets label a DataLoader worker's "
+    "death (shared memory too small) exited_abnormally, and the rules keep one label for one "
+    "message (the same severity: a restart in place)",
+)
+_SHUTDOWN_NOISE = (
+    "the exception line of an 'Exception ignored in' report at shutdown: only the agent's stream "
+    "context (detect.unraisable) tells it from a crash"
+)
+KNOWN_BLIND3_MISSES: dict[str, tuple[str, str | None, str]] = {
+    # blind3 lines (the third blind set, read for rules in session 27), by their text without
+    # leading blanks: what we give them, and why
+    "D D D D D D D D D D D D": (
+        "none",
+        None,
+        "a row of dcgmi's NVLink status table (D: down); alone, a line of letters is no evidence",
+    ),
+    "RuntimeError: DataLoader worker (pid(s) 25) exited unexpectedly": _DATALOADER,
+    "RuntimeError: DataLoader worker (pid 46794) is killed by signal: Bus error.": _DATALOADER,
+    "[1,0]<stderr>:ERROR: Unexpected bus error encountered in worker.": _DATALOADER,
+    "No such file or directory: 'megatron-bert-cased_encoder_config.json'": (
+        "none",
+        None,
+        "a bare OS message, without the exception's name or errno: tools print it and go on",
+    ),
+}
+KNOWN_BLIND3_BENIGN_FIRES: dict[str, str] = {
+    "| Warning                   | GPU 0GPU 0's NvLink link 0 is currently down": (
+        "dcgmi diag's warning on a system without NVLink (its thread: the diagnostic wrongly "
+        "expects links); on a node whose links carry the job, a link down is a fault"
+    ),
+    "AttributeError: imgs": _SHUTDOWN_NOISE,
+    "AttributeError: 'DeepSpeedCPUAdam' object has no attribute 'ds_opt_adam'": _SHUTDOWN_NOISE,
+    "AttributeError: 'NoneType' object has no attribute 'is_available'": _SHUTDOWN_NOISE,
+}
+BLIND3 = BENCH.load("blind3/*-errors") + BENCH.load("blind3/*-benign")
+
+
+@pytest.mark.parametrize("line", BLIND3, ids=[f"{i}-{line.status}" for i, line in enumerate(BLIND3)])
+def test_blind3_line_classifies_as_labelled(classifier: Classifier, line: Any) -> None:
+    """The third blind set, spent once a newer one existed: its misses were read to write
+    rules (session 27), and every line now classifies as labelled or as named here."""
+    _spent_line_ok(classifier, line, KNOWN_BLIND3_MISSES, KNOWN_BLIND3_BENIGN_FIRES)
+
+
+def test_known_blind3_misses_name_one_line_each() -> None:
+    _each_known_names_one_line(BLIND3, KNOWN_BLIND3_MISSES, KNOWN_BLIND3_BENIGN_FIRES)
+
+
 @pytest.mark.parametrize("line", TRAIN, ids=[f"{i}-{line.status}" for i, line in enumerate(TRAIN)])
 def test_train_line_classifies_as_labelled(classifier: Classifier, line: Any) -> None:
     result = classifier.classify_line(line.text)
@@ -325,7 +377,7 @@ def test_bench_prints_one_json_object_without_held_out_lines() -> None:
     } <= set(doc)
     held_out = {
         line.text
-        for name in ("errors-heldout", "benign-heldout", "fresh/*", "blind2/*", "blind3/*")
+        for name in ("errors-heldout", "benign-heldout", "fresh/*", "blind2/*", "blind3/*", "blind4/*")
         for line in BENCH.load(name)
     }
     assert not any(text in done.stderr for text in held_out if len(text) > 20)

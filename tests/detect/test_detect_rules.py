@@ -29,7 +29,7 @@ REAL_LINES: list[tuple[str, str, str]] = [
     for entry in tomllib.loads((DATA / "real-log-lines.toml").read_text())["line"]
 ]
 CORPUS_TRAIN: list[str] = [  # the rules' sources: train, the spent first held-out half ("dev"),
-    # and the spent blind sets (fresh/, blind2/); never the blind set (blind3/)
+    # and the spent blind sets (fresh/, blind2/, blind3/); never the blind set (blind4/)
     str(entry["text"])
     for path in [
         *(
@@ -38,6 +38,7 @@ CORPUS_TRAIN: list[str] = [  # the rules' sources: train, the spent first held-o
         ),
         *sorted((DATA / "corpus" / "fresh").glob("*.toml")),
         *sorted((DATA / "corpus" / "blind2").glob("*.toml")),
+        *sorted((DATA / "corpus" / "blind3").glob("*.toml")),
     ]
     if path.exists()
     for entry in tomllib.loads(path.read_text())["line"]
