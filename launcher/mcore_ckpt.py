@@ -64,11 +64,11 @@ from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ckpt.dcp import MemoryStorageReader, MemoryStorageWriter
-from ckpt.errors import InvalidArgument
+from ckpt.errors import InvalidArgument, RestoreFailed
 from launcher import ckptagent
-from launcher.megatron import SKIPPED_FILE, rollback_load, skipped_ranges
+from launcher.megatron import SKIPPED_FILE, TRACKER_FILE, rollback_load, skipped_by, skipped_ranges
 from launcher.trainer.config import SnapshotOptions, format_ranges, parse_peers, skipped_before
-from launcher.trainer.snapshots import MemoryCheckpoints, tier_dirs
+from launcher.trainer.snapshots import MemoryCheckpoints, all_ranks, tier_dirs
 from unicorn_core.logs import get_logger
 
 BACKEND: Final = "unicorn_mem"
@@ -180,7 +180,10 @@ class MemoryLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):  # type: ign
             allow_shape_mismatch_sharded_tensors={t.key: t for t in tensors if t.allow_shape_mismatch},
         )
         memory = self.tiers.memory()
-        shards, sources = memory.open_version(iteration)
+        try:
+            shards, sources = memory.open_version(iteration)
+        except RestoreFailed as exc:
+            raise RestoreFailed(f"{exc}; {fall_back(memory, Path(checkpoint_dir), iteration)}", None) from exc
         reader = MemoryStorageReader([memory.snap], iteration, shards=shards)
         try:
             state_dict_loader.load(state, storage_reader=reader, planner=planner)
@@ -222,6 +225,43 @@ class MemoryLoadStrategy(mcore_torch.TorchDistLoadShardedStrategy):  # type: ign
     def check_version_compatibility(self, loaded_version: int) -> None:
         if loaded_version != VERSION:
             raise InvalidArgument(f"{BACKEND} version {loaded_version}; this strategy reads {VERSION}")
+
+
+def fall_back(memory: MemoryCheckpoints, checkpoint_dir: Path, iteration: int) -> str:
+    """After ``iteration`` could not be restored (``open_version`` fails on every rank
+    together): point Megatron-LM's tracker at the newest older version that every rank can
+    restore, so the next launch loads it; returns what was done, for the error. Collective.
+
+    A shard saved into the memory tier exists only there (the folder holds metadata), and its
+    copies to other nodes follow the save by the agent's seal, persist and push: a node killed
+    in that window takes the only copy of its shard with it, after rank 0 has already written
+    the tracker. Megatron-LM loads the tracker's version and nothing else, so every later
+    launch would fail the same way (a CI run of the node-kill system test: the relaunch and
+    its restart in place died at load, and the task waited out the restart timeout). The
+    version moved back to is one of this run's past (:func:`launcher.megatron.rollback_load`'s
+    rule for skipped data). Only the tracker changes, and only when it names ``iteration``
+    and the command gives no ``--ckpt-step``."""
+    save_dir = checkpoint_dir.parent
+    tracker = save_dir / TRACKER_FILE
+    try:
+        named: int | None = int(tracker.read_text().strip())
+    except (OSError, ValueError):
+        named = None
+    if named != iteration or "--ckpt-step" in sys.argv:
+        return f"Megatron-LM was asked for iteration {iteration} ({tracker} names {named}): tracker left"
+    skip = skipped_ranges(sys.argv)
+    for older in (i for i in memory.candidates() if i < iteration):
+        ours = skipped_by(save_dir, older) == format_ranges(skipped_before(skip, older))
+        on_disk = (save_dir / f"iter_{older:07d}" / "metadata.json").is_file()
+        if not all_ranks(ours and on_disk) or not memory.restorable(older):
+            continue
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            staged = tracker.with_name(f".{TRACKER_FILE}.unicorn")
+            staged.write_text(f"{older}\n")
+            staged.replace(tracker)
+        log.warning("megatron checkpoint unrestorable; tracker moved back", iteration=iteration, to=older)
+        return f"{tracker} now names {older}, the newest version all ranks restore: the next launch loads it"
+    return f"no older version every rank can restore; {tracker} still names {iteration}"
 
 
 _ORIGINAL_REGISTER: Final[Callable[[], None]] = mcore_torch.register_default_torch_strategies

@@ -184,7 +184,7 @@ class MemoryCheckpoints:
         back replaces) is passed over with its reason, so the ranks restore the newest
         version older than the bad data, at this launch and at every later one."""
         skipped: list[str] = []
-        for iteration in self._candidates():
+        for iteration in self.candidates():
             if (exactly is not None and iteration != exactly) or (
                 at_least is not None and iteration < at_least
             ):
@@ -217,17 +217,27 @@ class MemoryCheckpoints:
         and where each came from (over all ranks). Collective. ``RestoreFailed`` on every
         rank when any rank lacks one; the caller closes the shards (``MemoryStorageReader``)."""
         shards, sources, reason = self._open_all(iteration)
-        if not _all_ranks(shards is not None):
+        if not all_ranks(shards is not None):
             _close(shards)
             raise RestoreFailed(reason or "another rank lacks a verified shard", None)
         assert shards is not None
         return shards, _merge_sources(sources)
 
+    def restorable(self, iteration: int) -> bool:
+        """Whether every saved shard of ``iteration`` opens verified on every rank (the shards
+        are closed again). Collective, like :meth:`open_version`."""
+        try:
+            shards, _ = self.open_version(iteration)
+        except RestoreFailed:
+            return False
+        _close(shards)
+        return True
+
     def tiers(self) -> Iterator[TierDir]:
         """This node's tier folders, nearest first (:func:`tier_dirs`)."""
         yield from self._tiers
 
-    def _candidates(self) -> list[int]:
+    def candidates(self) -> list[int]:
         """Every iteration some rank sees in its tiers, newest first (the same list on every rank)."""
         mine = sorted({i for tier in self.tiers() for i in tier.iterations()})
         if not dist.is_initialized():
@@ -342,7 +352,7 @@ def _close(shards: Mapping[int, OpenShard] | None) -> None:
         shard.close()
 
 
-def _all_ranks(ok: bool) -> bool:
+def all_ranks(ok: bool) -> bool:
     """Whether ``ok`` holds on every rank (a MIN all-reduce)."""
     return bool(_reduced(1 if ok else 0, dist.ReduceOp.MIN))
 

@@ -121,3 +121,34 @@ def test_memory_tier_runner_reads_the_agents_environment(
         monkeypatch.delenv(name, raising=False)
     main([str(script), str(out), "--tp", "2"])  # no memory tier in this environment: runs untouched
     assert out.read_text() == f"__main__ {script} {out} --tp 2"
+
+
+def test_a_version_no_rank_can_restore_moves_the_tracker_back_to_one_all_can(tmp_path: Path) -> None:
+    """A node killed between its save into memory and its shard's copy to a peer takes the
+    only copy with it; Megatron-LM's tracker already names that version, and Megatron loads
+    nothing else. The load fails on every rank, says why, and points the tracker at the newest
+    version every rank can restore, which the next launch loads (same loss as when saved).
+    Found by a CI run of the node-kill system test, whose relaunch and restart both died."""
+    snap = tmp_path / "shm" / "snap"
+    env = {"UNICORN_CKPT_SNAP_DIR": str(snap), "UNICORN_CKPT_JOB": "mcore"}
+    save = tmp_path / "save"
+    at_3 = mcore(
+        4, "train", "--tp=2", "--pp=2", "--steps=3", f"--ckpt={save / 'iter_0000003'}", "--memory", env=env
+    )
+    mcore(4, "train", "--tp=2", "--pp=2", "--steps=5", f"--ckpt={save / 'iter_0000005'}", "--memory", env=env)
+    tracker = save / "latest_checkpointed_iteration.txt"
+    tracker.write_text("5\n")  # what Megatron-LM's rank 0 writes once every rank has saved
+    lost = sorted((snap / "mcore" / "it-000000000005").glob("shard-00001.*"))
+    assert lost
+    for path in lost:  # rank 1's node died before its agent copied the shard anywhere
+        path.unlink()
+    args = ("eval", "--tp=1", "--pp=2", "--memory")
+    out = mcore(2, *args, f"--ckpt={save / 'iter_0000005'}", env=env, ok=False)
+    assert isinstance(out, str) and "now names 3" in out, out[-3000:]
+    assert tracker.read_text() == "3\n"
+    assert mcore(2, *args, f"--ckpt={save / 'iter_0000003'}", env=env) == pytest.approx(at_3, rel=1e-6)
+    # Nothing older to move to: the tracker stays, and the error says so.
+    for path in (snap / "mcore" / "it-000000000003").glob("shard-00002.*"):
+        path.unlink()
+    out = mcore(2, *args, f"--ckpt={save / 'iter_0000003'}", env=env, ok=False)
+    assert isinstance(out, str) and "no older version" in out and tracker.read_text() == "3\n", out[-3000:]
