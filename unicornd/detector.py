@@ -82,6 +82,9 @@ class JobEvidence:
     agent_epoch: int = 0
     """For a silence (source ``heartbeat``): :meth:`Detector.agent_epoch` when it was found;
     a probe's verdict stands only if it has not changed since."""
+    current_launch: bool = False
+    """An exit, exception or fault report stamped with the launch this unicornd last
+    commanded on its node: the ranks that launch started, not ones it replaced."""
 
     @property
     def classification(self) -> Classification:
@@ -440,7 +443,10 @@ class Detector:
         # A NaN the training names in words (Megatron-LM's rerun state machine, in a log line,
         # the rank's exception or its exit's output) rolls back like a NaN loss report.
         iteration = named_iteration(c.evidence) if c.status is ErrorStatus.NAN_LOSS else None
-        return [JobEvidence(msg.job_id, Evidence(msg.node, rank, now_s, c, source), iteration=iteration)]
+        launch = msg.launch_id if isinstance(msg, ProcessExit | ExceptionReport | FaultReport) else ""
+        current = bool(launch) and self._launches.get((msg.job_id, msg.node)) == launch
+        evidence = Evidence(msg.node, rank, now_s, c, source)
+        return [JobEvidence(msg.job_id, evidence, iteration=iteration, current_launch=current)]
 
     def _teardown_noise(self, msg: Message, c: Classification) -> bool:
         """A SEV3 log line after the run's last iteration. Found in CI: the ranks tear their

@@ -355,6 +355,7 @@ class AgentInputs:
             iteration=jf.iteration,
             span=jf.span,
             launch_id=jf.launch_id,
+            current_launch=jf.current_launch,
         )
         if finding is None:
             return

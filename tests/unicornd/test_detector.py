@@ -438,8 +438,10 @@ def test_the_exits_and_errors_of_replaced_ranks_are_no_finding() -> None:
     assert d.on_message(killed("n2", first.action_id), 20.0) == []  # its agent was stopped
     assert d.stale_reports == 4
     for fresh in (killed("n1", shrink.action_id), raised(shrink.action_id), line(shrink.action_id)):
-        assert len(d.on_message(fresh, 21.0)) == 1, fresh
-    assert len(d.on_message(killed("n1", ""), 22.0)) == 1  # unknown launch: it counts
+        (found,) = d.on_message(fresh, 21.0)
+        assert found.current_launch, fresh  # the ranks the shrink started: its own failure
+    (unknown,) = d.on_message(killed("n1", ""), 22.0)  # unknown launch: it counts, as no one's
+    assert not unknown.current_launch
 
 
 def test_a_failed_restart_or_stop_leaves_the_old_ranks_reports_counting() -> None:

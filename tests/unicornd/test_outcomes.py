@@ -105,6 +105,21 @@ def test_the_consequence_of_a_restart_replayed_after_a_takeover_is_absorbed() ->
     assert after.incidents["a.1"].attempts_at(L.RESTART_PROCESSES) == 1
 
 
+def test_a_rank_of_the_restart_itself_that_dies_fails_the_restart_at_once() -> None:
+    """The same exit 5 s after the restart was performed, but stamped with the restart's own
+    launch: the ranks it started died (a checkpoint no rank could load, in CI), not the ones it
+    replaced (those are stamped with the launch before and the detector drops them). Absorbed,
+    the task had no ranks until restart_timeout_s; it climbs at once."""
+    snap, cmd = restarting()
+    sent = Outcome(cmd, Outcome.AGENT_COMMAND, OutcomeStatus.DONE, "restart_ranks sent")
+    snap = apply(snap, on_outcome(snap, sent, T0 + 8))
+    died = finding("f2", 1, "n1", ErrorStatus.EXITED_ABNORMALLY, rank_died=True, confirmed_by="")
+    assert not on_finding(snap, died, T0 + 13).actions  # unknown or replaced launch: absorbed
+    d = on_finding(snap, replace(died, current_launch=True), T0 + 13)
+    after = apply(snap, d).incidents["a.1"]
+    assert d.actions and after.attempts_at(L.RESTART_PROCESSES) == 2, (d.notes, after.stage)
+
+
 def test_a_command_that_keeps_failing_to_start_asks_the_operator_and_drains_nothing() -> None:
     snap, _ = restarting()
     pol = snap.policy

@@ -101,7 +101,8 @@ class Finding:
     unconfirmed silence). Only a confirmed finding can drain a node. ``iteration``,
     ``span``, ``launch_id``: for a finding from an iteration report (loss health), the
     report's iteration, the iterations it covers, and the action that started the
-    reporting ranks ("" unknown).
+    reporting ranks ("" unknown). ``current_launch``: the report is stamped with the launch
+    unicornd last commanded on its node (its ranks were started by it, not replaced by it).
     """
 
     finding_id: str
@@ -118,6 +119,7 @@ class Finding:
     iteration: int | None = None
     span: int = 1
     launch_id: str = ""
+    current_launch: bool = False
 
     def __post_init__(self) -> None:
         if not self.finding_id:
@@ -151,6 +153,7 @@ class Finding:
         iteration: int | None = None,
         span: int = 1,
         launch_id: str = "",
+        current_launch: bool = False,
     ) -> Finding | None:
         """A finding from a classification; None when it is benign (no severity)."""
         if classification.severity is None:
@@ -170,6 +173,7 @@ class Finding:
             iteration=iteration,
             span=span,
             launch_id=launch_id,
+            current_launch=current_launch,
         )
 
 

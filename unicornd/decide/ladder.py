@@ -579,7 +579,12 @@ def _update_incident(draft: Draft, task: TaskRecord, inc: Incident, finding: Fin
         draft.put(replace(inc, last_action_s=draft.now_s))
         draft.notes.append(f"{inc.incident_id}: agent on {finding.node} gone during the restart; new agent")
         return
-    if finding.secondary or (settling and RUNG_LEVEL[wanted] <= RUNG_LEVEL[inc.stage]):
+    # A rank of the launch or restart just ordered that dies is that action failing, never its
+    # consequence (the ranks it replaced report under their own launch, and the detector
+    # drops those). Absorbed, it left the task without ranks until the rung's timeout: seen in
+    # CI, a restart's ranks died at load 8 s after it and nothing happened for 180 s.
+    own_failure = finding.rank_died and finding.current_launch
+    if finding.secondary or (settling and not own_failure and RUNG_LEVEL[wanted] <= RUNG_LEVEL[inc.stage]):
         draft.put(inc)
         why = "secondary" if finding.secondary else f"within {draft.policy.settle_s:g} s of the last action"
         draft.notes.append(f"{inc.incident_id}: {where} absorbed ({why})")
