@@ -157,6 +157,67 @@ def test_node_kill_resumes_megatron_at_a_new_layout_from_memory(cluster: DevClus
         )
 
 
+def ckpt_agent_pid(job: int, node: str, prefix: str) -> int:
+    """The pid of ``node``'s checkpoint agent of ``job`` (``python -m launcher.ckptagent``)."""
+    want = ["--job-id", str(job), "--node", node, "--scope", prefix]
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "launcher.ckptagent" in args and all(w in args for w in want):
+            return int(entry.name)
+    raise AssertionError(f"no checkpoint agent of job {job} on {node}")
+
+
+@pytest.mark.timeout(900)
+def test_a_node_killed_before_its_last_save_left_it_resumes_from_the_save_before(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    """The race behind stop 39's CI failure, made certain: n2's checkpoint agent is stopped
+    after the save at 10 reached its peer, so the save at 15 never leaves n2; the tracker says
+    15 when n2 is killed. The relaunch at DP3 cannot load 15 (rank 1's shard is gone with
+    n2): its load points the tracker at 10 and fails, that failure climbs at once (the
+    relaunch's own ranks died), and the restart resumes from 10 to the end."""
+    with coordinator(cluster, tmp_path, **tiers_env(tmp_path), **PLAN_ENV) as c, logs_kept(c, tmp_path):
+        job = submit_megatron(c, tmp_path, "mk", 4)
+        task_id = f"mk.{job}"
+        snap = c.wait(
+            lambda s: running(s, task_id, 2 * SAVE_INTERVAL), "Megatron-LM past its second save", 300
+        )
+        before = snap.tasks[task_id]
+        victim, backup = before.nodes[1], before.nodes[2]
+        copied = tmp_path / "shm" / backup / "peer"
+        until(
+            lambda: any(copied.glob(f"*/it-{2 * SAVE_INTERVAL:012d}/shard-00001.done")),
+            "save 10 at its peer",
+            60,
+        )
+        os.kill(ckpt_agent_pid(job, victim, c.keys.prefix), signal.SIGSTOP)
+        tracker = tmp_path / "ckpt" / "latest_checkpointed_iteration.txt"
+        until(lambda: tracker.read_text().strip() == str(3 * SAVE_INTERVAL), "the tracker at 15", 120)
+        cluster.script("kill-node", victim)
+        try:
+            snap = c.wait(
+                lambda s: (
+                    running(s, task_id, before.last_iteration or 0) and victim not in s.tasks[task_id].nodes
+                ),
+                "Megatron-LM training again without the killed node",
+                300,
+            )
+        finally:
+            cluster.script("revive-node", victim)
+        until(lambda: not job_active(cluster, job), "the Megatron-LM job to finish", 300)
+        fields = job_fields(cluster, job)
+        assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output(tmp_path, job)
+        logs = all_logs(c, job, before.nodes)
+        assert any("tracker moved back" in log for log in logs.values()), logs
+        resumed = [r for log in logs.values() for r in runs(log) if r.steps and r.loaded is not None]
+        assert resumed and resumed[-1].loaded == 2 * SAVE_INTERVAL, [r.loaded for r in resumed]
+        assert resumed[-1].steps[-1].iteration == ITERATIONS
+        cluster.slurm("scontrol", "update", f"nodename={victim}", "state=resume", check=False)
+
+
 _TELLING = ("Error", "error:", "Exception", "Timeout", "timed out", "restore", "Killed", "Signal")
 
 
