@@ -708,8 +708,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|nvrtc: error|NVRTC_ERROR"
         r"|\bcuda[A-Z]\w*(?:\(\))? failed"
         r"|^!!!! kernel execution error\."
-        r"|Exception raised from create\w*Handle\b"
-        r"|Failed to (?:create CUDA context|load CUDA kernel)\b",  # c10's context line: a handle pool's CUDA call failed
+        r"|Exception raised from create\w*Handle\b"  # c10's context line: a handle pool's CUDA call failed
+        r"|Failed to (?:create CUDA context|load CUDA kernel)\b",
         "ignore_case": True,
         "generic": True,
     },

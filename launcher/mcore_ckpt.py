@@ -247,7 +247,8 @@ def fall_back(memory: MemoryCheckpoints, checkpoint_dir: Path, iteration: int) -
         named: int | None = int(tracker.read_text().strip())
     except (OSError, ValueError):
         named = None
-    if named != iteration or "--ckpt-step" in sys.argv:
+    # The same answer on every rank, so every rank makes the same collective calls below.
+    if not all_ranks(named == iteration) or any(a.partition("=")[0] == "--ckpt-step" for a in sys.argv):
         return f"Megatron-LM was asked for iteration {iteration} ({tracker} names {named}): tracker left"
     skip = skipped_ranges(sys.argv)
     for older in (i for i in memory.candidates() if i < iteration):
@@ -259,6 +260,8 @@ def fall_back(memory: MemoryCheckpoints, checkpoint_dir: Path, iteration: int) -
             staged = tracker.with_name(f".{TRACKER_FILE}.unicorn")
             staged.write_text(f"{older}\n")
             staged.replace(tracker)
+        if dist.is_initialized():
+            dist.barrier()  # moved before any rank fails (torchrun then ends them all)
         log.warning("megatron checkpoint unrestorable; tracker moved back", iteration=iteration, to=older)
         return f"{tracker} now names {older}, the newest version all ranks restore: the next launch loads it"
     return f"no older version every rank can restore; {tracker} still names {iteration}"

@@ -343,16 +343,18 @@ class Decision:
         """This decision followed by ``later`` (decided on the snapshot this one leaves):
         actions in order, records upserted with ``later``'s winning."""
 
-        def merged(a: tuple[Any, ...], b: tuple[Any, ...], key: str) -> tuple[Any, ...]:
-            out = {getattr(r, key): r for r in a}
+        def merged(
+            a: tuple[Any, ...], b: tuple[Any, ...], key: str, dropped: tuple[str, ...] = ()
+        ) -> tuple[Any, ...]:
+            out = {getattr(r, key): r for r in a if getattr(r, key) not in dropped}
             out.update({getattr(r, key): r for r in b})
             return tuple(out.values())
 
         return Decision(
             actions=(*self.actions, *(a for a in later.actions if a.action_id not in self.action_ids())),
-            tasks=merged(self.tasks, later.tasks, "task_id"),
+            tasks=merged(self.tasks, later.tasks, "task_id", later.drop_tasks),
             nodes=merged(self.nodes, later.nodes, "name"),
-            incidents=merged(self.incidents, later.incidents, "incident_id"),
+            incidents=merged(self.incidents, later.incidents, "incident_id", later.drop_incidents),
             notes=(*self.notes, *later.notes),
             plan_generation=later.plan_generation
             if later.plan_generation is not None

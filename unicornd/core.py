@@ -51,6 +51,8 @@ def _progress_only(before: Snapshot, decision: Decision) -> bool:
     the mark, so the entries delivered again after a crash measure exactly what was lost)."""
     if decision.actions or decision.nodes or decision.incidents or decision.cancels:
         return False
+    if decision.drop_tasks or decision.drop_incidents:
+        return False
     if decision.plan_generation is not None or decision.plan_basis is not None:
         return False
     for task in decision.tasks:

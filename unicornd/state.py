@@ -361,9 +361,9 @@ class TaskRecord(_Record):
     so adding nodes to it is a requeue (:func:`unicornd.replan.plan_transition`).
     ``gpu_types``: the GPU types (Slurm's GRES type names) it may run on; empty: any. A
     task is planned on nodes of one type only (:func:`unicornd.replan.pools`).
-    ``ended_s``: when its job's end made it finished or failed (None before; a record
-    written before the field existed has none); the record is dropped
-    :data:`KEEP_ENDED_S` after it (:func:`unicornd.decide.ladder.on_tick`).
+    ``ended_s``: when it became finished, failed or stopped (None before; a record written
+    before the field existed has none); the record is dropped :data:`KEEP_ENDED_S` after
+    it (:func:`unicornd.decide.ladder.on_tick`).
     """
 
     task_id: str
@@ -769,15 +769,14 @@ class Snapshot:
 
     def expired(self, now_s: float) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(task ids, incident ids) whose time in the snapshot is over: incidents closed
-        :data:`KEEP_CLOSED_S` ago, and tasks finished or failed :data:`KEEP_ENDED_S` ago
-        with every incident of theirs (none open: a task ends with its incident closed).
+        :data:`KEEP_CLOSED_S` ago, and tasks that ended (finished, failed, stopped)
+        :data:`KEEP_ENDED_S` ago with every incident of theirs, unless one is still open (a
+        task the breaker stopped waits for the operator).
         A task without ``ended_s`` (written before it existed) stays."""
         ended = {
             t.task_id
             for t in self.tasks.values()
-            if t.state in (TaskState.FINISHED, TaskState.FAILED)
-            and t.ended_s is not None
-            and now_s - t.ended_s >= KEEP_ENDED_S
+            if t.state in ENDED_STATES and t.ended_s is not None and now_s - t.ended_s >= KEEP_ENDED_S
         }
         ended -= {i.task_id for i in self.incidents.values() if i.is_open}
         incidents = tuple(

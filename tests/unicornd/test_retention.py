@@ -47,9 +47,9 @@ def cluster() -> Snapshot:
     tasks = [
         task("done", 1, [], **ended),
         task("failed", 2, [], **{**ended, "state": TaskState.FAILED}),
-        task("stopped", 3, [], state=TaskState.STOPPED),  # an operator may still act on it
+        task("stopped", 3, [], state=TaskState.STOPPED, ended_s=T0),  # scancel, time limit
         task("old", 4, [], state=TaskState.FINISHED),  # written before ended_s existed
-        task("open", 5, [], **ended),  # ended, yet an incident of it is open
+        task("open", 5, [], **{**ended, "state": TaskState.STOPPED}),  # stopped, waits for the operator
         task("live", 6, ["n1", "n2"]),
     ]
     return world(4, tasks).apply(
@@ -71,21 +71,38 @@ def test_nothing_is_dropped_before_its_day_is_over() -> None:
 def test_ended_tasks_go_with_their_incidents_and_closed_incidents_after_a_day() -> None:
     snap = cluster()
     tasks, incidents = snap.expired(T0 + DAY)
-    assert tasks == ("done", "failed")
+    assert tasks == ("done", "failed", "stopped")
     assert sorted(incidents) == ["done.1", "live.1", "node.n4.x"]
     after = decide.on_tick(snap, T0 + DAY).applied_to(snap)
-    assert set(after.tasks) == {"stopped", "old", "open", "live"}
+    assert set(after.tasks) == {"old", "open", "live"}
     assert set(after.incidents) == {"open.1"}
     assert after.tasks["live"] is snap.tasks["live"] and after.nodes is snap.nodes
     assert prune(snap, T0 + DAY) == after  # the load's rule is the ticker's
 
 
-def test_a_finished_task_records_when_it_ended() -> None:
-    snap = world(2, [task("a", 7, ["n1", "n2"])])
+def test_a_finished_or_stopped_task_records_when_it_ended() -> None:
+    snap = world(4, [task("a", 7, ["n1", "n2"]), task("b", 8, ["n3", "n4"])])
     after = decide.on_task_finished(snap, "a", T0, ok=True).applied_to(snap)
+    after = decide.on_task_stop(after, "b", T0 + 1, why="scancel").applied_to(after)
     assert after.tasks["a"].state is TaskState.FINISHED and after.tasks["a"].ended_s == T0
-    later = decide.on_tick(after, T0 + DAY).applied_to(after)
-    assert "a" not in later.tasks
+    assert after.tasks["b"].state is TaskState.STOPPED and after.tasks["b"].ended_s == T0 + 1
+    later = decide.on_tick(after, T0 + 1 + DAY).applied_to(after)
+    assert not later.tasks
+
+
+def test_a_drop_is_committed_at_once_and_wins_over_an_earlier_upsert() -> None:
+    """A decision that only drops records is no lazy progress commit (its note is logged and
+    the followers see it), and a drop after an upsert of the same record in one decision
+    leaves it dropped."""
+    from unicornd.actions import Decision
+    from unicornd.core import _progress_only
+
+    snap = cluster()
+    drop = decide.on_tick(snap, T0 + DAY)
+    assert drop.drop_tasks and not _progress_only(snap, drop)
+    upsert = Decision(tasks=(replace(snap.tasks["done"], weight=2.0),))
+    assert "done" not in upsert.then(drop).applied_to(snap).tasks
+    assert "done" in drop.then(upsert).applied_to(snap).tasks  # put back after the drop
 
 
 def test_a_dropped_record_is_deleted_from_redis(redis_url: str) -> None:
@@ -96,7 +113,7 @@ def test_a_dropped_record_is_deleted_from_redis(redis_url: str) -> None:
         decision = decide.on_tick(snap, T0 + DAY)
         after = decision.applied_to(snap)
         await store.commit(after)
-        assert await client.hlen(KEYS.state_records("tasks")) == 4
+        assert await client.hlen(KEYS.state_records("tasks")) == 3
         assert await client.hlen(KEYS.state_records("incidents")) == 1
         loaded = await read_snapshot(client, KEYS, Policy())
         assert loaded is not None and set(loaded.tasks) == set(after.tasks)
@@ -104,6 +121,6 @@ def test_a_dropped_record_is_deleted_from_redis(redis_url: str) -> None:
         # A record put back after the drop (a new task with a dropped one's id) is written again.
         again = after.apply(tasks=[replace(snap.tasks["done"], state=TaskState.PENDING, ended_s=None)])
         await store.commit(again)
-        assert await client.hlen(KEYS.state_records("tasks")) == 5
+        assert await client.hlen(KEYS.state_records("tasks")) == 4
 
     run(redis_url, body)

@@ -112,7 +112,7 @@ def _stop_task(draft: Draft, task: TaskRecord, inc: Incident, why: str) -> None:
     """Breaker tripped: ranks save and stop, the task is stopped, the operator is told."""
     inc = replace(inc.moved(_L.ESCALATED_TO_OPERATOR, draft.now_s), note=why, last_action_s=draft.now_s)
     draft.put(inc)
-    draft.put(draft.task(task.task_id).with_state(TaskState.STOPPED))
+    draft.put(replace(draft.task(task.task_id).with_state(TaskState.STOPPED), ended_s=draft.now_s))
     if task.job_id is not None:
         for node in task.nodes:
             if draft.node(node).health is NodeHealth.HEALTHY:

@@ -258,7 +258,7 @@ def on_task_stop(snapshot: Snapshot, task_id: str, now_s: float, *, why: str) ->
     if task.state in ENDED_STATES:
         return Decision()
     draft = Draft(snapshot, now_s)
-    draft.put(replace(task.with_state(TaskState.STOPPED), nodes=(), requeue=None))
+    draft.put(replace(task.with_state(TaskState.STOPPED), nodes=(), requeue=None, ended_s=now_s))
     for name in task.nodes:
         if task.job_id is not None:
             draft.stop_agent(f"task/{task_id}/stop/{name}", task.job_id, name)
