@@ -56,7 +56,7 @@ def _another_sessions(entry: Path) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # alive, another user's
     return True
 
 

@@ -215,7 +215,7 @@ _R = TypeVar("_R")
 KEEP_CLOSED_S: Final = 24 * 3600.0
 """How long a closed incident stays in the snapshot (the incidents stream keeps it)."""
 KEEP_ENDED_S: Final = 24 * 3600.0
-"""How long a finished or failed task stays in the snapshot after it ended
+"""How long a finished, failed or stopped task stays in the snapshot after it ended
 (:attr:`TaskRecord.ended_s`); the goodput ledger's history and the incidents stream keep
 what it did. Without a limit every task a cluster ever ran stays, and every decision and
 the ledger's every commit walk them all."""

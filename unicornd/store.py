@@ -40,15 +40,7 @@ from unicorn_core.errors import ProtocolError, RedisCallError, UnicornError
 from unicorn_core.keys import RedisKeys
 from unicorn_core.logs import get_logger
 from unicornd.actions import Action, action_from_dict, action_to_dict
-from unicornd.state import (
-    Calibration,
-    Incident,
-    NodeRecord,
-    PlanBasis,
-    Policy,
-    Snapshot,
-    TaskRecord,
-)
+from unicornd.state import Calibration, Incident, NodeRecord, PlanBasis, Policy, Snapshot, TaskRecord
 
 log = get_logger(__name__)
 
