@@ -442,6 +442,13 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "reaction; the task that failed has a line of its own ('task 58: Exited with exit code 1')",
     },
     {
+        "name": "srun_forcing_termination",
+        "status": "none",
+        "pattern": r"^srun: forcing job termination\s*$",
+        "doc": "srun ending the step after a task failed (its own line names it) or a second interrupt: "
+        "a reaction, not evidence",
+    },
+    {
         "name": "nccl_no_ib_fallback",
         "status": "none",
         "pattern": r"NCCL WARN Failed to open libibverbs",
@@ -533,7 +540,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|NVRM:\s+entry\s+function\s+data0"
         r"|Timeout after \d+s of waiting for RPC response"
         r"|rpcRecvPoll timedout"
-        r"|GSP-CrashCat Report",
+        r"|GSP-CrashCat Report"
+        r"|GSP-RM boot attempts exceeded",
         "ignore_case": True,
         "doc": "the driver's report of a failed GPU System Processor (the banner and crash dump it prints "
         "with Xid 119/120, RPC timeouts)",
@@ -647,6 +655,15 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "doc": "an NVLink link or error report (zero counts and healthy reports are vetoed above)",
     },
     {
+        "name": "drm_gpu_fault",
+        "status": "gpu_driver_error",
+        "pattern": r"\b(?:nouveau|amdgpu|lima|panfrost|i915|xe|msm)\b.*(?:\bmmu (?:page )?fault\b|"
+        r"\bchannel \d+ killed\b|\bring \w+ timeout\b|\bGPU reset begin\b|\bGPU HANG\b"
+        r"|\bVM_L2_PROTECTION_FAULT)",
+        "doc": "a kernel GPU driver other than NVIDIA's (nouveau, amdgpu, ...) reporting a GPU page fault, "
+        "a killed channel, a ring timeout or a reset",
+    },
+    {
         "name": "nvrm_failure",
         "status": "gpu_driver_error",
         "pattern": r"NVRM: .*\b(?:fail(?:ed|ure)?|error|timed out|timeout|Check failed)\b",
@@ -662,7 +679,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"misaligned address"
         r"|Warp (?:Illegal|Out-of-range|Misaligned) Address"
         r"|\bIllegal address in (?:cu[A-Z]\w*|CUDA)\b"
-        r"|\bCuError\(code=700\b",  # CUDA.jl's error object: 700 is CUDA_ERROR_ILLEGAL_ADDRESS
+        r"|\bCuError\(code=700\b"  # CUDA.jl's error object: 700 is CUDA_ERROR_ILLEGAL_ADDRESS
+        # cuda-memcheck's and compute-sanitizer's report of a bad access ('Address 0x10a8 is misaligned')
+        r"|^=+\s+Address 0x[0-9a-f]+ is (?:misaligned|out of bounds)",
         "ignore_case": True,
     },
     {
@@ -740,7 +759,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"Out of memory: Kill(?:ed)? process|invoked oom-killer|\boom-kill:|oom_reaper: reaped|"
         r"Memory cgroup out of memory|Detected \d+ oom[-_]kill event"
         r"|Exceeded (?:step|job) memory limit"
-        r"|\bKilled process \d+ \([^)]*\) total-vm:"
+        r"|\bKilled process \d+ \([^)]*\),? (?:UID \d+, )?total-vm:"
         r"|\b[1-9]\d* Workers? \(tasks / actors\) killed due to memory pressure \(OOM\)",
         "doc": "the kernel's OOM killer (host memory) killed a process",
     },
@@ -755,6 +774,30 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "status": "exited_abnormally",
         "pattern": r"\bBus error\b|SIGBUS",
         "ignore_case": True,
+    },
+    {
+        "name": "process_aborted",
+        "status": "exited_abnormally",
+        # glibc's heap checks abort the process with these words (malloc_printerr)
+        "pattern": r"^(?:free|munmap_chunk|malloc|realloc|malloc_consolidate|_int_free|_int_malloc)\(\): "
+        r"(?:invalid|corrupted|double free|unaligned|memory corruption)"
+        r"|^double free or corruption\b|^corrupted size vs\. prev_size\b"
+        r"|terminate called (?:without an active exception|recursively)"
+        # glog's and folly's fatal-signal handlers
+        r"|^\*\*\* Aborted at \d+ \(unix time\)|\bSIG(?:ABRT|SEGV|BUS|ILL|FPE)\(\d+\), PID: \d+"
+        r"|^Command terminated by signal \d+",  # GNU time
+        "doc": "a process aborted by the C library (heap corruption), the C++ runtime, or a fatal signal "
+        "as glog, folly or GNU time report it",
+    },
+    {
+        "name": "launcher_process_exit",
+        "status": "exited_abnormally",
+        "pattern": r"\bABORT!!! Out of all \d+ trainers\b"  # PaddlePaddle's launcher
+        r"|\bProcess \d+ exit with status code [1-9]\d*"  # Horovod's
+        r"|\bprocess \d+ exit with exception\b"  # MindSpore's
+        r"|\bExecuteUserScriptError\b",  # SageMaker: the user's script exited non-zero
+        "secondary": True,
+        "doc": "a launcher reporting that a worker it started exited with an error",
     },
     {
         "name": "mpi_bad_termination",
@@ -775,7 +818,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"\(core dumped\)|^\s*Killed\s*$|\bline \d+:\s+\d+ (?:Killed|Aborted)|"
         r"Signal \d+ \(SIG\w+\) received by PID|terminated with signal SIG\w+|"
         r"\bFloating point exception\b|\bIllegal instruction\b(?! was encountered)|"
-        r"DataLoader worker \(pids?\(?s?\)? ?[\d, ]+\) (?:is killed by signal|exited unexpectedly)"
+        r"DataLoader (?:worker|process) \(pids?\(?s?\)? ?[\d, ]+\) "
+        r"(?:exited )?(?:is killed by signal|exited unexpectedly)"
         r"|\*\*\* SIG\w+ received at time"
         r"|\(interrupted by signal \d+: SIG\w+\)"
         r"|\bOOMKilled\b"
@@ -836,7 +880,6 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"exits with return code = -?\d+|returned non-zero exit status -?\d+|"
         r"died with <Signals\.SIG\w+|exited with (?:exit )?code [1-9]\d*|ssh exited with exit code"
         r"|Received \S+ death signal"
-        r"|forcing job termination"
         r"|\bexit (?:code|status)\s*[:=]?\s*(?:[1-9]\d*|-\d+|0x0*[1-9a-f][0-9a-f]*)\b"
         r"|\berror code -(?:4|6|7|8|9|11)\b",
         "secondary": True,
@@ -884,6 +927,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "slurm_error",
         "status": "exited_abnormally",
         "pattern": r"^\s*(?:srun|slurmstepd(?:-\S+)?|salloc|sbatch): error: ",
+        "unless": r": going to \S+ instead\b",  # slurmstepd's chdir fallback: the step runs on
         "generic": True,
         "doc": "Slurm reporting an error that no specific rule names",
     },
@@ -1019,10 +1063,21 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"[Ll]ost carrier|carrier (?:lost|off)\b|\blink is (?:down|up)\b|link state changed to (?:UP|DOWN)\b|"
         r"port \d+ state changed to (?:UP|DOWN|ACTIVE)\b|\bstate DOWN physical_state (?!DISABLED)|"
         r"link status down for interface|check_hw_ib:\s+No IB port \S+ is ACTIVE"
-        r"|\b[Pp]ort \S+ changed state to (?:down|up)\b",
+        r"|\b[Pp]ort \S+ changed state to (?:down|up)\b"
+        # a NIC driver's own ('r8169 ... eth1: Link is Down', 'r8168: eth0: link down'), netifd's loss
+        r"|: Link is Down\b|: link down\b|\bhas link connectivity loss\b",
         "unless": r"\bSATA\b|\bata\d+",
         "doc": "a NIC or InfiniBand port went down or came back up while the job ran: a flap (not a disk's "
         "SATA link)",
+    },
+    {
+        "name": "peer_unreachable",
+        "status": "other_network_error",
+        "pattern": r"\bsocketStartConnect: exceeded retries\b"
+        r"|\bucp_\w+\(.*\) failed: (?:Destination is unreachable|Connection reset|Endpoint timeout)"
+        r"|\bheartbeat timeout\. This indicates that the remote task has failed\b",
+        "doc": "a peer that cannot be reached: NCCL's bootstrap out of retries, UCX's endpoint, JAX's "
+        "coordination service losing a task's heartbeat",
     },
     {
         "name": "nccl_net_failure",
@@ -1108,6 +1163,21 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "doc": "an exception line of a Python traceback that no specific rule explains",
     },
     {
+        "name": "exception_repr",
+        "status": "other_software_error",
+        "pattern": r"^[A-Z]\w*(?:Error|Exception)\((?:'|\")",
+        "generic": True,
+        "doc": "an exception printed as its repr ('TypeError(\"...\")'), as a handler that logs the "
+        "object does",
+    },
+    {
+        "name": "training_crashed",
+        "status": "other_software_error",
+        "pattern": r"^Training (?:crashed|aborted)\b",
+        "generic": True,
+        "doc": "a training script's own report that it stopped on an error",
+    },
+    {
         "name": "bare_exception",
         "status": "other_software_error",
         "pattern": r"^Exception: ",
@@ -1130,11 +1200,15 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         + r"|\[Errno \d+\]"
         # logging's and loguru's '%(asctime)s %(levelname)s' formats: '2023-08-16 16:27:36 ERROR [main] ...',
         # '2022-07-06 10:48:08 | ERROR | module:98 - ...'
-        + r"|^\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\s+(?:\|\s+)?(?:ERROR|CRITICAL|FATAL)\s+[\[|]",
+        + r"|^\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?\s+(?:\|\s+)?(?:ERROR|CRITICAL|FATAL)\s+[\[|]"
+        + r"|^(?:ERROR|CRITICAL|FATAL) - [\w.]+ - ",  # '%(levelname)s - %(name)s - %(message)s'
+        "severity": "SEV3",
         "generic": True,
-        "doc": "a Python logging line at ERROR level, or an OS error ('[Errno 2] No such file or "
-        "directory'), "
-        "that no specific rule explains",
+        "doc": "a logging line at ERROR level, or an OS error ('[Errno 2] No such file or directory'), "
+        "that no specific rule explains. SEV3: a level alone is weak evidence (libraries log ERROR and "
+        "go on: DCGM's 'No data is available', a missing 'aplay', a server's stderr relayed at "
+        "ERROR), so it waits in place and climbs only if no iteration follows; a process that dies "
+        "is classified by its exit",
     },
     # exceptions reported by the training hook (type and message)
     {

@@ -15,14 +15,16 @@ convict a node):
    rank's window covers the same iterations. Only ``train`` steps with a compute time
    count (checkpoint and evaluation steps never do), and not a rank's first ``warmup``
    of them after its start or restart (compilation, allocator and cache warm-up).
-2. **Per rank**: the lower quartile of its compute times in the window, when it has at
+2. **Per rank**: the lower decile of its compute times in the window, when it has at
    least half the window (reports can be lost: a full datagram queue drops them). A slower
    device is slower at *every* iteration, so even its quickest ones are slow; noise that
    only adds time (a checkpoint's side effects, page faults, a burst of contention) moves
-   the lower quartile only once it hits three quarters of the window. (The median breaks
-   at half: the property test found a node with contention bursts of 8 iterations and
-   spikes in 10 % of the others convicted with it.)
-3. **Per node and stage**: the largest of its ranks' quartiles (one slow GPU slows the node).
+   the lower decile only once it hits nine tenths of the reports. (The median breaks at
+   half, the lower quartile at three quarters: the property test found a node with
+   contention bursts of 8 iterations and spikes in 10 % of the others convicted with the
+   median, and one with bursts of 9 in 20, such spikes and 29 % of reports lost convicted
+   with the quartile, through whichever of its four ranks lost the most quick reports.)
+3. **Per node and stage**: the largest of its ranks' deciles (one slow GPU slows the node).
    Ranks of different pipeline stages do different work and are never compared.
 4. **Per node**: its value over the median of the *other* nodes' values of its stage, only
    in a stage that spans at least ``min_nodes`` nodes (3 or more: with two, either could be
@@ -35,9 +37,9 @@ convict a node):
    windows compared and not slow.
 
 Why these defaults (``window`` 20, ``windows`` 3, ``factor`` 1.5): with per-iteration noise of
-sigma (in log units) the lower quartile of 10-20 samples varies by about 1.4 sigma / sqrt(10);
-even at sigma = 0.3 (30 % jitter, far above steady training's) a ratio of 1.5 (0.41 in log
-units) is about three of those deviations away in one window, and three windows in a row make
+sigma (in log units) the lower decile of 10-20 samples varies by about 0.5 sigma; even at
+sigma = 0.3 (30 % jitter, far above steady training's) a ratio of 1.5 (0.41 in log units)
+is about three of those deviations away in one window, and three windows in a row make
 a false conviction practically impossible (the property test in
 ``tests/detect/test_detect_stragglers.py`` draws such noise, with spikes, lost reports and
 per-rank offsets, and asserts that nothing fires). A node 1.5x slower than its peers costs
@@ -103,7 +105,7 @@ class Straggler:
     """A node slower than its peers at the same work (or, ``recovered``, no longer).
 
     ``rank``: the node's slowest rank; ``stage``: its pipeline stage. ``compute_s``: the node's
-    compute time per iteration (its slowest rank's lower quartile), ``peers_compute_s``: the
+    compute time per iteration (its slowest rank's lower decile), ``peers_compute_s``: the
     median of the other ``nodes`` - 1 nodes' of that stage, ``ratio``: the first over the
     second, all in the streak's *least* slow window (a conservative slowdown);
     ``iteration_s``: the task's median wall time per iteration in that window. ``windows``:
@@ -314,7 +316,7 @@ class StragglerMonitor:
             state = self._ranks.get(rank)
             if state is None or len(samples) < cfg.min_samples:
                 continue
-            value = statistics.quantiles(samples, n=4, method="inclusive")[0]
+            value = statistics.quantiles(samples, n=10, method="inclusive")[0]
             nodes = stages.setdefault(state.stage, {})
             if state.node not in nodes or value > nodes[state.node][0]:
                 nodes[state.node] = (value, rank)

@@ -21,8 +21,11 @@ Accuracy. ``tests/detect/data/corpus/`` holds real lines with public sources:
 - ``blind3`` (``blind3/*-errors.toml``, ``blind3/*-benign.toml``): the blind set of
   session 26, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
   27) its misses were read to write rules, so it is reported as ``blind3_*``;
-- ``held_out`` (``blind4/*-errors.toml``, ``blind4/*-benign.toml``): the blind set of
-  session 27, from sources in none of the sets above, collected by four collectors who
+- ``blind4`` (``blind4/*-errors.toml``, ``blind4/*-benign.toml``): the blind set of
+  session 27, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
+  28) its misses were read to write rules, so it is reported as ``blind4_*``;
+- ``held_out`` (``blind5/*-errors.toml``, ``blind5/*-benign.toml``): the blind set of
+  session 28, from sources in none of the sets above, collected by four collectors who
   never saw the rules. Its lines are read here and nowhere else; only aggregate figures
   about them are printed.
 
@@ -39,7 +42,7 @@ Figures:
   ``benign_n``: benign lines; ``<set>_benign_fires``/``<set>_benign_n``: the same for
   one set.
 
-``--show-misses train|dev|fresh|blind2|blind3`` also lists every line of that set (errors and benign)
+``--show-misses train|dev|fresh|blind2|blind3|blind4`` also lists every line of that set (errors and benign)
 classified other than labelled, on stderr; held-out misses are never shown.
 
 Throughput (``--speed SECONDS``): lines per second for real fault lines
@@ -113,7 +116,8 @@ SETS: Final = {
     "fresh": ("fresh/*-errors", "fresh/*-benign"),
     "blind2": ("blind2/*-errors", "blind2/*-benign"),
     "blind3": ("blind3/*-errors", "blind3/*-benign"),
-    "held_out": ("blind4/*-errors", "blind4/*-benign"),
+    "blind4": ("blind4/*-errors", "blind4/*-benign"),
+    "held_out": ("blind5/*-errors", "blind5/*-benign"),
 }
 """Set name -> (error lines, benign lines), see the module doc."""
 
@@ -232,7 +236,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--show-misses",
-        choices=["train", "dev", "fresh", "blind2", "blind3"],
+        choices=["train", "dev", "fresh", "blind2", "blind3", "blind4"],
         help="list the lines of that set classified other than labelled (on stderr)",
     )
     parser.add_argument("--speed", type=float, metavar="SECONDS", help="also measure throughput, per case")
