@@ -14,7 +14,8 @@ Key                            Redis type   Written by            Read by
 ``heartbeat(job, node)``       string, TTL  the agent (SET EX)    unicornd (expiry = lost)
 ``daemon_liveness()``          string, TTL  unicornd (SET EX)     ``unicornctl --check``
 ``incidents()``                stream       unicornd              CLI
-``actions_done()``             set          unicornd executor     unicornd executor
+``actions_done_at()``          sorted set   unicornd executor     unicornd executor
+``actions_done()``             set          (before 2026-11-29)   unicornd (moved at start)
 ``state()``                    string       unicornd              unicornd, CLI
 ``goodput()``                  string       unicornd              unicornd, CLI
 ``actions_pending()``          list         unicornd              unicornd executor
@@ -27,8 +28,9 @@ Key                            Redis type   Written by            Read by
 
 ``events(job)`` carries Heartbeat, ProcessExit, ExceptionReport, IterationTiming,
 GpuHealthEvent and FaultReport; ``agent_commands`` carries AgentCommand; ``command_results`` carries
-CommandResult. ``actions_done`` holds the ids of executed actions, so a restarted
-executor never repeats one.
+CommandResult. ``actions_done_at`` holds the ids of executed actions scored by when they
+ran, so a restarted executor never repeats one; ids older than a week are dropped (the
+set grew without end before: ``actions_done``, whose ids unicornd moves over at start).
 ``state`` is the coordinator's whole snapshot (tasks, nodes, incidents, plan generation)
 as one JSON document, written in the same transaction as ``actions_pending`` (the
 actions decided but not yet executed), so a restarted unicornd resumes exactly where it
@@ -147,8 +149,13 @@ class RedisKeys:
         return self._key("incidents")
 
     def actions_done(self) -> str:
-        """Set: ids of actions already executed (idempotency)."""
+        """Set: ids of actions executed before the ids were timed (read at start and moved
+        to :meth:`actions_done_at`; never written)."""
         return self._key("actions", "done")
+
+    def actions_done_at(self) -> str:
+        """Sorted set: ids of actions already executed, scored by when (idempotency)."""
+        return self._key("actions", "done_at")
 
     def state(self) -> str:
         """String: unicornd's snapshot as one JSON document (version 2, written before

@@ -6,8 +6,8 @@ back to :func:`unicornd.decide.on_outcome`: the executor never decides. Every ac
 has an ``action_id`` derived from what caused it (incident id + ladder step, plan
 generation + task + step, node + join count), never from a clock or a counter in
 memory. So deciding twice on the same snapshot and input gives the same ids, and a
-restarted executor skips every id in its done set (``RedisKeys.actions_done()``): no
-node is drained twice, no restart is sent twice.
+restarted executor skips every id in its done set (``RedisKeys.actions_done_at()``, a
+week of ids): no node is drained twice, no restart is sent twice.
 
 Order matters: the executor performs actions in the order they were committed among
 those that share a resource (:func:`resources`: a job's agents, a node, Slurm's

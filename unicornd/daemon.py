@@ -41,6 +41,7 @@ import json
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import Coroutine, Iterable
 from dataclasses import replace
 from typing import Any, Final, TypeVar
@@ -81,6 +82,8 @@ log = get_logger(__name__)
 LIVENESS_TTL_S: Final = 5.0
 M_ARENA_MAX: Final = -8
 """glibc's ``mallopt`` parameter for the most malloc arenas (``<malloc.h>``)."""
+TRIM_EVERY_S: Final = 60.0
+"""How often unicornd hands the free pages of its malloc heap back (:func:`trim_malloc`)."""
 SHUTDOWN_S: Final = 10.0
 """How long the root tasks may take to end once cancelled; a failed unicornd commits
 nothing more on its way out (what it held is delivered again to its successor)."""
@@ -102,6 +105,23 @@ def one_malloc_arena() -> bool:
         return False
 
 
+def trim_malloc() -> bool:
+    """Hand the free pages inside glibc's heap back to the kernel (``malloc_trim(0)``); False
+    where that cannot be done (not glibc) or nothing was released.
+
+    A plain ``free`` returns memory only from the top of the heap; a page in the middle
+    stays resident while any chunk above it lives. unicornd's heap churns in large blocks
+    (a lookup build's curves and plans, replies of a few hundred KB, commit documents), so
+    its RSS crept although its live objects did not: ``malloc_trim`` madvises those pages
+    away (glibc >= 2.8). It holds the arena's lock while it walks the heap, so it runs in a
+    worker thread; Python's small objects come from pymalloc and do not wait for it.
+    """
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 class Daemon:
     """One coordinator process. :meth:`run` returns the exit status."""
 
@@ -117,12 +137,17 @@ class Daemon:
         config_path: str | None = None,
         ident: str | None = None,
         freeze_gc: bool = False,
+        trim_every_s: float = TRIM_EVERY_S,
     ) -> None:
         """``freeze_gc``: the process is this daemon's (the ``unicornd`` command): once the
-        state is loaded, what exists then leaves Python's full collections, and its threads
-        share one malloc arena (:meth:`run`, :func:`one_malloc_arena`)."""
+        state is loaded, what exists then leaves Python's full collections, its threads
+        share one malloc arena (:meth:`run`, :func:`one_malloc_arena`), and every
+        ``trim_every_s`` (0: never) the heap's free pages go back (:func:`trim_malloc`)."""
         self.cfg = cfg
         self.freeze_gc = freeze_gc
+        self.trim_every_s = trim_every_s
+        self.trims: deque[float] = deque(maxlen=1000)
+        """Seconds each :func:`trim_malloc` took, the newest 1,000."""
         self.slurm = slurm
         self.client = client
         self.keys = RedisKeys(cfg.redis.key_prefix)
@@ -192,6 +217,9 @@ class Daemon:
         nodes = view.nodes
         gpus = max((n.gpus for n in nodes), default=1) or 1
         snap = await self.store.load(gpus)
+        moved = await self.store.move_untimed_done()
+        if moved:
+            log.info("done_ids_timed", moved=moved)
         if snap.gpus_per_node != gpus:
             snap = replace(snap, gpus_per_node=gpus)
         snap = _without(snap, {n.name for n in view.outside})
@@ -313,6 +341,8 @@ class Daemon:
             "lease": self.lease.keep(),
             "lookup": self.lookup.run(),
         }
+        if self.freeze_gc and self.trim_every_s > 0:
+            roots["trim"] = self._trim()
         server = start_metrics_server(self.cfg.metrics, self.metrics)
         if server is not None:
             log.info("metrics_listening", url=server.url)
@@ -342,6 +372,13 @@ class Daemon:
                     await self.lease.release()
         log.info("unicornd_stopped", status=status, actions_run=self.actions_run)
         return status
+
+    async def _trim(self) -> None:
+        while True:
+            await asyncio.sleep(self.trim_every_s)
+            t = time.perf_counter()
+            await asyncio.to_thread(trim_malloc)
+            self.trims.append(time.perf_counter() - t)
 
     async def _lead(self) -> bool:
         """Stand by until this unicornd holds the lease (True), or until it is told to stop

@@ -377,21 +377,37 @@ n = tonumber(ARGV[i])
 for j = 1, n do redis.call('RPUSH', KEYS[2], ARGV[i + j]) end
 i = i + n + 1
 if ARGV[i] ~= '' then
-  redis.call('SADD', KEYS[3], ARGV[i + 1])
+  redis.call('ZADD', KEYS[3], ARGV[i + 2], ARGV[i + 1])
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[i + 3])
   redis.call('LREM', KEYS[2], 1, ARGV[i])
 end
 return 1
 """
 """One commit, atomically. KEYS: the version-2 document (deleted: the hashes replace it),
-owed list, done set, fence, lease, commits per token (counted for each accepted commit
+owed list, done ids (sorted by when), fence, lease, commits per token (counted for each accepted commit
 made under a token), state meta, the tasks, nodes and incidents hashes. ARGV: token (0: no
 election), the lease holder ``token:id``, the meta document ("": unchanged), per hash
 (reset "1"/"0", the sets as a count then key-value pairs, the deletions as a count then
 keys), the voided entries (count first), the new entries (count first), the finished
-entry and its id ("" ""). Refused, changing nothing, when a token is given and the fence
+entry, its id, the time it is recorded done at and the time before which done ids are
+dropped ("" "" "" ""). Refused, changing nothing, when a token is given and the fence
 has moved past it (another unicornd took the lease), or when the lease names another
 holder: after a Sentinel failover that lost an unreplicated INCR of the fence, a second
 leader can be handed the same token, and only the lease's holder tells the two apart."""
+
+
+_MOVE_DONE: Final = """
+local ids = redis.call('SPOP', KEYS[1], 1000)
+for _, id in ipairs(ids) do redis.call('ZADD', KEYS[2], 'NX', ARGV[1], id) end
+return #ids
+"""
+"""KEYS: the untimed done set, the timed one; ARGV: now. Moves up to 1,000 ids."""
+
+KEEP_DONE_S: Final = 7 * 86400.0
+"""How long an executed action's id is kept. An id is derived from its cause (incident and
+ladder step, plan generation, node and join count), so it recurs only while that cause is
+decided on again: an owed action re-read after a restart, within minutes. A week is far
+beyond that, and bounds the set (before: every id ever run, for ever)."""
 
 
 @dataclass(frozen=True)
@@ -491,7 +507,11 @@ class Store:
             args += [len(delta.deletes[kind]), *delta.deletes[kind]]
         args += [len(voided), *(o.raw for o in voided)]
         args += [len(actions), *(json.dumps(action_to_dict(a)) for a in actions)]
-        args += [finished.raw, finished.action.action_id] if finished is not None else ["", ""]
+        if finished is not None:
+            now = time.time()
+            args += [finished.raw, finished.action.action_id, repr(now), repr(now - KEEP_DONE_S)]
+        else:
+            args += ["", "", "", ""]
         self._written = None  # unknown until the script is known to have run
         try:
             _, replicated = await redis_io.eval_replicated(
@@ -502,7 +522,7 @@ class Store:
                 10,
                 k.state(),
                 k.actions_pending(),
-                k.actions_done(),
+                k.actions_done_at(),
                 k.fence(),
                 k.leader(),
                 k.commits(),
@@ -548,9 +568,26 @@ class Store:
 
     async def done(self, action_id: str) -> bool:
         """The action already ran (it was owed when unicornd died after finishing it)."""
-        return bool(
+        return (
             await redis_io.call(
-                ("SISMEMBER", self.keys.actions_done()),
-                self.client.sismember(self.keys.actions_done(), action_id),
+                ("ZSCORE", self.keys.actions_done_at()),
+                self.client.zscore(self.keys.actions_done_at(), action_id),
             )
+            is not None
         )
+
+    async def move_untimed_done(self) -> int:
+        """Move the ids of the done set written before ids were timed into the timed one,
+        as done now (they are dropped :data:`KEEP_DONE_S` later), in batches that each
+        move atomically; the number moved. Called at start, before the executor runs."""
+        moved = 0
+        while True:
+            n = await redis_io.call(
+                ("EVAL", "move_done", self.keys.actions_done()),
+                self.client.eval(
+                    _MOVE_DONE, 2, self.keys.actions_done(), self.keys.actions_done_at(), repr(time.time())
+                ),
+            )
+            moved += int(n)
+            if not n:
+                return moved

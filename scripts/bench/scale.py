@@ -638,6 +638,7 @@ def run_size(n_nodes: int, args: argparse.Namespace, folder: Path) -> dict[str, 
             "out": str(folder / "daemon.json"),
             "tracemalloc_every_s": args.tracemalloc_every_s,
             "tracemalloc_frames": args.tracemalloc_frames,
+            "malloc_trim_every_s": args.malloc_trim_every_s,
         }
         (folder / "spec.json").write_text(json.dumps(spec))
         daemon = spawn_daemon(folder, env)
@@ -893,6 +894,7 @@ def _analyse(
         "gc_full_share_of_window": _r(sum(g[2] for g in full_gcs) / max(1e-9, w1 - w0), 4),
         "loop_lag_samples_over_100ms": len(late),
         "python_slope_per_h_per_h": _slope_per_h(dump.get("blocks", []), w0, w1),
+        **_heap(dump, w0, w1),
         # the bench's own samples, kept in unicornd's process (scale_daemon.Recorder): part of its RSS
         "bench_recorder_mib_end": _r((dump.get("recorder_bytes") or 0) / 2**20, 2),
         "object_types": {str(when): dict(top[:15]) for when, top in dump.get("object_types", [])},
@@ -981,6 +983,33 @@ def _slope_per_h(blocks: Sequence[Sequence[float]], w0: float, w1: float) -> flo
     mb = statistics.fmean(b for _, b in pts)
     var = sum((t - mt) ** 2 for t, _ in pts)
     return _r(sum((t - mt) * (b - mb) for t, b in pts) / var * 3600, 0) if var > 0 else None
+
+
+def _heap(dump: Mapping[str, Any], w0: float, w1: float) -> dict[str, Any]:
+    """Where unicornd's memory is (``scale_daemon``'s heap samples): each part at the window's
+    end (MiB) and its slope over the second half (MiB/h); ``pymalloc_and_rest`` is RSS less
+    glibc's heap (pymalloc's arenas, code, stacks). And the trims' durations."""
+    fields: list[str] = list(dump.get("heap_fields") or [])
+    rows = [r for r in dump.get("heap") or [] if w0 <= r[0] <= w1]
+    trims = [t * 1000 for t in dump.get("trims_s") or []]
+    out: dict[str, Any] = {
+        "malloc_trims": len(trims),
+        "malloc_trim_ms_p50": _r(percentile(trims, 0.5), 2) if trims else None,
+        "malloc_trim_ms_max": _r(max(trims), 2) if trims else None,
+    }
+    if not rows or "arena" not in fields:
+        return out
+    col = {f: i for i, f in enumerate(fields)}
+    parts = {
+        f: [(r[0], r[col[f]] / 2**20) for r in rows]
+        for f in ("rss", "arena", "hblkhd", "uordblks", "fordblks")
+    }
+    parts["pymalloc_and_rest"] = [
+        (r[0], (r[col["rss"]] - r[col["arena"]] - r[col["hblkhd"]]) / 2**20) for r in rows
+    ]
+    out["heap_mib_end"] = {k: _r(v[-1][1], 1) for k, v in parts.items()}
+    out["heap_mib_per_h_second_half"] = {k: _slope_per_h(v, w0, w1) for k, v in parts.items()}
+    return out
 
 
 def _trace_growth(snaps: Sequence[Sequence[Any]], top: int = 12) -> list[dict[str, Any]]:
@@ -1137,6 +1166,12 @@ def main() -> None:
         "from the window's start (slows unicornd: not for figures)",
     )
     ap.add_argument("--tracemalloc-frames", type=int, default=4, help="frames per call site (with the above)")
+    ap.add_argument(
+        "--malloc-trim-every-s",
+        type=float,
+        default=None,
+        help="unicornd's malloc_trim period (default: its default; 0: never), to compare",
+    )
     ap.add_argument(
         "--keep-log",
         type=Path,

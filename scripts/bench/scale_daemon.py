@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -37,8 +38,9 @@ import time
 import tracemalloc
 from array import array
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
@@ -58,6 +60,46 @@ from unicornd.store import CommitCost  # noqa: E402
 LAG_PERIOD_S: Final = 0.05
 GC_RECORD_S: Final = 0.01
 TYPES_EVERY_S: Final = 900.0
+HEAP_EVERY_S: Final = 30.0
+MALLINFO2_FIELDS: Final = ("arena", "hblkhd", "uordblks", "fordblks", "keepcost")
+"""glibc's heap as ``mallinfo2`` gives it: bytes from sbrk, bytes in mmapped chunks, bytes in
+use, bytes free inside the heap, bytes trimmable at its top."""
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
+    """glibc's ``mallinfo2`` (2.33+), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    fn.argtypes = []
+    return cast(Callable[[], _MallInfo2], fn)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 """How often the most numerous object types are counted inside the window (:meth:`Recorder.types_every`)."""
 SNAPSHOT_WAIT_S: Final = 120.0
 """How long a forked child may take to write a tracemalloc snapshot (~10 s at 4,096 nodes)."""
@@ -251,7 +293,10 @@ async def main(spec: dict[str, Any]) -> int:
         on_event=publish,
     )
     client: aioredis.Redis = redis_io.connect(cfg.redis, client_name="unicornd")
-    daemon = Daemon(cfg, slurm, client, freeze_gc=True)  # as the unicornd command
+    trim = spec.get("malloc_trim_every_s")
+    daemon = Daemon(  # as the unicornd command
+        cfg, slurm, client, freeze_gc=True, **({} if trim is None else {"trim_every_s": float(trim)})
+    )
     rec = Recorder()
     daemon.store.on_commit = rec.commit
     daemon.core.followers.append(rec.follow)
@@ -282,8 +327,25 @@ async def main(spec: dict[str, Any]) -> int:
             pool_in_use.append((time.time(), len(getattr(pool, "_in_use_connections", ()))))
             await asyncio.sleep(10.0)
 
+    heap: list[list[float]] = []
+
+    async def sample_heap() -> None:
+        """Where the process's memory is, every :data:`HEAP_EVERY_S`: (wall time, RSS, then
+        glibc's :data:`MALLINFO2_FIELDS` in bytes, then Python's allocated blocks). RSS less
+        glibc's heap (``arena`` + ``hblkhd``) is mostly pymalloc's own 1 MiB arenas."""
+        info = _mallinfo2()
+        while True:
+            row = [time.time(), float(_rss_bytes())]
+            if info is not None:
+                got = info()
+                row.extend(float(getattr(got, f)) for f in MALLINFO2_FIELDS)
+            row.append(float(sys.getallocatedblocks()))
+            heap.append(row)
+            await asyncio.sleep(HEAP_EVERY_S)
+
     gc.callbacks.append(rec.gc_phase)
     helpers = [
+        asyncio.create_task(sample_heap()),
         asyncio.create_task(rec.sample_lag()),
         asyncio.create_task(deaths_at_t0()),
         asyncio.create_task(sample_pool()),
@@ -312,6 +374,9 @@ async def main(spec: dict[str, Any]) -> int:
         "tracemalloc": rec.traced,
         "slurm_calls": [e.to_dict() for e in slurm.calls],
         "redis_pool_in_use": pool_in_use,
+        "heap": heap,
+        "heap_fields": ["t", "rss", *(MALLINFO2_FIELDS if _mallinfo2() is not None else ()), "blocks"],
+        "trims_s": list(daemon.trims),
         "solves": {
             "hits": daemon.core.ctx.solves.hits,
             "misses": daemon.core.ctx.solves.misses,

@@ -489,7 +489,7 @@ def test_kill9_during_recovery_loses_nothing(cluster: DevCluster, tmp_path: Path
         finally:
             cluster.script("revive-node", "n4")
         with c.client() as r:
-            done = [m.decode() for m in r.smembers(c.keys.actions_done())]
+            done = [m.decode() for m in r.zrange(c.keys.actions_done_at(), 0, -1)]
             checked_ms = time.time() * 1000
             pending = r.xpending_range(c.keys.events(a.job_id or 0), "unicornd", min="-", max="+", count=1000)
         drains = [a for a in done if "/drain/" in a]
@@ -532,7 +532,7 @@ def test_dead_agent_is_restarted_without_drain(cluster: DevCluster, tmp_path: Pa
         )
         inc = next(iter(snap.incidents.values()))
         with c.client() as r:
-            done = sorted(m.decode() for m in r.smembers(c.keys.actions_done()))
+            done = sorted(m.decode() for m in r.zrange(c.keys.actions_done_at(), 0, -1))
         restarted = [d for d in done if "/restart_agent/" in d]
         assert restarted == [f"{inc.incident_id}/restart_processes/1/restart_agent/n2"], done
         assert any(f.endswith(":probe") for f in inc.finding_ids), inc.finding_ids

@@ -23,6 +23,7 @@ def test_default_names() -> None:
     assert keys.daemon_liveness() == "unicorn:unicornd:alive"
     assert keys.incidents() == "unicorn:incidents"
     assert keys.actions_done() == "unicorn:actions:done"
+    assert keys.actions_done_at() == "unicorn:actions:done_at"
     assert keys.state() == "unicorn:state"
     assert keys.actions_pending() == "unicorn:actions:pending"
     assert keys.control() == "unicorn:control"
@@ -98,6 +99,7 @@ calls = st.one_of(
                 "daemon_liveness",
                 "incidents",
                 "actions_done",
+                "actions_done_at",
                 "state",
                 "state_meta",
                 "goodput",
@@ -136,6 +138,7 @@ def test_calls_strategy_covers_every_method() -> None:
         "daemon_liveness",
         "incidents",
         "actions_done",
+        "actions_done_at",
         "state",
         "state_meta",
         "state_records",
@@ -186,6 +189,7 @@ def test_distinct_keys_over_a_grid_of_look_alike_inputs() -> None:
                 "daemon_liveness",
                 "incidents",
                 "actions_done",
+                "actions_done_at",
                 "state",
                 "state_meta",
                 "goodput",

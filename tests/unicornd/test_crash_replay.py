@@ -172,7 +172,7 @@ class Runner:
         snap = await read_snapshot(self.client, self.keys, self.core.store.policy)
         assert snap is not None
         owed = [o.action.action_id for o in await self.core.store.owed()]
-        done = sorted(x.decode() for x in await self.client.smembers(self.keys.actions_done()))
+        done = sorted(x.decode() for x in await self.client.zrange(self.keys.actions_done_at(), 0, -1))
         return snapshot_to_json(snap), owed, done
 
 
