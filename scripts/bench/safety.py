@@ -6,10 +6,11 @@ Starts a private dev cluster (4 nodes x 1 GPU) and, per scenario, a fresh real u
 torchrun ranks of the built-in trainer:
 
 - ``benign_fires``: every rank of a 2-node task prints every line of the benign corpora
-  (``tests/detect/data/corpus/benign-*.toml``, ``fresh/*-benign.toml`` and the blind set's
-  ``blind2/*-benign.toml``, of which only the count of fires is reported) before it
-  trains, through the agents' real output path. Counted: the agents' fault reports at
-  SEV1/SEV2 on the job's stream.
+  (``tests/detect/data/corpus/benign-*.toml``, and ``*-benign.toml`` of every held-out set:
+  ``fresh/``, ``blind2/`` to ``blind4/`` and the blind set ``blind5/``, of which only
+  counts are reported) before it trains, through the agents' real output path. Counted:
+  the agents' fault reports at SEV1/SEV2 on the job's stream; ``fired_rules`` names
+  their rules.
 - ``user_bug_drains``: rank 1 raises the same ``RuntimeError`` at iteration 5 of every
   launch. Counted: nodes drained. Also reported: how the task ended.
 - ``unconfirmed_drains``: the agent on n2 is SIGSTOPped (the node stays reachable) until
@@ -108,8 +109,17 @@ def benign(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
     for path in [
         CORPUS / "benign-train.toml",
         CORPUS / "benign-heldout.toml",
-        *sorted(CORPUS.glob("fresh/*-benign.toml")),
-        *sorted(CORPUS.glob("blind2/*-benign.toml")),  # counted only: no line is printed here
+        *(
+            path
+            for held_out in (
+                "fresh",
+                "blind2",
+                "blind3",
+                "blind4",
+                "blind5",
+            )  # blind5: counted, never printed
+            for path in sorted(CORPUS.glob(f"{held_out}/*-benign.toml"))
+        ),
     ]:
         lines += [str(e["text"]) for e in tomllib.loads(path.read_text())["line"]]
     text = tmp / "benign.txt"

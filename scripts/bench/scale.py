@@ -907,6 +907,8 @@ def _analyse(
         "commit_ms_p95": _r(percentile([c[3] * 1000 for c in commits], 0.95), 2),
         "commit_serialise_ms_p50": _r(percentile([c[2] * 1000 for c in commits], 0.5), 2),
         "commit_cpu_core_share": _r(sum(c[3] for c in commits) / max(1e-9, w1 - w0)),
+        # a fault is one injection (a rack is one); it hits each job whose nodes it takes once:
+        # faults_on_jobs and faults_decided count those hits, so a rack can make them exceed it
         "faults_injected": len({m.fault.fault_id for m in matches}),
         "faults_on_jobs": len(on_jobs),
         "faults_decided": len(decided),
