@@ -421,23 +421,28 @@ class Bench:
         The loop reports every iteration through the hook when it runs under the agent;
         its own ``loop_s`` excludes process start-up, so the ratio is the agent's cost to
         training throughput. Median of the per-pair ratios. On 2 cores the ratio moves with
-        the machine's noise and a short loop pays the agent's start; so the agent's own CPU
+        the machine's noise and a short loop pays the agent's start: ``_steady`` times the
+        same iterations from a third of the loop on, on both sides (once the agent and its
+        checkpoint process have started; a real run pays the start once). The agent's own CPU
         (it and its checkpoint process, from ``/proc``) is reported too: per wall second
         from 1 s after their start (``agent_cpu_share_steady``), and in that first second.
         """
+        steady_from = max(1, self.args.overhead_iters // 3)
         loop = [
             sys.executable, str(TOY), "--compute", str(self.args.overhead_compute), "--iter-s", "0",
-            "--iterations", str(self.args.overhead_iters),
+            "--iterations", str(self.args.overhead_iters), "--steady-from", str(steady_from),
         ]  # fmt: skip
 
-        def loop_s(argv: list[str], log: Path | None) -> float:
+        def loop_s(argv: list[str], log: Path | None) -> tuple[float, float]:
             out = subprocess.run(
                 argv, check=True, env={**os.environ, **self.env}, capture_output=True, text=True
             )
             return loop_s_in(out.stdout if log is None else log.read_text())
 
-        def loop_s_in(text: str) -> float:
-            return float(text.rsplit("loop_s=", 1)[1].split(maxsplit=1)[0])
+        def loop_s_in(text: str) -> tuple[float, float]:
+            """(the whole loop's seconds, its seconds from iteration ``steady_from`` on)."""
+            last = text.rsplit("loop_s=", 1)[1]
+            return float(last.split(maxsplit=1)[0]), float(last.split("steady_s=", 1)[1].split(maxsplit=1)[0])
 
         shares: list[float] = []
         """Per run under the agent: CPU the agent and its checkpoint process used from 1 s after
@@ -445,7 +450,7 @@ class Bench:
         starts: list[float] = []
         """Per run under the agent: their CPU seconds in the first second (start-up)."""
 
-        def agent_loop_s(argv: list[str], log: Path) -> float:
+        def agent_loop_s(argv: list[str], log: Path) -> tuple[float, float]:
             proc = subprocess.Popen(
                 argv, env={**os.environ, **self.env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
@@ -466,6 +471,7 @@ class Bench:
             return loop_s_in(log.read_text())
 
         ratios: list[float] = []
+        steady_ratios: list[float] = []
         with_agent: list[float] = []
         without: list[float] = []
         for i in range(self.args.overhead_pairs):
@@ -480,11 +486,16 @@ class Bench:
             else:
                 b = loop_s(loop, None)
                 a = agent_loop_s(agent, run_dir / "train.log")
-            with_agent.append(a)
-            without.append(b)
-            ratios.append(a / b)
+            with_agent.append(a[0])
+            without.append(b[0])
+            ratios.append(a[0] / b[0])
+            steady_ratios.append(a[1] / b[1])
         return {
             "agent_overhead_pct": round(100 * (statistics.median(ratios) - 1), 2),
+            # the same, timed from iteration steady_from on (the same iterations on both sides):
+            # the agent's cost once it and its checkpoint process have started
+            "agent_overhead_pct_steady": round(100 * (statistics.median(steady_ratios) - 1), 2),
+            "overhead_steady_from_iteration": steady_from,
             "overhead_loop_s": {
                 "with_agent": [round(x, 3) for x in with_agent],
                 "without": [round(x, 3) for x in without],

@@ -43,6 +43,12 @@ def main() -> None:
         "--compute", type=int, default=0, help="numpy 160x160 matmuls per iteration, besides --iter-s"
     )
     p.add_argument("--ckpt-s", type=float, default=0.0, help="extra seconds of a step after SIGUSR1")
+    p.add_argument(
+        "--steady-from",
+        type=int,
+        default=0,
+        help="also print steady_s: the loop's time from this iteration on",
+    )
     args, _layout = p.parse_known_args()  # layout flags (--tp, --dp, ...) from unicornd are ignored
 
     rank = int(os.environ.get("RANK", "0"))
@@ -64,8 +70,11 @@ def main() -> None:
     signal.signal(signal.SIGUSR1, lambda *_: flags.__setitem__("ckpt", True))
     signal.signal(signal.SIGTERM, lambda *_: flags.__setitem__("term", True))
     t_loop = time.perf_counter()
+    t_steady = t_loop
     for it in range(1, args.iterations + 1):
         t0 = time.perf_counter()
+        if it == args.steady_from:
+            t_steady = t0
         if args.flood and faulty:
             junk = "x" * 200 + "\n"
             end = time.monotonic() + args.iter_s
@@ -97,7 +106,8 @@ def main() -> None:
         if flags["term"]:
             print(f"rank {rank}: SIGTERM, stopping after iteration {it}", flush=True)
             break
-    print(f"loop_s={time.perf_counter() - t_loop:.6f} iterations={it}", flush=True)
+    steady = f" steady_s={time.perf_counter() - t_steady:.6f}" if args.steady_from > 0 else ""
+    print(f"loop_s={time.perf_counter() - t_loop:.6f} iterations={it}{steady}", flush=True)
     if dist is not None:
         dist[1].destroy_process_group()
 
