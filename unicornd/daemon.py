@@ -111,10 +111,11 @@ def trim_malloc() -> bool:
 
     A plain ``free`` returns memory only from the top of the heap; a page in the middle
     stays resident while any chunk above it lives. unicornd's heap churns in large blocks
-    (a lookup build's curves and plans, replies of a few hundred KB, commit documents), so
-    its RSS crept although its live objects did not: ``malloc_trim`` madvises those pages
-    away (glibc >= 2.8). It holds the arena's lock while it walks the heap, so it runs in a
-    worker thread; Python's small objects come from pymalloc and do not wait for it.
+    (replies of a few hundred KB, commit documents, large dicts and lists): ``malloc_trim``
+    madvises the free pages away (glibc >= 2.8). It holds the arena's lock while it walks
+    the heap; with one arena (:func:`one_malloc_arena`) any thread's allocation larger than
+    pymalloc's 512 bytes waits for it, the event loop's too, so it runs in a worker thread
+    and its durations are kept (:attr:`Daemon.trims`; the scale bench reports them).
     """
     try:
         return bool(ctypes.CDLL(None).malloc_trim(0))

@@ -106,6 +106,7 @@ def reset(cluster: DevCluster) -> None:
 
 def benign(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
     lines = []
+    blind: set[str] = set()  # the blind set's lines: counted, their rules not named
     for path in [
         CORPUS / "benign-train.toml",
         CORPUS / "benign-heldout.toml",
@@ -121,7 +122,10 @@ def benign(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
             for path in sorted(CORPUS.glob(f"{held_out}/*-benign.toml"))
         ),
     ]:
-        lines += [str(e["text"]) for e in tomllib.loads(path.read_text())["line"]]
+        texts = [str(e["text"]) for e in tomllib.loads(path.read_text())["line"]]
+        lines += texts
+        if path.parent.name == "blind5":
+            blind.update(t.replace("\n", " ") for t in texts)
     text = tmp / "benign.txt"
     text.write_text("".join(line.replace("\n", " ") + "\n" for line in lines))
     script = tmp / "print_then_train.py"
@@ -140,7 +144,8 @@ def benign(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
             "lines_printed_per_rank": len(lines),
             "benign_fires": len(fires),
             "benign_fires_sev3": len(sev3),
-            "fired_rules": sorted({m.rule for m in fires + sev3}),
+            "fired_rules": sorted({m.rule for m in fires + sev3 if not any(t in m.evidence for t in blind)}),
+            "blind_set_fires": sum(1 for m in fires if any(t in m.evidence for t in blind)),
             "incidents": len(snap.incidents),
             "drained": drained(c.snapshot() or snap),
         }

@@ -989,8 +989,10 @@ def _slope_per_h(blocks: Sequence[Sequence[float]], w0: float, w1: float) -> flo
 
 def _heap(dump: Mapping[str, Any], w0: float, w1: float) -> dict[str, Any]:
     """Where unicornd's memory is (``scale_daemon``'s heap samples): each part at the window's
-    end (MiB) and its slope over the second half (MiB/h); ``pymalloc_and_rest`` is RSS less
-    glibc's heap (pymalloc's arenas, code, stacks). And the trims' durations."""
+    end (MiB) and its slope over the second half (MiB/h): RSS; glibc's ``arena`` (its sbrk
+    heap's size), ``uordblks`` (in use there), ``fordblks`` (free there); resident
+    ``heap_rss`` (the sbrk heap), ``anon_other_rss`` (pymalloc's arenas, mmapped chunks,
+    stacks), ``file_rss`` (code). And the trims' durations (the whole run's)."""
     fields: list[str] = list(dump.get("heap_fields") or [])
     rows = [r for r in dump.get("heap") or [] if w0 <= r[0] <= w1]
     trims = [t * 1000 for t in dump.get("trims_s") or []]
@@ -1002,13 +1004,8 @@ def _heap(dump: Mapping[str, Any], w0: float, w1: float) -> dict[str, Any]:
     if not rows or "arena" not in fields:
         return out
     col = {f: i for i, f in enumerate(fields)}
-    parts = {
-        f: [(r[0], r[col[f]] / 2**20) for r in rows]
-        for f in ("rss", "arena", "hblkhd", "uordblks", "fordblks")
-    }
-    parts["pymalloc_and_rest"] = [
-        (r[0], (r[col["rss"]] - r[col["arena"]] - r[col["hblkhd"]]) / 2**20) for r in rows
-    ]
+    names = ("rss", "arena", "hblkhd", "uordblks", "fordblks", "heap_rss", "anon_other_rss", "file_rss")
+    parts = {f: [(r[0], r[col[f]] / 2**20) for r in rows] for f in names if f in col}
     out["heap_mib_end"] = {k: _r(v[-1][1], 1) for k, v in parts.items()}
     out["heap_mib_per_h_second_half"] = {k: _slope_per_h(v, w0, w1) for k, v in parts.items()}
     return out

@@ -60,6 +60,7 @@ from unicornd.store import CommitCost  # noqa: E402
 LAG_PERIOD_S: Final = 0.05
 GC_RECORD_S: Final = 0.01
 TYPES_EVERY_S: Final = 900.0
+"""How often the most numerous object types are counted inside the window (:meth:`Recorder.types_every`)."""
 HEAP_EVERY_S: Final = 30.0
 MALLINFO2_FIELDS: Final = ("arena", "hblkhd", "uordblks", "fordblks", "keepcost")
 """glibc's heap as ``mallinfo2`` gives it: bytes from sbrk, bytes in mmapped chunks, bytes in
@@ -100,7 +101,29 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-"""How often the most numerous object types are counted inside the window (:meth:`Recorder.types_every`)."""
+SMAPS_FIELDS: Final = ("heap_rss", "anon_other_rss", "file_rss")
+"""Resident bytes by mapping (``/proc/self/smaps``): glibc's sbrk heap (``[heap]``, what
+``malloc_trim`` gives back shows here, not in ``mallinfo2``'s ``arena``), other anonymous
+memory (pymalloc's arenas, mmapped chunks, thread stacks), and file-backed pages (code)."""
+
+
+def _smaps() -> tuple[int, int, int]:
+    heap = anon = total = 0
+    in_heap = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[0] in "0123456789abcdef" and "-" in line.split(maxsplit=1)[0]:
+                in_heap = line.rstrip().endswith("[heap]")
+            elif line.startswith("Rss:"):
+                kib = int(line.split()[1])
+                total += kib
+                if in_heap:
+                    heap += kib
+            elif line.startswith("Anonymous:") and not in_heap:
+                anon += int(line.split()[1])
+    return heap * 1024, anon * 1024, (total - heap - anon) * 1024
+
+
 SNAPSHOT_WAIT_S: Final = 120.0
 """How long a forked child may take to write a tracemalloc snapshot (~10 s at 4,096 nodes)."""
 BLOCKS_EVERY: Final = 600
@@ -331,14 +354,15 @@ async def main(spec: dict[str, Any]) -> int:
 
     async def sample_heap() -> None:
         """Where the process's memory is, every :data:`HEAP_EVERY_S`: (wall time, RSS, then
-        glibc's :data:`MALLINFO2_FIELDS` in bytes, then Python's allocated blocks). RSS less
-        glibc's heap (``arena`` + ``hblkhd``) is mostly pymalloc's own 1 MiB arenas."""
+        glibc's :data:`MALLINFO2_FIELDS` and the resident :data:`SMAPS_FIELDS` in bytes, then
+        Python's allocated blocks)."""
         info = _mallinfo2()
         while True:
             row = [time.time(), float(_rss_bytes())]
             if info is not None:
                 got = info()
                 row.extend(float(getattr(got, f)) for f in MALLINFO2_FIELDS)
+            row.extend(float(x) for x in _smaps())
             row.append(float(sys.getallocatedblocks()))
             heap.append(row)
             await asyncio.sleep(HEAP_EVERY_S)
@@ -375,7 +399,13 @@ async def main(spec: dict[str, Any]) -> int:
         "slurm_calls": [e.to_dict() for e in slurm.calls],
         "redis_pool_in_use": pool_in_use,
         "heap": heap,
-        "heap_fields": ["t", "rss", *(MALLINFO2_FIELDS if _mallinfo2() is not None else ()), "blocks"],
+        "heap_fields": [
+            "t",
+            "rss",
+            *(MALLINFO2_FIELDS if _mallinfo2() is not None else ()),
+            *SMAPS_FIELDS,
+            "blocks",
+        ],
         "trims_s": list(daemon.trims),
         "solves": {
             "hits": daemon.core.ctx.solves.hits,

@@ -367,6 +367,17 @@ KNOWN_BLIND4_MISSES: dict[str, tuple[str, str | None, str]] = {
         "a JSON event record: no rule reads a JSON document's fields",
     ),
     "ERROR - transformers.tokenization_utils -   Using pad_token": _LEVEL_ONLY,
+    "[  472.894739] lima 1c40000.gpu: mmu page fault": (
+        "none",
+        None,
+        "a mobile GPU's driver (lima, a Mali GPU's): drm_gpu_fault reads only compute GPUs' drivers; "
+        "a host's display GPU is no reason to drain it",
+    ),
+    'TypeError("UNet2DConditionModel.__init__() got an unexpected keyword argument': (
+        "other_software_error",
+        "SEV3",
+        "an exception's repr, logged by a handler that caught it: SEV3 (exception_repr); its exit says more",
+    ),
     # benign lines at ERROR level: SEV3, so no fire
     "2024-02-01 14:12:01.207 ERROR [9596:9598] [[SysMon]]": _LEVEL_ONLY,
     "2023-12-19 13:59:47.955 ERROR [8826:8827] GetLatestSample": _LEVEL_ONLY,

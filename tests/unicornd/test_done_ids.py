@@ -11,7 +11,7 @@ from tests.unicornd.redis_world import run
 from unicorn_core.keys import RedisKeys
 from unicornd.actions import DrainNode
 from unicornd.state import Policy, Snapshot
-from unicornd.store import KEEP_DONE_S, Owed, Store
+from unicornd.store import KEEP_DONE_S, Store
 
 KEYS = RedisKeys("doneidstest")
 

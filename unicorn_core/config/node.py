@@ -223,10 +223,10 @@ class DetectConfig(Section):
         metadata=_meta(
             "A node is slow in a window when its ranks' compute time (their own forward/"
             "backward/optimizer time, waits on peers excluded: IterationTiming.compute_s; "
-            "per rank the lower quartile of the window, per node its slowest rank's) is at "
+            "per rank the lower decile of the window, per node its slowest rank's) is at "
             "least this many times the median of the other nodes' of the same pipeline stage "
             "(detect/stragglers.py; a ratio, no unit; must be > 1). Default 1.5: 30 % "
-            "per-iteration jitter moves a window's ratio by about 0.13 in log units, 1.5 is "
+            "per-iteration jitter moves a window's ratio by about 0.15 in log units, 1.5 is "
             "0.41; a node 1.5x slower costs its task up to a third of its throughput.",
             gt=1,
         ),
@@ -235,9 +235,9 @@ class DetectConfig(Section):
         default=20,
         metadata=_meta(
             "Training iterations per window of the straggler statistic (per rank, the lower "
-            "quartile of its compute times in the window; a rank needs half of them). Default "
-            "20: checkpoint steps, spikes and bursts of contention that hit fewer than 15 of "
-            "them cannot move a lower quartile.",
+            "decile of its compute times in the window; a rank needs half of them). Default "
+            "20: checkpoint steps, spikes and bursts of contention that hit fewer than 18 of "
+            "them cannot move a lower decile.",
             ge=4,
         ),
     )
