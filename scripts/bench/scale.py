@@ -807,6 +807,18 @@ async def _measure(
         )
         if proc
         else None,
+        # robust to transient peaks (a trim returns them within a minute): the slope of the
+        # 5-minute minima over the second half, and each minute's (min, max); added after
+        # the hour of 2026-11-29 (session 28), whose least-squares slope rose with two peaks
+        # near its end
+        "unicornd_rss_floor_growth_mib_per_h_second_half": _slope_per_h(
+            _minima([(p[0], p[3]) for p in proc], 300.0), proc[0][0], proc[-1][0]
+        )
+        if proc
+        else None,
+        "unicornd_rss_mib_by_minute": [
+            [_r(lo, 1), _r(hi, 1)] for lo, hi in _by_minute([(p[0], p[3]) for p in proc])
+        ],
         "redis_used_memory_mib": _r(redis_mem[-1] if redis_mem else None, 1),
         "redis_used_memory_mib_at": {
             f"{round(100 * q)}%": _r(redis_mem[int(q * (len(redis_mem) - 1))], 1) for q in (0.25, 0.5, 0.75)
@@ -972,6 +984,31 @@ def _job_history(fleet: Fleet, job_id: int | None, t: float) -> list[str]:
     seen = [(c["t"], f"{c['action']} {c['node']}") for c in fleet.commands if c["job"] == job_id]
     seen += [(w, f"slurm {op} ({n} nodes)") for w, j, op, n in fleet.slurm_events if j == job_id]
     return [f"-{t - w:.1f}s {what}" for w, what in sorted(seen) if t - 60 <= w <= t][-20:]
+
+
+def _minima(samples: Sequence[tuple[float, float]], bucket_s: float) -> list[tuple[float, float]]:
+    """(bucket's middle, its smallest value) per ``bucket_s`` of (time, value) samples."""
+    if not samples:
+        return []
+    t0 = samples[0][0]
+    buckets: dict[int, float] = {}
+    for t, v in samples:
+        k = int((t - t0) // bucket_s)
+        buckets[k] = min(v, buckets.get(k, v))
+    return [(t0 + (k + 0.5) * bucket_s, v) for k, v in sorted(buckets.items())]
+
+
+def _by_minute(samples: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(smallest, largest) value per minute of (time, value) samples."""
+    if not samples:
+        return []
+    t0 = samples[0][0]
+    out: dict[int, tuple[float, float]] = {}
+    for t, v in samples:
+        k = int((t - t0) // 60)
+        lo, hi = out.get(k, (v, v))
+        out[k] = (min(lo, v), max(hi, v))
+    return [out[k] for k in sorted(out)]
 
 
 def _slope_per_h(blocks: Sequence[Sequence[float]], w0: float, w1: float) -> float | None:
