@@ -259,7 +259,7 @@ def coordinator(cluster: DevCluster, tmp: Path, **env: str) -> Iterator[Coordina
         # own resume) would fail the module's next tests for no fault of theirs (found in CI:
         # "job did not start" after the node-loss test failed before resuming n2).
         for node in sorted(_drained_by_unicornd(cluster) - drained_before):
-            print(f"teardown: resuming {node}, drained by unicornd during the test")
+            print(f"teardown: resuming {node}, drained by unicornd during the test", file=sys.stderr)
             cluster.slurm("scontrol", "update", f"nodename={node}", "state=resume", check=False)
         shutil.rmtree(AGENT_RUN_ROOT / prefix, ignore_errors=True)  # the agents' run folders
         with contextlib.suppress(OSError):
