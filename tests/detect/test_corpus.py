@@ -206,7 +206,6 @@ KNOWN_FRESH_BENIGN_FIRES: dict[str, str] = {
         "(detect.unraisable) tells it from a crash"
     ),
 }
-FRESH = BENCH.load("fresh/*-errors") + BENCH.load("fresh/*-benign")
 
 
 def _spent_line_ok(
@@ -235,17 +234,6 @@ def _each_known_names_one_line(lines: list[Any], *known: dict[str, Any]) -> None
             assert sum(line.text.lstrip().startswith(prefix) for line in lines) == 1, prefix
 
 
-@pytest.mark.parametrize("line", FRESH, ids=[f"{i}-{line.status}" for i, line in enumerate(FRESH)])
-def test_fresh_line_classifies_as_labelled(classifier: Classifier, line: Any) -> None:
-    """The 2026-11-25 blind set, spent once a newer blind set existed: its misses were read
-    to write rules (2026-11-29), and every line now classifies as labelled or as named here."""
-    _spent_line_ok(classifier, line, KNOWN_FRESH_MISSES, KNOWN_FRESH_BENIGN_FIRES)
-
-
-def test_known_fresh_misses_name_one_line_each() -> None:
-    _each_known_names_one_line(FRESH, KNOWN_FRESH_MISSES, KNOWN_FRESH_BENIGN_FIRES)
-
-
 KNOWN_BLIND2_MISSES: dict[str, tuple[str, str | None, str]] = {
     "[Errno 2] No such file or directory: 'checkpoints/gpt2_345m/iter_0006000/": _ERRNO_ONLY,
     # blind2 lines (the second blind set, read for rules in session 26), by their text without
@@ -264,18 +252,6 @@ KNOWN_BLIND2_BENIGN_FIRES: dict[str, str] = {
         "context (detect.unraisable) tells it from a crash"
     ),
 }
-BLIND2 = BENCH.load("blind2/*-errors") + BENCH.load("blind2/*-benign")
-
-
-@pytest.mark.parametrize("line", BLIND2, ids=[f"{i}-{line.status}" for i, line in enumerate(BLIND2)])
-def test_blind2_line_classifies_as_labelled(classifier: Classifier, line: Any) -> None:
-    """The second blind set, spent once a newer one existed: its misses were read to write
-    rules (session 26), and every line now classifies as labelled or as named here."""
-    _spent_line_ok(classifier, line, KNOWN_BLIND2_MISSES, KNOWN_BLIND2_BENIGN_FIRES)
-
-
-def test_known_blind2_misses_name_one_line_each() -> None:
-    _each_known_names_one_line(BLIND2, KNOWN_BLIND2_MISSES, KNOWN_BLIND2_BENIGN_FIRES)
 
 
 _DATALOADER = (
@@ -317,18 +293,6 @@ KNOWN_BLIND3_BENIGN_FIRES: dict[str, str] = {
     "AttributeError: 'DeepSpeedCPUAdam' object has no attribute 'ds_opt_adam'": _SHUTDOWN_NOISE,
     "AttributeError: 'NoneType' object has no attribute 'is_available'": _SHUTDOWN_NOISE,
 }
-BLIND3 = BENCH.load("blind3/*-errors") + BENCH.load("blind3/*-benign")
-
-
-@pytest.mark.parametrize("line", BLIND3, ids=[f"{i}-{line.status}" for i, line in enumerate(BLIND3)])
-def test_blind3_line_classifies_as_labelled(classifier: Classifier, line: Any) -> None:
-    """The third blind set, spent once a newer one existed: its misses were read to write
-    rules (session 27), and every line now classifies as labelled or as named here."""
-    _spent_line_ok(classifier, line, KNOWN_BLIND3_MISSES, KNOWN_BLIND3_BENIGN_FIRES)
-
-
-def test_known_blind3_misses_name_one_line_each() -> None:
-    _each_known_names_one_line(BLIND3, KNOWN_BLIND3_MISSES, KNOWN_BLIND3_BENIGN_FIRES)
 
 
 _XID_63 = (
@@ -395,18 +359,33 @@ KNOWN_BLIND4_BENIGN_FIRES: dict[str, str] = {
     ),
     "RuntimeError: cannot join current thread": _SHUTDOWN_NOISE,
 }
-BLIND4 = BENCH.load("blind4/*-errors") + BENCH.load("blind4/*-benign")
 
 
-@pytest.mark.parametrize("line", BLIND4, ids=[f"{i}-{line.status}" for i, line in enumerate(BLIND4)])
-def test_blind4_line_classifies_as_labelled(classifier: Classifier, line: Any) -> None:
-    """The fourth blind set, spent once a newer one existed: its misses were read to write
-    rules (session 28), and every line now classifies as labelled or as named here."""
-    _spent_line_ok(classifier, line, KNOWN_BLIND4_MISSES, KNOWN_BLIND4_BENIGN_FIRES)
+SPENT: dict[str, tuple[dict[str, tuple[str, str | None, str]], dict[str, str]]] = {
+    # spent blind set -> (its known misses, its known benign fires). Each was spent once a
+    # newer blind set existed: its misses were read to write rules (fresh, the 2026-11-25 set,
+    # on 2026-11-29; blind2 in session 26; blind3 in session 27; blind4 in session 28), and
+    # every line now classifies as labelled or as named in these tables.
+    "fresh": (KNOWN_FRESH_MISSES, KNOWN_FRESH_BENIGN_FIRES),
+    "blind2": (KNOWN_BLIND2_MISSES, KNOWN_BLIND2_BENIGN_FIRES),
+    "blind3": (KNOWN_BLIND3_MISSES, KNOWN_BLIND3_BENIGN_FIRES),
+    "blind4": (KNOWN_BLIND4_MISSES, KNOWN_BLIND4_BENIGN_FIRES),
+}
+SPENT_LINES = {name: BENCH.load(f"{name}/*-errors") + BENCH.load(f"{name}/*-benign") for name in SPENT}
 
 
-def test_known_blind4_misses_name_one_line_each() -> None:
-    _each_known_names_one_line(BLIND4, KNOWN_BLIND4_MISSES, KNOWN_BLIND4_BENIGN_FIRES)
+@pytest.mark.parametrize(
+    ("name", "line"),
+    [(name, line) for name, lines in SPENT_LINES.items() for line in lines],
+    ids=[f"{name}-{i}-{line.status}" for name, lines in SPENT_LINES.items() for i, line in enumerate(lines)],
+)
+def test_spent_line_classifies_as_labelled(classifier: Classifier, name: str, line: Any) -> None:
+    _spent_line_ok(classifier, line, *SPENT[name])
+
+
+@pytest.mark.parametrize("name", SPENT)
+def test_known_misses_of_a_spent_set_name_one_line_each(name: str) -> None:
+    _each_known_names_one_line(SPENT_LINES[name], *SPENT[name])
 
 
 @pytest.mark.parametrize("line", TRAIN, ids=[f"{i}-{line.status}" for i, line in enumerate(TRAIN)])
