@@ -38,6 +38,7 @@ from detect import (
     IterationMonitor,
     Liveness,
     Severity,
+    worst,
 )
 from detect.losshealth import LossHealth, LossHealthConfig, LossSample, named_iteration
 from detect.stragglers import Straggler, StragglerConfig, StragglerMonitor
@@ -57,6 +58,10 @@ from unicorn_core.protocol import (
 from unicornd.actions import Decision, LaunchAgents, Requeue, SendCommand
 from unicornd.seed import expected_agents
 from unicornd.state import ENDED_STATES, LIVE_TASK_STATES, Snapshot, TaskRecord
+
+BARE_EXIT_RULES: Final = frozenset({"exit_nonzero", "exit_status_unknown"})
+"""The classifier's fallbacks for an exit whose own output names no cause
+(:meth:`detect.Classifier.classify_exit`)."""
 
 STOPPED: Final = "\x00stopped"
 """The launch id of an agent unicornd stopped on purpose (never a command's id)."""
@@ -151,6 +156,10 @@ class Detector:
     performed) put them back under watch; when the requeue ended them, their silence was
     a finding about processes ended on purpose."""
 
+    _raised: dict[tuple[int, str, int], tuple[str, Classification]] = field(init=False, default_factory=dict)
+    """Per (job, node, rank): the launch id and classification of the last exception that
+    rank reported (:meth:`_explained_exit`). One entry per rank at most; a job's go with it."""
+
     _heard_until_s: float | None = field(init=False, default=None)
     """Every agent event written before this (monotonic) time has been handled
     (:meth:`heard_until`); None: trust the clock (no reader reports its progress)."""
@@ -239,6 +248,7 @@ class Detector:
         self._lost = {k for k in self._lost if k[0] != job_id}
         self._launches = {k: v for k, v in self._launches.items() if k[0] != job_id}
         self._undo = {k: v for k, v in self._undo.items() if k[0] != job_id}
+        self._raised = {k: v for k, v in self._raised.items() if k[0] != job_id}
         # Dropped: a probe in flight holds a number > 0 and now reads 0, a change.
         self._agent_epochs = {k: v for k, v in self._agent_epochs.items() if k[0] != job_id}
 
@@ -428,9 +438,12 @@ class Detector:
             if msg.exit_code == 0:
                 return []
             c = self.classifier.classify_exit(msg.exit_code, msg.signal, msg.stderr_tail, msg.error_file_text)
+            c = self._explained_exit(msg, c)
             rank, source = msg.rank, "exit"
         elif isinstance(msg, ExceptionReport):
             c = self.classifier.classify_exception(msg.exc_type, msg.message, msg.traceback)
+            if msg.rank is not None and msg.launch_id and c.is_fault:
+                self._raised[(msg.job_id, msg.node, msg.rank)] = (msg.launch_id, c)
             rank, source = msg.rank, "exception"
         elif isinstance(msg, GpuHealthEvent):
             c = self.classifier.classify_gpu(msg.kind, msg.value)
@@ -447,6 +460,27 @@ class Detector:
         current = bool(launch) and self._launches.get((msg.job_id, msg.node)) == launch
         evidence = Evidence(msg.node, rank, now_s, c, source)
         return [JobEvidence(msg.job_id, evidence, iteration=iteration, current_launch=current)]
+
+    def _explained_exit(self, msg: ProcessExit, c: Classification) -> Classification:
+        """A bare non-zero exit (:data:`BARE_EXIT_RULES`: nothing in its own output named a
+        cause) of a rank that reported an exception in the same launch ended because of that
+        exception: it takes the exception's status (severity at least SEV2, the rank is gone).
+
+        Found by the safety bench: a user's bug raised again after its restart (absorbed, the
+        restart had just been ordered), then the rank exited; the exit, ``exited_abnormally``
+        (a node can cause that), climbed to isolation and ran a node check on a healthy node
+        for an error of the training code. As the exception's status it is never a node's."""
+        if msg.rank is None or not msg.launch_id:
+            return c
+        raised = self._raised.pop((msg.job_id, msg.node, msg.rank), None)
+        if raised is None or c.rule not in BARE_EXIT_RULES or raised[0] != msg.launch_id:
+            return c
+        exc = raised[1]
+        severity = worst([exc.severity, Severity.SEV2]) or Severity.SEV2
+        ended = c.evidence.splitlines()[0] if c.evidence else c.rule
+        return Classification(
+            exc.status, severity, exc.rule, f"{exc.evidence}\n(then {ended})", exc.secondary
+        )
 
     def _teardown_noise(self, msg: Message, c: Classification) -> bool:
         """A SEV3 log line after the run's last iteration. Found in CI: the ranks tear their

@@ -9,7 +9,7 @@ import pytest
 
 from detect.classify import load_classifier
 from detect.statuses import ErrorStatus
-from tests.unicornd.coord_world import task
+from tests.unicornd.coord_world import apply, of_kind, task, world
 from unicorn_core.config import AgentConfig, DetectConfig
 from unicorn_core.protocol import (
     AgentAction,
@@ -23,9 +23,10 @@ from unicorn_core.protocol import (
     decode,
     encode,
 )
-from unicornd.actions import Decision, LaunchAgents, NodeArgv, Requeue, SendCommand
+from unicornd.actions import CheckNode, Decision, DrainNode, LaunchAgents, NodeArgv, Requeue, SendCommand
+from unicornd.decide import Finding, on_finding
 from unicornd.detector import Detector
-from unicornd.state import RequeueWait, Snapshot
+from unicornd.state import LadderStage, NodeHealth, Policy, RequeueWait, Snapshot, TaskState
 
 
 def timing(rank: int, iteration: int, node: str = "n1") -> IterationTiming:
@@ -606,3 +607,106 @@ def test_the_agent_on_a_node_its_task_left_without_a_stop_is_not_watched() -> No
         now += 0.5
         d.on_message(beat("n1", 0.0), now)
     assert [f.evidence.node for f in d.check(now) if f.evidence.source == "heartbeat"] == []
+
+
+def test_a_bare_exit_after_the_ranks_own_exception_takes_the_exceptions_status() -> None:
+    """Found by the safety bench: a user's bug raised again after its restart (absorbed: the
+    restart had just been ordered), then the rank exited 1. As ``exited_abnormally`` (a node
+    can cause that) the exit climbed to isolation and ran a node check on a healthy node. An
+    exit that names no cause of its own, of a rank that raised in the same launch, ended
+    because of that exception: it is the exception's finding, with the rank gone. An exit
+    with its own cause (a signal), of another rank, or of another launch is its own."""
+    d = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
+    empty = Snapshot(tasks={}, nodes={}, gpus_per_node=8)
+    first = LaunchAgents("plan-1/launch/4", "a", 4, (NodeArgv("n1", ("train",)), NodeArgv("n2", ("train",))))
+    d.follow(empty, empty, Decision(actions=(first,)), 1.0)
+
+    def raised(rank: int, launch: str) -> ExceptionReport:
+        return ExceptionReport(
+            job_id=4, node="n2", wall_time_s=1.0, rank=rank, exc_type="RuntimeError",
+            message="injected failure at iteration 5", traceback="", launch_id=launch,
+        )  # fmt: skip
+
+    def ended(rank: int, launch: str, *, code: int | None = 1, sig: int | None = None) -> ProcessExit:
+        return ProcessExit(
+            job_id=4, node="n2", wall_time_s=1.0, rank=rank, local_rank=0, pid=77, exit_code=code,
+            signal=sig, error_file_text=None, stderr_tail="", launch_id=launch,
+        )  # fmt: skip
+
+    (exc,) = d.on_message(raised(1, first.action_id), 2.0)
+    assert exc.classification.status is ErrorStatus.OTHER_SOFTWARE_ERROR
+    (ex,) = d.on_message(ended(1, first.action_id), 2.1)
+    c, e = ex.classification, exc.classification
+    assert (c.status, c.rule, ex.evidence.source) == (e.status, e.rule, "exit")
+    assert c.evidence.splitlines()[0] == e.evidence.splitlines()[0]
+    assert "exit code 1" in c.evidence and ex.current_launch
+    # Once only: the same rank's next bare exit (no new exception) is its own again.
+    (again,) = d.on_message(ended(1, first.action_id), 2.2)
+    assert again.classification.status is ErrorStatus.EXITED_ABNORMALLY
+    # Another rank's exit is not explained by rank 1's exception.
+    d.on_message(raised(1, first.action_id), 3.0)
+    (other,) = d.on_message(ended(2, first.action_id), 3.1)
+    assert other.classification.status is ErrorStatus.EXITED_ABNORMALLY
+    # A signal is a cause of its own: kept as the classifier reads it.
+    (killed,) = d.on_message(ended(1, first.action_id, code=None, sig=9), 3.2)
+    alone = load_classifier(None).classify_exit(None, 9, "", None)
+    assert (killed.classification.status, killed.classification.rule) == (alone.status, alone.rule)
+    # An exception under an unstamped (unknown) launch explains nothing.
+    d.on_message(raised(1, ""), 4.0)
+    (unstamped,) = d.on_message(ended(1, ""), 4.1)
+    assert unstamped.classification.status is ErrorStatus.EXITED_ABNORMALLY
+    # Forgetting the job forgets its exceptions.
+    d.on_message(raised(1, first.action_id), 5.0)
+    d.forget_job(4)
+    assert d._raised == {}
+
+
+def test_a_users_bug_that_raises_again_after_its_restart_stops_the_task_without_a_node_check() -> None:
+    """The safety bench's user_bug scenario through the detector and the ladder: rank 1 on
+    n2 raises at the same iteration every launch; 1 restart allowed. The second launch's
+    exception comes within the settle time (absorbed), then the rank exits. The task stops
+    with the exception as the reason; no node is checked or drained."""
+    policy = Policy(max_process_restarts=1, no_progress_limit=10, recovery_budget=10)
+    snap = world(3, [task("a", 4, ["n1", "n2"])], policy)
+    d = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
+    empty = Snapshot(tasks={}, nodes={}, gpus_per_node=8)
+    launch = LaunchAgents("plan-1/launch/4", "a", 4, (NodeArgv("n1", ("train",)), NodeArgv("n2", ("train",))))
+    d.follow(empty, empty, Decision(actions=(launch,)), 1.0)
+    t0 = 1_700_000_000.0
+    seq = iter(range(1, 100))
+
+    def heard(msg: ExceptionReport | ProcessExit, at: float) -> Finding:
+        (jf,) = d.on_message(msg, at)
+        f = Finding.of(
+            jf.classification, finding_id=f"f{next(seq)}", job_id=4, node=jf.evidence.node,
+            rank=jf.evidence.rank, rank_died=jf.evidence.source == "exit", current_launch=jf.current_launch,
+        )  # fmt: skip
+        assert f is not None
+        return f
+
+    def raised(launch_id: str) -> ExceptionReport:
+        return ExceptionReport(
+            job_id=4, node="n2", wall_time_s=1.0, rank=1, exc_type="RuntimeError",
+            message="injected failure at iteration 5", traceback="", launch_id=launch_id,
+        )  # fmt: skip
+
+    def exited(launch_id: str) -> ProcessExit:
+        return ProcessExit(
+            job_id=4, node="n2", wall_time_s=1.0, rank=1, local_rank=1, pid=77, exit_code=1,
+            signal=None, error_file_text=None, stderr_tail="", launch_id=launch_id,
+        )  # fmt: skip
+
+    dec = on_finding(snap, heard(raised(launch.action_id), 2.0), t0)
+    snap = apply(snap, dec)
+    assert snap.incidents["a.1"].stage is LadderStage.RESTART_PROCESSES
+    d.follow(empty, empty, dec, 2.0)  # the restart's launch ids are now current
+    restart = next(a for a in dec.actions if isinstance(a, SendCommand) and a.node == "n2")
+    snap = apply(snap, on_finding(snap, heard(raised(restart.action_id), 10.0), t0 + 8))
+    assert snap.incidents["a.1"].stage is LadderStage.RESTART_PROCESSES  # absorbed while settling
+    last = on_finding(snap, heard(exited(restart.action_id), 10.5), t0 + 8.5)
+    after = apply(snap, last)
+    assert not of_kind(last.actions, CheckNode) and not of_kind(last.actions, DrainNode), last.actions
+    assert after.tasks["a"].state is TaskState.STOPPED
+    note = after.incidents["a.1"].note
+    assert "never of a node" in note and "injected failure" in note and "the same error again" in note
+    assert all(n.health is NodeHealth.HEALTHY for n in after.nodes.values())
