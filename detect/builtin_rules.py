@@ -243,9 +243,12 @@ _XID_CATALOG: Final[tuple[_XidEntry, ...]] = (
         {154: "GPU Recovery Action Changed"},
         "gpu_driver_error",
         None,
-        "the recovery action the other Xids need became GPU Reset Required, Node Reboot Required or "
-        "Drain and Reset",
-        {"message": r"\b(?:GPU Reset Required|Node Reboot Required|Drain and Reset)\b", "ignore_case": True},
+        "the recovery action the other Xids need became GPU Reset Required (newer drivers: PF FLR, a "
+        "function-level reset), Node Reboot Required or Drain and Reset",
+        {
+            "message": r"\b(?:GPU Reset Required|Node Reboot Required|Drain and Reset|PF FLR)\b",
+            "ignore_case": True,
+        },
     ),
     (
         "_drain_p2p",
@@ -381,7 +384,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         + _each(r"\b@\s*[:=]?\s*0\b(?![.\d])", r"exit\s*code", "exit status", "return code")
         + "|"
         + _each(r"\b@\w*\b(?: \w+)?\s*:\s*(?:No|False|None)\s*$", "error", "fail", "fault", "pending")
-        + r"|\bUncorr\w*\.?\s+ECC\b\D*\b0\b(?![.\d])",
+        + r"|\bUncorr\w*\.?\s+ECC\b\D*\b0\b(?![.\d])"
+        # a report's key-value row whose value is 0 (nvidia-smi -q: 'Double Bit ECC   : 0')
+        + r"|^\s*[A-Za-z][\w .()/-]*?\s:\s*0\s*$",
         "unless": rf"\b{_ERRORS}(?:\s+count)?\s*[:=]?\s*[1-9]|\b[1-9]\d*\s+(?:[\w.-]+\s+)?{_ERRORS}\b"
         # CUDA's error string for a status that is an error ("...: No error" is its text for 0)
         r"|no CUDA-capable device is detected"
@@ -390,8 +395,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "ignore_case": True,
         "doc": "a zero count ('NVLink errors: 0', '0 errors', 'no errors', 'error count 0', "
         "'Uncorr. ECC ... 0', "
-        "'exit code 0', 'Remapping Failure Occurred : No'), unless the same line also states a "
-        "non-zero count",
+        "'exit code 0', 'Remapping Failure Occurred : No', a row 'Double Bit ECC : 0'), unless the "
+        "same line also states a non-zero count",
     },
     {
         "name": "benign_phrasing",
@@ -493,6 +498,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"EDAC \w+: \d+ UE\b|\[Hardware Error\]|Machine check events logged|"
         r"\bmce: .*(?:uncorrected|fatal)|Uncorrected hardware memory error|Memory failure: 0x[0-9a-f]+"
         r"|HANDLING MCE MEMORY ERROR",
+        "unless": r"\bamdgpu\b",  # the GPU driver's RAS report: drm_gpu_fault
         "ignore_case": True,
         "doc": "the host's memory or CPU reported a hardware error (EDAC uncorrectable, machine check)",
     },
@@ -660,9 +666,12 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "status": "gpu_driver_error",
         "pattern": r"\b(?:nouveau|amdgpu)\b.*(?:\bmmu (?:page )?fault\b|"
         r"\bchannel \d+ killed\b|\bring \w+ timeout\b|\bGPU reset begin\b|\bGPU HANG\b"
-        r"|\bVM_L2_PROTECTION_FAULT)",
+        r"|\bVM_L2_PROTECTION_FAULT|\bMES failed to respond to msg=|\bsuspend of IP block <\w+> failed"
+        r"|\[Hardware [Ee]rror\]:? Accelerator Check Architecture)"
+        r"|^HW Exception by GPU node-\d+ .*reason ?:\s*GPU Hang",  # ROCm's runtime
         "doc": "a compute GPU's kernel driver other than NVIDIA's (nouveau, amdgpu) reporting a GPU page "
-        "fault, a killed channel, a ring timeout or a reset (not a display or mobile GPU's: a host's "
+        "fault, a killed channel, a ring timeout, a reset, a firmware scheduler (MES) that stopped "
+        "answering or a hardware error (ROCm's runtime: a GPU hang) (not a display or mobile GPU's: a host's "
         "integrated graphics is no reason to drain it)",
     },
     {
@@ -682,6 +691,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|Warp (?:Illegal|Out-of-range|Misaligned) Address"
         r"|\bIllegal address in (?:cu[A-Z]\w*|CUDA)\b"
         r"|\bCuError\(code=700\b"  # CUDA.jl's error object: 700 is CUDA_ERROR_ILLEGAL_ADDRESS
+        # the same code as other programs print it
+        r"|\breturned error 700\b|\bCUDA error \(700\)|\berror code \(700\)"
         # cuda-memcheck's and compute-sanitizer's report of a bad access ('Address 0x10a8 is misaligned')
         r"|^=+\s+Address 0x[0-9a-f]+ is (?:misaligned|out of bounds)",
         "ignore_case": True,
@@ -691,7 +702,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "status": "other_software_error",
         "pattern": r"CUDA out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|"
         r"CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory|Cuda failure '?out of memory|"
-        r"Failed to CUDA calloc",
+        r"Failed to CUDA calloc|^GPUassert: out of memory\b",
         "doc": "the job asked for more GPU memory than exists: a configuration problem, the node is fine",
     },
     {
@@ -729,6 +740,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|nvrtc: error|NVRTC_ERROR"
         r"|\bcuda[A-Z]\w*(?:\(\))? failed"
         r"|^!!!! kernel execution error\."
+        r"|^GPUassert: |\bTHCudaCheck FAIL\b"  # the usual CUDA check macro, legacy PyTorch's
         r"|Exception raised from create\w*Handle\b"  # c10's context line: a handle pool's CUDA call failed
         r"|Failed to (?:create CUDA context|load CUDA kernel)\b",
         "ignore_case": True,
@@ -786,9 +798,16 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|^double free or corruption\b|^corrupted size vs\. prev_size\b"
         # glog's and folly's fatal-signal handlers
         r"|^\*\*\* Aborted at \d+ \(unix time\)|\bSIG(?:ABRT|SEGV|BUS|ILL|FPE)\(\d+\), PID: \d+"
-        r"|^Command terminated by signal (?!(?:1|2|15)\b)\d+",  # GNU time; HUP, INT, TERM: a stop
-        "doc": "a process aborted by the C library (heap corruption) or a fatal signal as glog, folly or "
-        "GNU time report it",
+        r"|^Command terminated by signal (?!(?:1|2|15)\b)\d+"  # GNU time; HUP, INT, TERM: a stop
+        r"|^Aborted \(Signal sent by tkill\(\)"  # the shell's report of a raise(SIGABRT)
+        # systemd's for a service: killed by a signal other than a stop, or by the OOM killer
+        r"|\b[Mm]ain process exited, code=(?:killed|dumped), status=\d+/(?!TERM\b|INT\b|HUP\b)[A-Z]+"
+        r"|\.service: Failed with result '(?:oom-kill|core-dump|signal)'"
+        # MPICH/Hydra's BAD TERMINATION banner (signals other than a stop)
+        r"|\bYOUR APPLICATION TERMINATED WITH THE EXIT STRING: (?!Terminated\b|Hangup\b|Interrupt\b)\w"
+        r"|^=+\s+KILLED BY SIGNAL: (?!(?:1|2|15)\b)\d+",
+        "doc": "a process aborted by the C library (heap corruption) or a fatal signal as glog, folly, "
+        "GNU time, systemd or MPICH report it",
     },
     {
         "name": "launcher_process_exit",
@@ -796,7 +815,11 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"\bABORT!!! Out of all \d+ trainers\b"  # PaddlePaddle's launcher
         r"|\bProcess \d+ exit with status code [1-9]\d*"  # Horovod's
         r"|\bprocess \d+ exit with exception\b"  # MindSpore's
-        r"|\bExecuteUserScriptError\b",  # SageMaker: the user's script exited non-zero
+        r"|\bExecuteUserScriptError\b"  # SageMaker: the user's script exited non-zero
+        r"|\bWorker proc \S+ died unexpectedly\b"  # vLLM's multiprocessing executor
+        r"|\bterminated with an error exit status \([1-9]\d*\)"  # Nextflow's
+        r"|\bThe exit status of the task that caused the workflow execution to fail was: [1-9]",
+        "unless": r"-- (?:Execution is retried|Error is ignored)\b",  # Nextflow goes on
         "secondary": True,
         "doc": "a launcher reporting that a worker it started exited with an error",
     },
@@ -852,7 +875,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "torchelastic_summary",
         "status": "exited_abnormally",
         # anchored at the start: cheap on every line, so no prefilter needed
-        "pattern": r"^\s*(?:Root Cause \(first observed failure\)|<NO_OTHER_FAILURES>|\S+\.py FAILED\s*$|"
+        "pattern": r"^\s*(?:std(?:err|out):\s+)?"  # Accelerate's launcher prefixes the stream
+        r"(?:Root Cause \(first observed failure\)|<NO_OTHER_FAILURES>|\S+\.py FAILED\s*$|"
         r"Failures:\s*$|(?:time|host|rank)\s{2,}: \S|(?:exitcode|error_file|traceback)\s*: )",
         "secondary": True,
         "doc": "a line of torchrun's failure summary ('Root Cause', 'exitcode  : -9 (pid: 123)', 'host', "
@@ -928,19 +952,32 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "slurm_error",
         "status": "exited_abnormally",
         "pattern": r"^\s*(?:srun|slurmstepd(?:-\S+)?|salloc|sbatch): error: ",
-        "unless": r": going to \S+ instead\b",  # slurmstepd's chdir fallback: the step runs on
+        # slurmstepd's chdir fallback (the step runs on), and proctrack's race with a process
+        # that just ended (it reads /proc of each pid it tracks)
+        "unless": r": going to \S+ instead\b|_is_a_lwp: open\(\) /proc/\d+/status failed",
         "generic": True,
         "doc": "Slurm reporting an error that no specific rule names",
     },
     {
+        "name": "ray_peer_marked_dead",
+        "status": "lost_connection",
+        "severity": "SEV3",
+        "pattern": r"\bmarked (?:as )?dead because .*\bmissed too many heartbeats",
+        "secondary": True,
+        "doc": "Ray's head declared a node dead after missing its heartbeats: a node of the job may be "
+        "lost, but the line names another node than the one that printed it and is Ray's opinion "
+        "(lagging heartbeats of a live node read the same), so it is secondary and SEV3: it waits in "
+        "place; unicorn's own heartbeats are the first-hand evidence",
+    },
+    {
         "name": "ray_node_dead",
         "status": "lost_connection",
-        "pattern": r"\bmarked (?:as )?dead because .*\bmissed too many heartbeats"
-        r"|node_manager\.cc:\d+: This node has bee[nm] marked as dead",  # 'beem': Ray's own spelling
+        # 'beem': Ray's own spelling
+        "pattern": r"node_manager\.cc:\d+: This node has bee[nm] marked as dead",
         "secondary": True,
-        "doc": "Ray's head declared a node dead after missing its heartbeats: a node of the job is lost, "
-        "but the line names another node than the one that printed it, so it is secondary (unicorn's "
-        "own heartbeats are the first-hand evidence; isolation needs out-of-band confirmation)",
+        "doc": "a node's own raylet ending because the head marked it dead: this node leaves the Ray "
+        "cluster (secondary: why it missed its heartbeats is the cause; isolation needs out-of-band "
+        "confirmation)",
     },
     {
         "name": "program_usage_error",
@@ -991,6 +1028,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|flight recorder dump signal"
         r"|First PG on this rank to signal dumping"
         r"|ran for \d+ milliseconds before timing out"
+        r"|gloo/transport/\S+\] TIMEOUT\b"  # gloo's pair timing out on a peer
         r"|failure detected by watchdog at work sequence id",
         "doc": "the NCCL watchdog found a collective that failed or timed out, and takes the process down",
     },
@@ -1076,9 +1114,11 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "status": "other_network_error",
         "pattern": r"\bsocketStartConnect: exceeded retries\b"
         r"|\bucp_\w+\(.*\) failed: (?:Destination is unreachable|Connection reset|Endpoint timeout)"
-        r"|\bheartbeat timeout\. This indicates that the remote task has failed\b",
+        r"|\bheartbeat timeout\. This indicates that the remote task has failed\b"
+        r"|\bDEADLINE_EXCEEDED: Barrier timed out\b"  # JAX/XLA's coordination service
+        r"|\bError encountered progressing operation=Connect\b",
         "doc": "a peer that cannot be reached: NCCL's bootstrap out of retries, UCX's endpoint, JAX's "
-        "coordination service losing a task's heartbeat",
+        "coordination service losing a task's heartbeat or its barrier timing out",
     },
     {
         "name": "nccl_net_failure",
@@ -1162,6 +1202,15 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "generic": True,
         "doc": "the C++ runtime aborting the process, often after another failure (a watchdog's abort, "
         "an earlier terminate): the process ends, the cause is elsewhere",
+    },
+    {
+        "name": "arrow_exception",
+        "status": "other_software_error",
+        "pattern": r"\bArrow(?:Invalid|TypeError|NotImplementedError|IOError|KeyError|IndexError|MemoryError"
+        r"|CapacityError|SerializationError|Cancelled): ",
+        "generic": True,
+        "doc": "pyarrow's exceptions (a dataset that does not parse: 'pyarrow.lib.ArrowInvalid: JSON parse "
+        "error'), whose names python_exception's pattern does not cover",
     },
     {
         "name": "python_exception",

@@ -1,4 +1,5 @@
-"""Python's reports of exceptions it ignored, recognised across lines.
+"""Python's reports of exceptions, recognised across lines: those it ignored
+(:class:`IgnoredBlocks`) and the tracebacks an exception line ends (:class:`Tracebacks`).
 
 When an exception escapes ``__del__``, a weakref callback or an atexit handler, Python
 prints it and carries on (``sys.unraisablehook``)::
@@ -30,6 +31,9 @@ from detect.origin import LAUNCHER_PREFIX  # a line a launcher prefixed: never p
 
 MAX_BLOCK_LINES: Final = 200
 """A block longer than this is not Python's report (its tracebacks are a few dozen lines)."""
+MAX_TRACEBACK_LINES: Final = 20_000
+"""A traceback's lines before its exception line (3 a frame in Python 3.11+: deep stacks of
+compiled or wrapped models run to thousands); past this it is given up."""
 MAX_OPEN_BLOCKS: Final = 64
 """Prefixes followed at once; past this, the oldest open block is dropped."""
 
@@ -37,6 +41,25 @@ _OPENING: Final = re.compile(r"Exception ignored (?:in|on calling)\b")
 _HEADER: Final = "Traceback (most recent call last):"
 _EXCEPTION_LINE: Final = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Warning|Exit|Interrupt)\b")
 """The line that ends a report: the exception's (qualified) name, then its message."""
+
+
+def _prefix_of(opened: dict[str, int], line: str) -> str | None:
+    """The longest open block's prefix that ``line`` starts with (an unprefixed block never
+    takes a line a launcher prefixed)."""
+    best: str | None = None
+    for prefix in opened:
+        if not line.startswith(prefix) or (not prefix and LAUNCHER_PREFIX.match(line)):
+            continue
+        if best is None or len(prefix) > len(best):
+            best = prefix
+    return best
+
+
+def _open_block(opened: dict[str, int], prefix: str) -> None:
+    opened.pop(prefix, None)
+    if len(opened) >= MAX_OPEN_BLOCKS:
+        del opened[next(iter(opened))]  # the oldest
+    opened[prefix] = 1
 
 
 class IgnoredBlocks:
@@ -54,13 +77,9 @@ class IgnoredBlocks:
     def inside(self, line: str) -> bool:
         opening = _OPENING.search(line)
         if opening is not None:
-            opened = line[: opening.start()]
-            self._open.pop(opened, None)
-            if len(self._open) >= MAX_OPEN_BLOCKS:
-                del self._open[next(iter(self._open))]  # the oldest
-            self._open[opened] = 1
+            _open_block(self._open, line[: opening.start()])
             return True
-        prefix = self._prefix_of(line)
+        prefix = _prefix_of(self._open, line)
         if prefix is None:
             return False
         rest = line[len(prefix) :]
@@ -74,12 +93,46 @@ class IgnoredBlocks:
         # no traceback to print); anything else ends it too, and is not part of it.
         return _EXCEPTION_LINE.match(rest) is not None
 
-    def _prefix_of(self, line: str) -> str | None:
-        """The longest open block's prefix that ``line`` starts with."""
-        best: str | None = None
-        for prefix in self._open:
-            if not line.startswith(prefix) or (not prefix and LAUNCHER_PREFIX.match(line)):
-                continue
-            if best is None or len(prefix) > len(best):
-                best = prefix
-        return best
+
+EXCEPTION_LINE_RULES: Final = frozenset({"python_exception", "bare_exception", "arrow_exception"})
+"""The built-in rules that read a line as an exception of no particular kind (the generic
+ones); a specific rule (CUDA out of memory, an illegal address, NCCL's errors) names its
+cause whatever printed it."""
+
+
+_CLOSING_LINE: Final = re.compile(r"[A-Za-z_][\w.]*(?::\s|:?\s*$)")
+"""The line Python ends a traceback with: the exception's qualified name, then ': message'
+or nothing (whatever the name: 'pyarrow.lib.ArrowInvalid: ...', 'KeyboardInterrupt')."""
+
+
+class Tracebacks:
+    """Feed every line of one output stream, in order; :meth:`closes` says whether a line is
+    the exception line that ends a traceback Python printed (its header, then indented
+    frames, then ``Name: message`` with the header's prefix).
+
+    An exception line that ends no traceback is text a program printed: a handler logging
+    ``str(e)`` and going on, a thread's shutdown message, a model printing what it caught.
+    An uncaught exception always comes with its traceback (Python's default hook, torchrun's
+    ``[rankN]:`` prefix on every line of it), and the rank's exit is classified on its own.
+    The agent therefore sends a generic exception line without a traceback at SEV3 (wait in
+    place), not SEV2 (restart the job). Prefixes as in :class:`IgnoredBlocks`."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, int] = {}  # prefix -> lines seen since its header
+
+    def closes(self, line: str) -> bool:
+        at = line.find(_HEADER)
+        if at >= 0:
+            _open_block(self._open, line[:at])
+            return False
+        prefix = _prefix_of(self._open, line)
+        if prefix is None:
+            return False
+        rest = line[len(prefix) :]
+        count = self._open.pop(prefix) + 1
+        if count > MAX_TRACEBACK_LINES:
+            return False
+        if rest[:1].isspace() and rest.strip():
+            self._open[prefix] = count  # a frame, its source line or a caret marker
+            return False
+        return _CLOSING_LINE.match(rest) is not None

@@ -53,7 +53,7 @@ import redis.asyncio as aioredis
 
 from detect import SLOW_STEP_TIMEOUT_S, Classifier, ErrorStatus, IterationMonitor, Severity, load_classifier
 from detect.origin import node_report
-from detect.unraisable import IgnoredBlocks
+from detect.unraisable import EXCEPTION_LINE_RULES, IgnoredBlocks, Tracebacks
 from launcher import megatron, supersede
 from launcher.ckptagent import CkptPlan
 from launcher.gpu import FaultFile, GpuMonitor
@@ -138,6 +138,8 @@ class AgentCounters:
     """Lines that report a process's exit (see :meth:`Agent._on_line`)."""
     node_reports_copied: int = 0
     """Copies of kernel or node-tool lines in the ranks' output: logged, not sent (detect.origin)."""
+    exception_lines_without_traceback: int = 0
+    """Generic exception lines that end no traceback: sent at SEV3 (:meth:`Agent._on_line`)."""
     iterations_unattributed: int = 0
     """Megatron-LM log lines seen before this node's ranks were known (not reported)."""
 
@@ -197,8 +199,8 @@ class Agent:
         self._seq = 0
         self._decoder = SafeDecoder()
         self._cmd_decoder = SafeDecoder()
-        self._recent_faults: dict[tuple[str, int | None], float] = {}
-        self._ignored = IgnoredBlocks()
+        self._recent_faults: dict[tuple[str, int | None, str], float] = {}
+        self._ignored, self._tracebacks = IgnoredBlocks(), Tracebacks()
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
         """Set once the job's environment is read and the first training started (or failed
@@ -440,7 +442,8 @@ class Agent:
         self._launch_of[generation] = launch
         self._launch_of.pop(generation - _LAUNCHES_KEPT, None)  # their exits were reported long ago
         self.monitor = self._new_monitor()
-        self._ignored = IgnoredBlocks()  # a report the last run's ranks left unfinished ends here
+        # a report or traceback the last run's ranks left unfinished ends here
+        self._ignored, self._tracebacks = IgnoredBlocks(), Tracebacks()
         self._hang_reported = None
         self._follow_log(argv)
         sup = Supervisor(
@@ -537,6 +540,7 @@ class Agent:
     def _on_line(self, line: str, launch_id: str | None = None) -> None:
         """One line of the ranks' output; ``launch_id``: the launch that started them
         (None: the current one)."""
+        closes_traceback = self._tracebacks.closes(line)
         if self._follow_megatron and (it := megatron.parse_iteration_line(line)) is not None:
             self._on_megatron_iteration(it, self.launch_id if launch_id is None else launch_id)
             return
@@ -554,6 +558,14 @@ class Agent:
             log.info("node_report_copy", origin=copied, rule=result.rule, line=line[:300])
             return
         severity = str(result.severity)
+        bare = result.rule in EXCEPTION_LINE_RULES and not closes_traceback
+        if bare and result.severity is not Severity.SEV3:
+            # An exception line that ends no traceback: text a program printed (a handler
+            # logging str(e) and going on), not an exception that ended a rank; that one comes
+            # with its traceback, and the rank's exit is classified on its own
+            # (detect.unraisable.Tracebacks). Sent at SEV3: it waits in place.
+            self.counters.exception_lines_without_traceback += 1
+            severity = str(Severity.SEV3)
         if result.status is ErrorStatus.EXITED_ABNORMALLY:
             # A launcher's or shell's report of a process's exit ("failed (exitcode: 1)",
             # "srun: error: ...: Exited with exit code 1", "Killed"). Within
@@ -566,7 +578,7 @@ class Agent:
                 severity = str(Severity.SEV3)
         m = _RANK_PREFIX.match(line)
         rank = int(m.group(1)) if m else None
-        key = (result.rule, rank)
+        key = (result.rule, rank, severity)  # a SEV3 copy never hides the SEV2 that follows it
         now = time.monotonic()
         last = self._recent_faults.get(key)
         if last is not None and now - last < _FAULT_DEDUP_S:

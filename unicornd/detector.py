@@ -60,6 +60,11 @@ from unicornd.seed import expected_agents
 from unicornd.state import ENDED_STATES, LIVE_TASK_STATES, Snapshot, TaskRecord
 
 BARE_EXIT_RULES: Final = frozenset({"exit_nonzero", "exit_status_unknown"})
+EXIT_AFTER_EXCEPTION_S: Final = 30.0
+"""An exit this long after the rank's exception (agents' wall clocks) can be the exception's:
+Python unwinds, runs atexit handlers and tears down process groups in seconds. An exception
+the rank survived (a thread's, reported by the hook's threading.excepthook) is seldom
+followed by a bare exit this soon."""
 """The classifier's fallbacks for an exit whose own output names no cause
 (:meth:`detect.Classifier.classify_exit`)."""
 
@@ -156,9 +161,11 @@ class Detector:
     performed) put them back under watch; when the requeue ended them, their silence was
     a finding about processes ended on purpose."""
 
-    _raised: dict[tuple[int, str, int], tuple[str, Classification]] = field(init=False, default_factory=dict)
-    """Per (job, node, rank): the launch id and classification of the last exception that
-    rank reported (:meth:`_explained_exit`). One entry per rank at most; a job's go with it."""
+    _raised: dict[tuple[int, str, int], tuple[str, Classification, float]] = field(
+        init=False, default_factory=dict
+    )
+    """Per (job, node, rank): the launch id, classification and wall time of the last exception
+    that rank reported (:meth:`_explained_exit`). One entry per rank at most; a job's go with it."""
 
     _heard_until_s: float | None = field(init=False, default=None)
     """Every agent event written before this (monotonic) time has been handled
@@ -443,7 +450,7 @@ class Detector:
         elif isinstance(msg, ExceptionReport):
             c = self.classifier.classify_exception(msg.exc_type, msg.message, msg.traceback)
             if msg.rank is not None and msg.launch_id and c.is_fault:
-                self._raised[(msg.job_id, msg.node, msg.rank)] = (msg.launch_id, c)
+                self._raised[(msg.job_id, msg.node, msg.rank)] = (msg.launch_id, c, msg.wall_time_s)
             rank, source = msg.rank, "exception"
         elif isinstance(msg, GpuHealthEvent):
             c = self.classifier.classify_gpu(msg.kind, msg.value)
@@ -475,7 +482,9 @@ class Detector:
         raised = self._raised.pop((msg.job_id, msg.node, msg.rank), None)
         if raised is None or c.rule not in BARE_EXIT_RULES or raised[0] != msg.launch_id:
             return c
-        exc = raised[1]
+        _launch, exc, raised_at = raised
+        if not 0.0 <= msg.wall_time_s - raised_at <= EXIT_AFTER_EXCEPTION_S:
+            return c  # another exception (a thread's, one the rank survived): not why it ended
         severity = worst([exc.severity, Severity.SEV2]) or Severity.SEV2
         ended = c.evidence.splitlines()[0] if c.evidence else c.rule
         return Classification(

@@ -2,7 +2,8 @@
 
 Rules are written from the train and dev sets and, since 2026-11-29, from the spent blind
 sets of 2026-11-25 (``fresh/``) and 2026-11-29 (``blind2/``, spent in session 26; ``blind3/``,
-spent in session 27; ``blind4/``, spent in session 28). The blind set (``blind5/``) is read by the bench
+spent in session 27; ``blind4/``, spent in session 28; ``blind5/``, spent in session 29). The blind
+set (``blind6/``) is read by the bench
 (scripts/bench/classify.py) alone, and only its aggregate figures are checked here, so a
 failure never prints a blind line.
 """
@@ -23,13 +24,15 @@ from detect.classify import Classifier, load_classifier
 
 REPO = Path(__file__).resolve().parents[2]
 
-HELD_OUT_STATUS_FLOOR = 0.77
-"""The blind set's status accuracy (``corpus/blind5/*-errors``) measured when the rules were
-last changed (0.779 on 163 lines, session 28, with the rules written from blind4's misses;
-blind4 itself was 0.779 blind too), less a small margin: a regression fails."""
-HELD_OUT_BENIGN_FIRES_CEILING = 3
-"""Blind benign lines classified SEV1/SEV2 when the rules were last changed (3 of 176,
-session 28; not read; blind4 had 12 of 172 blind). More fails."""
+HELD_OUT_STATUS_FLOOR = 0.62
+"""The blind set's status accuracy (``corpus/blind6/*-errors``) measured when the rules were
+last changed (0.630 on 146 lines, session 29, with the rules written from blind5's misses;
+blind5 was 0.779 blind), less a small margin: a regression fails."""
+HELD_OUT_BENIGN_FIRES_CEILING = 4
+"""Blind benign lines classified SEV1/SEV2 when the rules were last changed (4 of 175,
+session 29; not read; blind5 had 3 of 176 blind). More fails."""
+HELD_OUT_AGENT_FIRES_CEILING = 1
+"""Blind benign lines a real agent sends at SEV1/SEV2 (1 of 175, session 29). More fails."""
 DEV_STATUS_FLOOR = 0.91
 """The dev set's status accuracy (the first held-out half and the second batch's hash half,
 both read to write rules on 2026-11-25: 0.922 on 205 lines), less a small margin."""
@@ -45,6 +48,13 @@ _ERRNO_ONLY = (
     "SEV3",
     "an OS error printed alone ('[Errno 2] No such file or directory: ...'), without the exception "
     "that raised it: SEV3 as an ERROR-level line (error_level_line); the exception or the exit says more",
+)
+_RAY_DEAD = (
+    "lost_connection",
+    "SEV3",
+    "Ray's head marking another node dead on missed heartbeats: its opinion (lagging heartbeats of a "
+    "live node read the same; blind5 labels one such line benign), so SEV3 (ray_peer_marked_dead): "
+    "it waits in place and unicorn's own heartbeats decide",
 )
 KNOWN_TRAIN_MISSES: dict[str, tuple[str, str | None, str]] = {
     "ERROR:checkpoint: Error [Errno 2] No such file or directory:": _ERRNO_ONLY,
@@ -236,6 +246,7 @@ def _each_known_names_one_line(lines: list[Any], *known: dict[str, Any]) -> None
 
 KNOWN_BLIND2_MISSES: dict[str, tuple[str, str | None, str]] = {
     "[Errno 2] No such file or directory: 'checkpoints/gpt2_345m/iter_0006000/": _ERRNO_ONLY,
+    "2019-03-19 11:34:03,160 ERROR worker.py:1767 -- The node with client ID 05271efbda583": _RAY_DEAD,
     # blind2 lines (the second blind set, read for rules in session 26), by their text without
     # leading blanks: what we give them, and why
     "[rank2]: Cuda failure 802 'system not yet initialized'": (
@@ -266,6 +277,7 @@ _SHUTDOWN_NOISE = (
     "context (detect.unraisable) tells it from a crash"
 )
 KNOWN_BLIND3_MISSES: dict[str, tuple[str, str | None, str]] = {
+    "The node with client ID 1eadc9db2f074bfec34caf25dd5bf1f99fad0d59 has been marked dead": _RAY_DEAD,
     "2023-08-16 16:27:36 ERROR [__main__] main failed": _LEVEL_ONLY,
     "2022-07-06 10:48:08 | ERROR | yolox.core.launch:98": _LEVEL_ONLY,
     # blind3 lines (the third blind set, read for rules in session 27), by their text without
@@ -312,6 +324,8 @@ _INFO_LEVEL = (
     "an INFO-level line: by design no INFO or WARNING line fires (issue 17 item 1)",
 )
 KNOWN_BLIND4_MISSES: dict[str, tuple[str, str | None, str]] = {
+    "2021-09-05 05:42:39,292 WARNING worker.py:1228 -- The node with node id: 9d2c254a88": _RAY_DEAD,
+    "The node with client ID 581656f84659be9bba58da993729644cfb554836 has been marked dead": _RAY_DEAD,
     # blind4 lines (the fourth blind set, read for rules in session 28), by their text without
     # leading blanks: what we give them, and why
     "Aug 10 15:36:05 gpu-node-a kernel: NVRM: Xid (PCI:0000:55:00): 63,": _XID_63,
@@ -361,15 +375,72 @@ KNOWN_BLIND4_BENIGN_FIRES: dict[str, str] = {
 }
 
 
+KNOWN_BLIND5_MISSES: dict[str, tuple[str, str | None, str]] = {
+    # blind5 lines (the fifth blind set, read for rules in session 29), by their text without
+    # leading blanks: what we give them, and why
+    "Jun 14 03:23:32 pc kernel: NVRM: dmaAllocMapping_GM107: can't alloc VA space": (
+        "none",
+        None,
+        "the driver failing one mapping of one process (its address space full): alone, no evidence "
+        "of a GPU or driver that must be reset",
+    ),
+    "[W426 16:56:01.831041000 TCPStore.cpp:347] [c10d] TCP client failed to connect/validate": (
+        "none",
+        None,
+        "a W-level line that says it is retrying: by design no WARNING line and no retry fires (issue "
+        "17 item 1); only the final failure is evidence",
+    ),
+    'Terminated              nxf_trace "$pid" .command.trace': (
+        "none",
+        None,
+        "the shell's job report of a process ended by SIGTERM: a stop (as srun's 'Terminated'), "
+        "whoever sent it",
+    ),
+    "srun: error: Task launch for 23.0 failed on node hpc: Job prolog failed": (
+        "exited_abnormally",
+        "SEV2",
+        "labelled other_software_error (a site's prolog script); slurm_error reads Slurm's error lines "
+        "as exited_abnormally: the same severity, a restart",
+    ),
+    "[rank1]:[E920 21:30:53.728190653 ProcessGroupNCCL.cpp:670] Stack trace of the failed collective": (
+        "nccl_timeout",
+        "SEV3",
+        "labelled benign here; the train set labels the same E-level watchdog line nccl_timeout (it "
+        "follows a collective's timeout). SEV3: no restart, no drain",
+    ),
+    "NCCL WARN [Rem Allocator] Poll failed with error 1": (
+        "other_network_error",
+        "SEV3",
+        "labelled benign; NCCL's WARN of a failed poll is SEV3 (nccl_warn): it waits in place",
+    ),
+    "The node with node id: 40d7709d4275bb0784e227591eceeeb9a8604fb30e5a28e4c90d9c04": _RAY_DEAD,
+    "2022-09-20 09:52:31.126506: E tensorflow/core/common_runtime/eager/context.cc:856] Failed to": (
+        "none",
+        None,
+        "gRPC's 'failed to connect to all addresses': also the side noise of a helper process (Ray's "
+        "dashboard agent) while training goes on; a rule for it would take over an exit's cause from "
+        "the user's exception in the same output (session 29 review)",
+    ),
+    "[b8/e9892b] NOTE: Process `SANGERTOL_READMAPPING:READMAPPING:CONVERT_STATS:CRUMBLE": (
+        "none",
+        None,
+        "Nextflow says the task is retried: as every retry, only the final failure is evidence",
+    ),
+}
+KNOWN_BLIND5_BENIGN_FIRES: dict[str, str] = {}
+
+
 SPENT: dict[str, tuple[dict[str, tuple[str, str | None, str]], dict[str, str]]] = {
     # spent blind set -> (its known misses, its known benign fires). Each was spent once a
     # newer blind set existed: its misses were read to write rules (fresh, the 2026-11-25 set,
-    # on 2026-11-29; blind2 in session 26; blind3 in session 27; blind4 in session 28), and
+    # on 2026-11-29; blind2 in session 26; blind3 in session 27; blind4 in session 28; blind5 in
+    # session 29), and
     # every line now classifies as labelled or as named in these tables.
     "fresh": (KNOWN_FRESH_MISSES, KNOWN_FRESH_BENIGN_FIRES),
     "blind2": (KNOWN_BLIND2_MISSES, KNOWN_BLIND2_BENIGN_FIRES),
     "blind3": (KNOWN_BLIND3_MISSES, KNOWN_BLIND3_BENIGN_FIRES),
     "blind4": (KNOWN_BLIND4_MISSES, KNOWN_BLIND4_BENIGN_FIRES),
+    "blind5": (KNOWN_BLIND5_MISSES, KNOWN_BLIND5_BENIGN_FIRES),
 }
 SPENT_LINES = {name: BENCH.load(f"{name}/*-errors") + BENCH.load(f"{name}/*-benign") for name in SPENT}
 
@@ -411,6 +482,19 @@ def test_benign_lines_never_restart_or_drain(figures: dict[str, object]) -> None
     assert figures["held_out_benign_n"]
     fired = figures["held_out_benign_fires"]
     assert isinstance(fired, int) and fired <= HELD_OUT_BENIGN_FIRES_CEILING, fired
+
+
+def test_no_benign_line_the_rules_were_written_from_fires_through_the_agent(
+    figures: dict[str, object],
+) -> None:
+    """Issue 17's goal, benign_fires = 0, on the agent's real output path (the bench feeds each
+    set to a real :class:`launcher.agent.Agent`): the lines classify_line alone still fires on
+    (tables above) are exception lines without their traceback, which the agent sends at SEV3,
+    and copies of node tools' reports, which it never sends. The blind set: a count only."""
+    for name in ("train", "dev", *SPENT):
+        assert figures[f"{name}_benign_fires_agent"] == 0, name
+    fired = figures["held_out_benign_fires_agent"]
+    assert isinstance(fired, int) and fired <= HELD_OUT_AGENT_FIRES_CEILING, fired
 
 
 def test_only_the_known_dev_benign_lines_fire(classifier: Classifier) -> None:
@@ -459,6 +543,7 @@ def test_bench_prints_one_json_object_without_held_out_lines() -> None:
             "blind3/*",
             "blind4/*",
             "blind5/*",
+            "blind6/*",
         )
         for line in BENCH.load(name)
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from detect.classify import load_classifier
 from detect.statuses import ErrorStatus
-from detect.unraisable import MAX_BLOCK_LINES, MAX_OPEN_BLOCKS, IgnoredBlocks
+from detect.unraisable import MAX_BLOCK_LINES, MAX_OPEN_BLOCKS, MAX_TRACEBACK_LINES, IgnoredBlocks, Tracebacks
 
 # The shape CPython's default sys.unraisablehook prints (PyTorch's DataLoader at exit).
 DATALOADER_AT_EXIT = [
@@ -89,3 +89,68 @@ def test_the_oldest_open_block_makes_room_for_a_new_one() -> None:
         assert blocks.inside(f"{i:04d} Exception ignored in: <x>")
     assert blocks.inside(f"{MAX_OPEN_BLOCKS:04d} AttributeError: still followed")
     assert not blocks.inside("0000 AttributeError: the oldest was dropped")
+
+
+def _closes(lines: list[str]) -> list[bool]:
+    tracebacks = Tracebacks()
+    return [tracebacks.closes(line) for line in lines]
+
+
+def test_only_the_exception_line_that_ends_a_traceback_closes_it() -> None:
+    """Python's traceback: the header, indented frames (source lines, caret markers), then
+    the exception line. A chained exception's separator ends the first without closing it;
+    the second header opens another."""
+    lines = [
+        "Traceback (most recent call last):",
+        '  File "train.py", line 41, in step',
+        "    loss = model(x)",
+        "           ^^^^^^^^",
+        "ValueError: shapes (4, 16) and (8, 16) not aligned",
+        "ValueError: printed again by a handler",
+        "",
+        "Traceback (most recent call last):",
+        '  File "train.py", line 9, in main',
+        "Exception: base class",
+    ]
+    assert _closes(lines) == [False, False, False, False, True, False, False, False, False, True]
+
+
+def test_an_exception_line_without_its_traceback_closes_nothing() -> None:
+    """What a program printed: a handler logging str(e), a thread's shutdown message."""
+    lines = ["RuntimeError: cannot join current thread", "iteration 5 | loss 2.1", "KeyError: 'x'"]
+    assert _closes(lines) == [False, False, False]
+    # a traceback cut off by another line of its prefix closes nothing either
+    assert _closes(["Traceback (most recent call last):", "iteration 6", "KeyError: 'x'"]) == [False] * 3
+
+
+def test_a_ranks_traceback_is_followed_by_its_prefix_among_other_ranks_lines() -> None:
+    lines = [
+        "[rank1]: Traceback (most recent call last):",
+        "[rank0]: RuntimeError: rank 0 printed this itself",
+        '[rank1]:   File "model.py", line 3, in forward',
+        "[rank1]: AssertionError: bad shape",
+        "AssertionError: unprefixed, after rank 1's traceback",
+    ]
+    assert _closes(lines) == [False, False, False, True, False]
+
+
+def test_tracebacks_open_at_once_are_bounded() -> None:
+    t = Tracebacks()
+    for i in range(MAX_OPEN_BLOCKS + 10):
+        t.closes(f"[rank{i}]: Traceback (most recent call last):")
+    assert len(t._open) == MAX_OPEN_BLOCKS
+    assert t.closes(f"[rank{MAX_OPEN_BLOCKS + 9}]: KeyError: 'x'")
+    assert not t.closes("[rank0]: KeyError: 'x'")  # the oldest was dropped
+    header = "Traceback (most recent call last):"
+    endless = [header] + ["    frame"] * (MAX_TRACEBACK_LINES + 1) + ["KeyError: 'x'"]
+    assert _closes(endless)[-1] is False
+
+
+def test_a_deep_traceback_and_any_exception_name_close() -> None:
+    """Review: 3.11 prints three lines a frame, so a 71-frame stack (a wrapped or compiled
+    model) is 213 lines; and an exception's name need not end in Error ('ArrowInvalid')."""
+    frames = ['  File "m.py", line 3, in f', "    return g()", "           ^^^"] * 71
+    deep = ["[rank0]: Traceback (most recent call last):", *(f"[rank0]: {f}" for f in frames)]
+    assert _closes([*deep, "[rank0]: ValueError: deep"])[-1] is True
+    for last in ("pyarrow.lib.ArrowInvalid: JSON parse error", "KeyboardInterrupt"):
+        assert _closes(["Traceback (most recent call last):", '  File "a.py", line 1', last])[-1] is True

@@ -634,6 +634,44 @@ def test_a_copy_of_a_kernel_or_node_tool_report_in_rank_output_is_not_sent(tmp_p
     assert agent.counters.node_reports_copied == 2
 
 
+def test_an_exception_line_without_its_traceback_is_sent_at_sev3(tmp_path: Path) -> None:
+    """An uncaught exception prints its traceback: its last line is sent at its severity. A
+    generic exception line that ends no traceback (a handler logging str(e) and going on,
+    a thread's shutdown message) is sent at SEV3. A specific rule (CUDA out of memory)
+    keeps its severity without a traceback."""
+    from launcher.agent import Agent
+    from unicorn_core.config import Config
+    from unicorn_core.protocol import FaultReport, Message
+
+    agent = Agent(Config(), job_id=5, node="n1", run_dir=tmp_path, argv=[])
+    sent: list[Message] = []
+    agent._emit = sent.append  # type: ignore[method-assign]
+    agent._on_line("[rank0]: RuntimeError: cannot join current thread")
+    agent._on_line("[rank1]: Traceback (most recent call last):")
+    agent._on_line('[rank1]:   File "train.py", line 41, in step')
+    agent._on_line("[rank1]: ValueError: shapes (4, 16) and (8, 16) not aligned")
+    agent._on_line("[rank2]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    faults = [m for m in sent if isinstance(m, FaultReport)]
+    assert [(f.status, f.severity, f.rank) for f in faults] == [
+        ("other_software_error", "SEV3", 0),
+        ("other_software_error", "SEV2", 1),
+        ("other_software_error", "SEV2", 2),
+    ], faults
+    assert faults[2].rule != "python_exception"
+    assert agent.counters.exception_lines_without_traceback == 1
+    # A rank that prints the error it then raises: the SEV3 copy must not hide (as a repeat of
+    # the same rule and rank) the SEV2 line that ends the traceback right after it.
+    sent.clear()
+    for line in (
+        "[rank3]: ValueError: bad shard 7",
+        "[rank3]: Traceback (most recent call last):",
+        '[rank3]:   File "t.py", line 1, in <module>',
+        "[rank3]: ValueError: bad shard 7",
+    ):
+        agent._on_line(line)
+    assert [m.severity for m in sent if isinstance(m, FaultReport)] == ["SEV3", "SEV2"]
+
+
 async def test_a_background_task_that_raises_is_logged_when_it_ends() -> None:
     """The agent's tasks (heartbeats, commands, hangs...) run until it stops; one that raised
     was seen only then. A ``ValueError`` in the hang task ended the stopped-rank reports

@@ -651,6 +651,10 @@ def test_a_bare_exit_after_the_ranks_own_exception_takes_the_exceptions_status()
     (killed,) = d.on_message(ended(1, first.action_id, code=None, sig=9), 3.2)
     alone = load_classifier(None).classify_exit(None, 9, "", None)
     assert (killed.classification.status, killed.classification.rule) == (alone.status, alone.rule)
+    # An exception long before the exit (a thread's, one the rank survived) explains nothing.
+    d.on_message(msgspec.structs.replace(raised(1, first.action_id), wall_time_s=1.0), 3.3)
+    (late,) = d.on_message(msgspec.structs.replace(ended(1, first.action_id), wall_time_s=32.0), 3.4)
+    assert late.classification.status is ErrorStatus.EXITED_ABNORMALLY
     # An exception under an unstamped (unknown) launch explains nothing.
     d.on_message(raised(1, ""), 4.0)
     (unstamped,) = d.on_message(ended(1, ""), 4.1)
