@@ -148,7 +148,9 @@ class Agent:
     """The agent of ``job_id`` on ``node``; :meth:`run` returns the process exit status."""
 
     _last_exit_s: float = -math.inf
-    """Monotonic time of the last exit of a supervised process (:meth:`_on_exit`)."""
+    """Monotonic time of the last exit of a supervised process that was a failure the agent
+    did not cause: not exit code 0, not a rank of a launch it was stopping or had replaced
+    (:meth:`_on_exit`)."""
 
     def __init__(
         self,
@@ -487,7 +489,13 @@ class Agent:
         iteration, or with an error file (an exception), it is reported at once: a failure
         must not wait for torchrun, which may take 30 s to stop the other workers.
         """
-        self._last_exit_s = time.monotonic()
+        sup = self.supervisor
+        on_purpose = generation != self._generation or (sup is not None and sup.stopping)
+        if info.exit_code != 0 and not on_purpose:
+            # Only a failure the agent did not cause makes a launcher's exit line corroborating
+            # (found by the safety bench: a restart's own SIGTERM of the old ranks made the
+            # corpus lines the new ranks printed within 30 s SEV2 "corroborations")
+            self._last_exit_s = time.monotonic()
         unknown = info.exit_code is None and info.signal is None and info.error_file_text is None
         if not info.is_main and unknown and self._final_seen:
             self._unsettled[info.pid] = (info, generation)

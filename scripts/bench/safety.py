@@ -147,7 +147,16 @@ def benign(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
             "benign_fires_sev3": len(sev3),
             "fired_rules": sorted({m.rule for m in fires + sev3 if not any(t in m.evidence for t in blind)}),
             "blind_set_fires": sum(1 for m in fires if any(t in m.evidence for t in blind)),
+            # what fired, outside the blind set: (rule, severity, launch, the line's start)
+            "fired": [
+                [m.rule, m.severity, m.launch_id, m.evidence[:100]]
+                for m in fires
+                if not any(t in m.evidence for t in blind)
+            ],
             "incidents": len(snap.incidents),
+            "incident_stages": [
+                [i.rule, [e.stage.value for e in i.timeline]] for i in snap.incidents.values()
+            ],
             "drained": drained(c.snapshot() or snap),
         }
 

@@ -598,17 +598,25 @@ def test_a_line_that_reports_an_exit_the_agent_saw_corroborates_it_and_one_it_di
     srun = "[rank0]: srun: error: node7: tasks 10-11: Exited with exit code 1"
     summary = "[default1]:torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"
     agent._on_line(srun)  # no exit seen
-    agent._on_exit(ExitInfo(101, 1, 0, 1, None, None, is_main=False), 1)  # rank 1 exits 1
+    gen = agent._generation
+    agent._on_exit(ExitInfo(101, 1, 0, 1, None, None, is_main=False), gen)  # rank 1 exits 1
     agent._on_line(summary)  # right after it
     agent._last_exit_s -= EXIT_LINE_WINDOW_S + 1  # long after that exit
     agent._on_line("[default0]:torch.distributed.elastic.multiprocessing.errors.ChildFailedError:")
+    # Exits the agent caused (a rank of a launch it replaced) or that were clean (code 0)
+    # corroborate nothing. Found by the safety bench: a restart's own SIGTERM of the old
+    # ranks made the exit lines the new ranks printed within 30 s SEV2.
+    agent._on_exit(ExitInfo(102, 0, 0, None, 15, None, is_main=False), gen - 1)
+    agent._on_exit(ExitInfo(103, 0, 0, 0, None, None, is_main=False), gen)
+    agent._on_line("[default2]:torch.distributed.elastic.multiprocessing.errors.ChildFailedError:")
     faults = [m for m in sent if isinstance(m, FaultReport)]
     assert [(f.status, f.severity, f.rank) for f in faults] == [
         ("exited_abnormally", "SEV3", 0),
         ("exited_abnormally", "SEV2", 1),
         ("exited_abnormally", "SEV3", 0),
+        ("exited_abnormally", "SEV3", 2),
     ], faults
-    assert agent.counters.exit_lines_seen == 3
+    assert agent.counters.exit_lines_seen == 4
 
 
 def test_a_copy_of_a_kernel_or_node_tool_report_in_rank_output_is_not_sent(tmp_path: Path) -> None:
