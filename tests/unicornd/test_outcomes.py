@@ -68,6 +68,33 @@ def test_a_failed_restart_command_fails_its_rung_at_once_with_the_agent_error() 
     assert sent == ["a.1/restart_processes/2/restart_ranks/n1", "a.1/restart_processes/2/restart_ranks/n2"]
 
 
+def test_a_plan_start_that_fails_while_its_task_waits_in_place_climbs_to_a_restart() -> None:
+    """Found in CI (the system test of a relaunch that cannot start): the old ranks'
+    reactions to the relaunch's SIGTERM (SEV3 lines) opened an incident that waits in place
+    just before the agent answered the relaunch failed. Only recorded, the task had no ranks
+    and nothing happened until the wait timed out. A failed start climbs to a restart at once."""
+    policy = Policy(max_process_restarts=1, no_progress_limit=10, recovery_budget=10)
+    snap = world(4, [task("a", 1, ["n1", "n2"])], policy)
+    sev3 = finding("f1", 1, "n1", ErrorStatus.OTHER_NETWORK_ERROR, confirmed_by="")
+    snap = apply(snap, on_finding(snap, sev3, T0))
+    assert snap.incidents["a.1"].stage is L.RETRY_IN_PLACE
+    gen = snap.tasks["a"].generation
+    d = on_outcome(snap, failed(f"plan-{gen}/a/relaunch/n1", "CommandNotFound: /nope/torchrun"), T0 + 0.3)
+    snap = apply(snap, d)
+    inc = snap.incidents["a.1"]
+    assert inc.stage is L.RESTART_PROCESSES, inc.timeline
+    assert any("CommandNotFound" in e.detail for e in inc.timeline)
+    assert [a.action_id for a in of_kind(d.actions, SendCommand)] == [
+        "a.1/restart_processes/1/restart_ranks/n1",
+        "a.1/restart_processes/1/restart_ranks/n2",
+    ]
+    # The restart fails to start too: restarts are used up; a start error never isolates.
+    d = on_outcome(snap, failed("a.1/restart_processes/1/restart_ranks/n1", "CommandNotFound"), T0 + 1)
+    inc = apply(snap, d).incidents["a.1"]
+    assert inc.stage is L.ESCALATED_TO_OPERATOR and "not isolating" in inc.note, inc.note
+    assert not of_kind(d.actions, DrainNode) and not of_kind(d.actions, CheckNode)
+
+
 def test_an_outcome_of_an_earlier_attempt_is_stale_and_only_recorded() -> None:
     snap, cmd = restarting()
     snap = apply(snap, on_outcome(snap, failed(cmd), T0 + 0.5))  # attempt 2 now

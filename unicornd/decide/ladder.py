@@ -730,7 +730,9 @@ def rung_failed(
     """
     now_s = draft.now_s
     inc = inc.noted(f"{inc.stage.value} failed: {detail}", now_s)
-    wanted = _L.RESTART_PROCESSES if inc.stage is _L.TRANSITION else inc.stage
+    # A start that failed is never retried in place (a wait cannot start processes)
+    waits = inc.stage is _L.TRANSITION or (start_error and inc.stage is _L.RETRY_IN_PLACE)
+    wanted = _L.RESTART_PROCESSES if waits else inc.stage
     target = _target_rung(draft, inc, wanted)
     node = inc.node
     nothing_left = node in inc.isolated_nodes or node not in task.nodes

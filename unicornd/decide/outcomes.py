@@ -127,7 +127,10 @@ def _plan_step_failed(draft: Draft, task: TaskRecord, outcome: Outcome, parts: l
     if kind not in _STARTS and parts[-1] not in _STARTS:
         return _noted(draft.snap, outcome, draft.now_s)
     inc = draft.snap.open_incident(task.task_id)
-    if inc is not None and inc.stage is _L.TRANSITION:
+    if inc is not None and inc.stage in (_L.TRANSITION, _L.RETRY_IN_PLACE):
+        # Waiting in place cannot help a task whose processes did not start. Found in CI: the
+        # old ranks' reactions to the relaunch's SIGTERM opened a SEV3 wait just before the
+        # relaunch failed, and the failure was only recorded: no ranks, no action for minutes.
         rung_failed(draft, task, inc, _what(outcome), start_error=outcome.kind == Outcome.AGENT_COMMAND)
         return draft.decision()
     if inc is not None:
