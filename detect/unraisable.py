@@ -62,6 +62,17 @@ def _open_block(opened: dict[str, int], prefix: str) -> None:
     opened[prefix] = 1
 
 
+def _continued(opened: dict[str, int], line: str, limit: int) -> tuple[str, str, int] | None:
+    """For a line of an open block's prefix: (its prefix, the rest of it, the block's line
+    count with it), the block taken out of ``opened`` (the caller puts it back if the line
+    continues it); None for a line of no open block, or one past ``limit`` lines (given up)."""
+    prefix = _prefix_of(opened, line)
+    if prefix is None:
+        return None
+    count = opened.pop(prefix) + 1
+    return None if count > limit else (prefix, line[len(prefix) :], count)
+
+
 class IgnoredBlocks:
     """Feed every line of one output stream, in order; :meth:`inside` says whether a line
     belongs to a report of an ignored exception (and so is not evidence of a failure).
@@ -79,13 +90,10 @@ class IgnoredBlocks:
         if opening is not None:
             _open_block(self._open, line[: opening.start()])
             return True
-        prefix = _prefix_of(self._open, line)
-        if prefix is None:
+        continued = _continued(self._open, line, MAX_BLOCK_LINES)
+        if continued is None:
             return False
-        rest = line[len(prefix) :]
-        count = self._open.pop(prefix) + 1
-        if count > MAX_BLOCK_LINES:
-            return False
+        prefix, rest, count = continued
         if rest.startswith(_HEADER) or (rest[:1].isspace() and rest.strip()):
             self._open[prefix] = count
             return True
@@ -125,13 +133,10 @@ class Tracebacks:
         if at >= 0:
             _open_block(self._open, line[:at])
             return False
-        prefix = _prefix_of(self._open, line)
-        if prefix is None:
+        continued = _continued(self._open, line, MAX_TRACEBACK_LINES)
+        if continued is None:
             return False
-        rest = line[len(prefix) :]
-        count = self._open.pop(prefix) + 1
-        if count > MAX_TRACEBACK_LINES:
-            return False
+        prefix, rest, count = continued
         if rest[:1].isspace() and rest.strip():
             self._open[prefix] = count  # a frame, its source line or a caret marker
             return False

@@ -141,18 +141,18 @@ def benign(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
         reports = [decode(f[PAYLOAD_FIELD.encode()]) for _i, f in entries]
         fires = [m for m in reports if isinstance(m, FaultReport) and m.severity in ("SEV1", "SEV2")]
         sev3 = [m for m in reports if isinstance(m, FaultReport) and m.severity == "SEV3"]
+
+        def of_blind(m: FaultReport) -> bool:
+            return any(t in m.evidence for t in blind)
+
         return {
             "lines_printed_per_rank": len(lines),
             "benign_fires": len(fires),
             "benign_fires_sev3": len(sev3),
-            "fired_rules": sorted({m.rule for m in fires + sev3 if not any(t in m.evidence for t in blind)}),
-            "blind_set_fires": sum(1 for m in fires if any(t in m.evidence for t in blind)),
+            "fired_rules": sorted({m.rule for m in fires + sev3 if not of_blind(m)}),
+            "blind_set_fires": sum(1 for m in fires if of_blind(m)),
             # what fired, outside the blind set: (rule, severity, launch, the line's start)
-            "fired": [
-                [m.rule, m.severity, m.launch_id, m.evidence[:100]]
-                for m in fires
-                if not any(t in m.evidence for t in blind)
-            ],
+            "fired": [[m.rule, m.severity, m.launch_id, m.evidence[:100]] for m in fires if not of_blind(m)],
             "incidents": len(snap.incidents),
             "incident_stages": [
                 [i.rule, [e.stage.value for e in i.timeline]] for i in snap.incidents.values()
