@@ -734,3 +734,57 @@ async def test_the_hang_watch_survives_its_own_bug(tmp_path: Path) -> None:
         await asyncio.gather(watch, return_exceptions=True)
     assert len(turns) > 5 and watch.cancelled()  # went on after three failed turns, until stopped
     assert [e["event"] for e in logs if e["log_level"] == "error"] == ["hang_check_failed"]
+
+
+def test_end_tasks_ends_a_task_that_swallowed_its_cancellation_and_lets_cleanup_finish() -> None:
+    # redis-py can swallow a cancellation around a blocking read (redis/redis-py#2028): the
+    # task goes on looping. A second cancel ends it; a task cleaning up after its cancel is
+    # not interrupted (its request is still pending), and one that never ends is left.
+    from launcher.agent import end_tasks
+
+    async def main() -> None:
+        swallowed = cleaned = 0
+
+        async def swallows_once() -> None:
+            nonlocal swallowed
+            while True:
+                try:
+                    await asyncio.sleep(0.01)
+                except asyncio.CancelledError:
+                    if swallowed:
+                        raise
+                    swallowed += 1
+                    task = asyncio.current_task()
+                    assert task is not None
+                    task.uncancel()  # as asyncio.timeout does when it turns a cancel into TimeoutError
+
+        async def cleans_up() -> None:
+            nonlocal cleaned
+            try:
+                await asyncio.sleep(60)
+            finally:
+                await asyncio.sleep(0.3)  # e.g. waiting for a child process it terminated
+                cleaned += 1
+
+        release = asyncio.Event()
+
+        async def never_ends() -> None:  # ignores every cancellation until released
+            while not release.is_set():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0.01)
+
+        loop_task = asyncio.create_task(swallows_once())
+        cleanup_task = asyncio.create_task(cleans_up())
+        await asyncio.sleep(0.05)
+        await end_tasks([loop_task, cleanup_task], timeout_s=5.0, every_s=0.05)
+        assert loop_task.cancelled() and swallowed == 1
+        assert cleanup_task.cancelled() and cleaned == 1, "the cleanup was not cut short"
+        stuck = asyncio.create_task(never_ends())
+        await asyncio.sleep(0.05)  # running (a task cancelled before its first step just ends)
+        t0 = time.monotonic()
+        await end_tasks([stuck], timeout_s=0.3, every_s=0.05)
+        assert 0.25 < time.monotonic() - t0 < 2.0 and not stuck.done()
+        release.set()
+        await stuck
+
+    asyncio.run(main())
