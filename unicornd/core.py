@@ -39,7 +39,9 @@ PROGRESS_EVERY: Final = 10
 """Commit a task's iteration mark once it is this many iterations ahead of the committed
 one (else within a tick): the snapshot's mark is never far behind, and a busy cluster
 does not commit on every iteration."""
-_PROGRESS_FIELDS: Final = frozenset({"last_iteration", "last_iteration_s", "recoveries_without_progress"})
+_PROGRESS_FIELDS: Final = frozenset(
+    {"last_iteration", "last_iteration_s", "recoveries_without_progress", "first_iteration_s"}
+)
 
 Follower = Callable[[Snapshot, Snapshot, Decision], None]
 """(committed before, committed after, the decision) -> None; must not raise or block."""

@@ -363,7 +363,10 @@ class TaskRecord(_Record):
     task is planned on nodes of one type only (:func:`unicornd.replan.pools`).
     ``ended_s``: when it became finished, failed or stopped (None before; a record written
     before the field existed has none); the record is dropped :data:`KEEP_ENDED_S` after
-    it (:func:`unicornd.decide.ladder.on_tick`).
+    it (:func:`unicornd.decide.ladder.on_tick`). ``first_iteration_s``: when a rank finished
+    the first iteration reported after the latest launch (``launched_s``; whatever its
+    number, unlike ``last_iteration_s``); at or before ``launched_s``, or None, the launch
+    is still starting (a wait in place then gets the time a launch gets).
     """
 
     task_id: str
@@ -392,6 +395,7 @@ class TaskRecord(_Record):
     job_gres: str = ""
     gpu_types: tuple[str, ...] = ()
     ended_s: float | None = None
+    first_iteration_s: float | None = None
 
     def __post_init__(self) -> None:
         _name(self.task_id, "task_id")
@@ -414,7 +418,7 @@ class TaskRecord(_Record):
             _non_negative(self.last_iteration, f"task {self.task_id}: last_iteration")
         for what in ("recoveries_without_progress", "resizes_this_run", "incidents_opened", "generation"):
             _non_negative(getattr(self, what), f"task {self.task_id}: {what}")
-        stamps = (self.launched_s, self.last_iteration_s, self.ended_s)
+        stamps = (self.launched_s, self.last_iteration_s, self.ended_s, self.first_iteration_s)
         for t in (*self.recovery_times_s, *(t for t in stamps if t is not None)):
             _finite(t, f"task {self.task_id}: timestamp")
 

@@ -515,3 +515,39 @@ def test_a_held_back_drain_of_a_node_confirmed_dead_is_set_down_when_the_operato
     assert snap.incidents["b.1"].pending_drain == "n3"
     d = on_operator_confirm_drain(snap, "b.1", T0 + 6)
     assert [(a.node, a.down) for a in of_kind(d.actions, DrainNode)] == [("n3", True)]  # type: ignore[union-attr]
+
+
+def test_a_wait_in_place_during_start_up_waits_as_long_as_a_launch_may_take() -> None:
+    # A benign SEV3 line printed while the ranks load and rendezvous (the safety bench saw it
+    # restart the node's ranks, then the whole task, after 60 s): before the launch's first
+    # iteration, no iteration is no evidence; the wait gets transition_timeout_s.
+    launched = T0 - 5
+    snap = world(4, [task("a", 1, ["n1", "n2"], launched_s=launched, last_iteration=None)])
+    snap = apply(snap, on_finding(snap, finding("f1", 1, "n2", E.CONNECTION_REFUSED_RESET), T0))
+    assert snap.incidents["a.1"].stage is L.RETRY_IN_PLACE
+    assert POLICY.transition_timeout_s > POLICY.retry_timeout_s
+    assert on_tick(snap, T0 + POLICY.retry_timeout_s).empty
+    assert on_tick(snap, T0 + POLICY.transition_timeout_s - 1).empty
+    d = on_tick(snap, T0 + POLICY.transition_timeout_s)
+    assert commands(d, AgentAction.RESTART_RANKS) == [("n2", 1)], "a start-up that never iterates climbs"
+    # an iteration during the start-up wait closes the incident, as after any wait
+    d = on_progress(snap, "a", 1, T0 + 100)
+    assert [a.incident_id for a in of_kind(d.actions, CloseIncident)] == ["a.1"]  # type: ignore[union-attr]
+
+
+def test_once_a_relaunch_iterates_below_the_old_mark_a_wait_in_place_has_the_usual_timeout() -> None:
+    # A relaunch resumes from a checkpoint below the task's highest iteration (1000): its
+    # first iteration ends the start-up, whatever its number (the mark does not move).
+    launched = T0 - 400
+    snap = world(4, [task("a", 1, ["n1", "n2"], launched_s=launched, last_iteration=1000)])
+    for i, it in enumerate(range(900, 950)):
+        snap = apply(snap, on_progress(snap, "a", it, launched + 10 + i))
+    assert snap.tasks["a"].last_iteration == 1000 and snap.tasks["a"].first_iteration_s == launched + 10
+    snap = apply(snap, on_finding(snap, finding("f1", 1, "n2", E.CONNECTION_REFUSED_RESET), T0))
+    d = on_tick(snap, T0 + POLICY.retry_timeout_s)
+    assert commands(d, AgentAction.RESTART_RANKS) == [("n2", 1)]
+    # the next launch starts again: its own first iteration is still to come
+    relaunched = replace(snap.tasks["a"], launched_s=T0 + 1)
+    assert relaunched.first_iteration_s is not None and relaunched.first_iteration_s <= T0 + 1
+    again = apply(snap, on_progress(replace(snap, tasks={"a": relaunched}), "a", 901, T0 + 2))
+    assert again.tasks["a"].first_iteration_s == T0 + 2

@@ -183,7 +183,10 @@ class RecoveryConfig(Section):
     retry_timeout_s: float = field(
         default=60.0,
         metadata=_meta(
-            "Seconds without an iteration after a retry in place before it failed. Default 60.", ge=0
+            "Seconds without an iteration after a retry in place before it failed. Default 60. "
+            "While the task's launch has not finished its first iteration (start-up), "
+            "transition_timeout_s instead.",
+            ge=0,
         ),
     )
     restart_timeout_s: float = field(

@@ -673,10 +673,12 @@ def on_tick(snapshot: Snapshot, now_s: float) -> Decision:
     for inc in sorted(snapshot.incidents.values(), key=lambda i: i.incident_id):
         if inc.task_id is None or inc.stage not in _STAGE_TIMEOUT:
             continue
+        task = draft.task(inc.task_id)
         timeout_s = float(getattr(pol, _STAGE_TIMEOUT[inc.stage]))
+        if inc.stage is _L.RETRY_IN_PLACE and _starting(task):
+            timeout_s = max(timeout_s, pol.transition_timeout_s)
         if now_s - inc.last_action_s < timeout_s:
             continue
-        task = draft.task(inc.task_id)
         if task.state not in LIVE_TASK_STATES or task.requeue is not None:
             continue
         detail = f"no iteration {now_s - inc.last_action_s:.0f} s after {inc.stage.value}"
@@ -714,6 +716,19 @@ def on_tick(snapshot: Snapshot, now_s: float) -> Decision:
         draft.notes.append(f"state: {len(tasks)} ended task(s), {len(incidents)} incident(s) dropped")
         return replace(draft.decision(), drop_tasks=tasks, drop_incidents=incidents)
     return draft.decision()
+
+
+def _starting(task: TaskRecord) -> bool:
+    """The task's latest launch has not finished an iteration yet (its ranks load, compile,
+    rendezvous): "no iteration" says nothing about a fault that waits in place then. Found
+    by the safety bench: a benign SEV3 line a rank printed during its start-up (a library's
+    ERROR-level notice) restarted the node's ranks after ``retry_timeout_s`` (60 s) and
+    then every process of the task, on a start-up that only took longer than that. Such a
+    wait gets the time a plan's launch gets to reach its first iteration
+    (``transition_timeout_s``). Unknown (no launch time): not starting."""
+    if task.launched_s is None:
+        return False
+    return task.first_iteration_s is None or task.first_iteration_s <= task.launched_s
 
 
 def rung_failed(
