@@ -32,8 +32,9 @@ MAX_LINE_CHARS: Final = 8192
 EVIDENCE_CHARS: Final = 1000
 """Evidence is cut to this many characters (the line that matched, or a summary)."""
 
-_XID = re.compile(r"\bXID\b\s*(?:\([^)]*\))?\s*[:=]?\s*(\d{1,5})\b", re.IGNORECASE)
-"""The Xid code of a line: ``NVRM: Xid (PCI:0000:0a:00): 79, ...``, ``XID 48 ...``, ``Xid=79``."""
+_XID = re.compile(r"\bXID\b\s*(?:\([^)]*\))?\s*[:=]?\s*(\d{1,5})\b(?!, IRQ\b)", re.IGNORECASE)
+"""The Xid code of a line: ``NVRM: Xid (PCI:0000:0a:00): 79, ...``, ``XID 48 ...``, ``Xid=79``; not a
+Realtek NIC's chip revision at boot (``r8169 ... RTL8125B, <mac>, XID 641, IRQ 51``)."""
 _MAX_SIGNAL: Final = 64
 _SIGNAL_EXIT_BASE: Final = 128
 

@@ -27,8 +27,11 @@ Accuracy. ``tests/detect/data/corpus/`` holds real lines with public sources:
 - ``blind5`` (``blind5/*-errors.toml``, ``blind5/*-benign.toml``): the blind set of
   session 28, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
   29) its misses were read to write rules, so it is reported as ``blind5_*``;
-- ``held_out`` (``blind6/*-errors.toml``, ``blind6/*-benign.toml``): the blind set of
-  session 29, from sources in none of the sets above, collected by four collectors who
+- ``blind6`` (``blind6/*-errors.toml``, ``blind6/*-benign.toml``): the blind set of
+  session 29, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
+  30) its misses were read to write rules, so it is reported as ``blind6_*``;
+- ``held_out`` (``blind7/*-errors.toml``, ``blind7/*-benign.toml``): the blind set of
+  session 30, from sources in none of the sets above, collected by four collectors who
   never saw the rules. Its lines are read here and nowhere else; only aggregate figures
   about them are printed.
 
@@ -52,7 +55,7 @@ Figures:
   traceback, at those severities. Its de-duplication of repeated reports is cleared before
   each line, so each line counts.
 
-``--show-misses train|dev|fresh|blind2|blind3|blind4|blind5`` also lists every line of that
+``--show-misses train|dev|fresh|blind2|blind3|blind4|blind5|blind6`` also lists every line of that
 set (errors and benign) classified other than labelled, on stderr; held-out misses are never
 shown. The agent's own log lines go to stderr (warnings only).
 
@@ -134,7 +137,8 @@ SETS: Final = {
     "blind3": ("blind3/*-errors", "blind3/*-benign"),
     "blind4": ("blind4/*-errors", "blind4/*-benign"),
     "blind5": ("blind5/*-errors", "blind5/*-benign"),
-    "held_out": ("blind6/*-errors", "blind6/*-benign"),
+    "blind6": ("blind6/*-errors", "blind6/*-benign"),
+    "held_out": ("blind7/*-errors", "blind7/*-benign"),
 }
 """Set name -> (error lines, benign lines), see the module doc."""
 
@@ -273,7 +277,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--show-misses",
-        choices=["train", "dev", "fresh", "blind2", "blind3", "blind4", "blind5"],
+        choices=["train", "dev", "fresh", "blind2", "blind3", "blind4", "blind5", "blind6"],
         help="list the lines of that set classified other than labelled (on stderr)",
     )
     parser.add_argument("--speed", type=float, metavar="SECONDS", help="also measure throughput, per case")

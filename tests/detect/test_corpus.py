@@ -2,8 +2,8 @@
 
 Rules are written from the train and dev sets and, since 2026-11-29, from the spent blind
 sets of 2026-11-25 (``fresh/``) and 2026-11-29 (``blind2/``, spent in session 26; ``blind3/``,
-spent in session 27; ``blind4/``, spent in session 28; ``blind5/``, spent in session 29). The blind
-set (``blind6/``) is read by the bench
+spent in session 27; ``blind4/``, spent in session 28; ``blind5/``, spent in session 29; ``blind6/``,
+spent in session 30). The blind set (``blind7/``) is read by the bench
 (scripts/bench/classify.py) alone, and only its aggregate figures are checked here, so a
 failure never prints a blind line.
 """
@@ -24,15 +24,15 @@ from detect.classify import Classifier, load_classifier
 
 REPO = Path(__file__).resolve().parents[2]
 
-HELD_OUT_STATUS_FLOOR = 0.62
-"""The blind set's status accuracy (``corpus/blind6/*-errors``) measured when the rules were
-last changed (0.630 on 146 lines, session 29, with the rules written from blind5's misses;
-blind5 was 0.779 blind), less a small margin: a regression fails."""
-HELD_OUT_BENIGN_FIRES_CEILING = 4
-"""Blind benign lines classified SEV1/SEV2 when the rules were last changed (4 of 175,
-session 29; not read; blind5 had 3 of 176 blind). More fails."""
-HELD_OUT_AGENT_FIRES_CEILING = 1
-"""Blind benign lines a real agent sends at SEV1/SEV2 (1 of 175, session 29). More fails."""
+HELD_OUT_STATUS_FLOOR = 0.68
+"""The blind set's status accuracy (``corpus/blind7/*-errors``) measured when the rules were
+last changed (0.695 on 154 lines, session 30, with the rules written from blind6's misses;
+blind6 was 0.630 blind), less a small margin: a regression fails."""
+HELD_OUT_BENIGN_FIRES_CEILING = 1
+"""Blind benign lines classified SEV1/SEV2 when the rules were last changed (1 of 180,
+session 30; not read; blind6 had 4 of 175 blind). More fails."""
+HELD_OUT_AGENT_FIRES_CEILING = 0
+"""Blind benign lines a real agent sends at SEV1/SEV2 (0 of 180, session 30). More fails."""
 DEV_STATUS_FLOOR = 0.91
 """The dev set's status accuracy (the first held-out half and the second batch's hash half,
 both read to write rules on 2026-11-25: 0.922 on 205 lines), less a small margin."""
@@ -430,17 +430,99 @@ KNOWN_BLIND5_MISSES: dict[str, tuple[str, str | None, str]] = {
 KNOWN_BLIND5_BENIGN_FIRES: dict[str, str] = {}
 
 
+_NAN_STATUS = (
+    "nan_loss",
+    "SEV2",
+    "labelled other_software_error (the corpus's table has no status for a NaN); unicorn's own status "
+    "nan_loss is a training-state finding (detect.losshealth rolls back), never the node's: the same "
+    "severity",
+)
+_CONSEQUENCE_SEV3 = (
+    "lost_connection",
+    "SEV3",
+    "another component's view that some node is gone (Kubernetes' control plane, as kubectl prints it): "
+    "like Ray's opinion of a peer (_RAY_DEAD), SEV3 (control_plane_node_lost); unicorn's own heartbeats "
+    "and out-of-band checks decide a drain",
+)
+KNOWN_BLIND6_MISSES: dict[str, tuple[str, str | None, str]] = {
+    # blind6 lines (the sixth blind set, read for rules in session 30), by their text without
+    # leading blanks: what we give them, and why
+    ":0:rocdevice.cpp:3586: Callback: Queue 0x7f78cb400000 aborting with error : HSA_STATUS_ERROR_EXC": (
+        "cuda_error",
+        "SEV2",
+        "ROCm's generic 'hardware exception' (HSA_STATUS_ERROR_EXCEPTION): the line does not say which; "
+        "only the thread's reporter reads it as a memory aperture violation. A HIP error of the process: "
+        "cuda_error, the same severity",
+    ),
+    "THCudaCheck FAIL file=/pytorch/aten/src/THC/THCTensorRandom.cu line=25 error=46 : all CUDA-capab": (
+        "gpu_driver_error",
+        "SEV1",
+        "labelled cuda_error; 'all CUDA-capable devices are busy or unavailable' means the node cannot give "
+        "the job its GPUs (the thread: held by a process of a killed job that was never reaped), which the "
+        "earlier sets label gpu_driver_error: the node needs attention, so the rules keep one label",
+    ),
+    "Thu Aug 29 16:41:02 2019[0]<stderr>:  what():  [/tmp/pip-req-build-5w870gio/third_party/gloo/gl": (
+        "connection_refused_reset",
+        "SEV3",
+        "labelled other_network_error; the fresh set labels the same gloo 'Connection closed by peer' "
+        "connection_refused_reset, and the rules keep one label for one text: the same severity",
+    ),
+    "2022-09-16 15:06:49,327 WARNING worker.py:1828 -- The node with node id: 9773b3cede": _RAY_DEAD,
+    '{"custom_fields":{"ip":"156.176.0.154","node_id":"ada3a3771fac751bd7c6b674e3b5e2df0': _RAY_DEAD,
+    "MemoryPressure        Unknown         Wed, 12 Jul 2017 12:09:45 +0100": _CONSEQUENCE_SEV3,
+    "Taints:             node.kubernetes.io/unreachable:NoExecute": _CONSEQUENCE_SEV3,
+    "pytorch-fairseq-worker-0:18:64 [2] NCCL INFO Call to connect returned Connection refused, retry": (
+        "none",
+        None,
+        "an NCCL INFO line that says it is retrying: by design no INFO line and no retry fires (issue 17 "
+        "item 1), though in this thread the retries never succeeded; the final failure is the evidence",
+    ),
+    "W0920 09:10:41.194000 84933 site-packages/torch/distributed/elastic/agent/server/api.py:719] Re": (
+        "none",
+        None,
+        "torchrun's W-level line that its agent got a signal: by design no WARNING line fires; the "
+        "workers' exits, which the agent sees itself, are the evidence",
+    ),
+    "terminate called after throwing an instance of 'Xbyak::Error'": (
+        "other_software_error",
+        "SEV2",
+        "labelled exited_abnormally; the earlier sets label an uncaught C++ exception (cpp_terminate) "
+        "other_software_error: the exception is the cause, the abort that follows its consequence; the "
+        "same severity",
+    ),
+    "0: I0122 21:20:55.494193 140737350402816 metric_logger.py:180] completed step: 30, seconds: 0.4": (
+        "none",
+        None,
+        "an INFO-level progress line whose loss is nan: no INFO line fires (issue 17 item 1); a NaN loss is "
+        "read from the training's numbers (detect.losshealth), not from a logger's line",
+    ),
+    "2018-04-14 00:58:52 INFO  DistriOptimizer$:392 - [Epoch 149 390144/1281167][Itera": _NAN_STATUS,
+    "ERROR:megatron.core.rerun_state_machine:Unexpected result nan on rank 3 at iteration": _NAN_STATUS,
+    "eval_loss               =        nan": (
+        "none",
+        None,
+        "a row of an evaluation's metrics table at the end of a run: not a line that says something failed; "
+        "a NaN loss is read from the training's numbers (detect.losshealth)",
+    ),
+}
+KNOWN_BLIND6_BENIGN_FIRES: dict[str, str] = {
+    "TypeError: isinstance() arg 2 must be a type, a tuple of types, or a union": _SHUTDOWN_NOISE,
+    "AttributeError: 'tqdm_asyncio' object has no attribute 'last_print_t'": _SHUTDOWN_NOISE,
+}
+
+
 SPENT: dict[str, tuple[dict[str, tuple[str, str | None, str]], dict[str, str]]] = {
     # spent blind set -> (its known misses, its known benign fires). Each was spent once a
     # newer blind set existed: its misses were read to write rules (fresh, the 2026-11-25 set,
     # on 2026-11-29; blind2 in session 26; blind3 in session 27; blind4 in session 28; blind5 in
-    # session 29), and
+    # session 29; blind6 in session 30), and
     # every line now classifies as labelled or as named in these tables.
     "fresh": (KNOWN_FRESH_MISSES, KNOWN_FRESH_BENIGN_FIRES),
     "blind2": (KNOWN_BLIND2_MISSES, KNOWN_BLIND2_BENIGN_FIRES),
     "blind3": (KNOWN_BLIND3_MISSES, KNOWN_BLIND3_BENIGN_FIRES),
     "blind4": (KNOWN_BLIND4_MISSES, KNOWN_BLIND4_BENIGN_FIRES),
     "blind5": (KNOWN_BLIND5_MISSES, KNOWN_BLIND5_BENIGN_FIRES),
+    "blind6": (KNOWN_BLIND6_MISSES, KNOWN_BLIND6_BENIGN_FIRES),
 }
 SPENT_LINES = {name: BENCH.load(f"{name}/*-errors") + BENCH.load(f"{name}/*-benign") for name in SPENT}
 
@@ -544,6 +626,7 @@ def test_bench_prints_one_json_object_without_held_out_lines() -> None:
             "blind4/*",
             "blind5/*",
             "blind6/*",
+            "blind7/*",
         )
         for line in BENCH.load(name)
     }
