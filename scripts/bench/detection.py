@@ -461,6 +461,11 @@ class Bench:
                 cpu = agent_cpu_s(proc.pid, children)
                 if cpu is not None:
                     samples.append((time.monotonic() - t0, cpu))
+                if time.monotonic() - t0 > _AGENT_RUN_LIMIT_S:  # the agent did not end with its training
+                    proc.kill()
+                    proc.wait()
+                    why = f"agent run {log.parent.name} still running after {_AGENT_RUN_LIMIT_S:g} s"
+                    raise RuntimeError(why)
                 time.sleep(0.25)
             if proc.returncode != 0:
                 raise RuntimeError(f"agent run exited {proc.returncode}")
@@ -578,6 +583,10 @@ class Bench:
                 await self.slurm.cancel(self.job_id)
             await self.client.aclose()
         return out
+
+
+_AGENT_RUN_LIMIT_S = 300.0
+"""An overhead run under the agent takes seconds; one still running after this is a defect."""
 
 
 def main() -> None:
