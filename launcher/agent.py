@@ -62,6 +62,7 @@ from launcher.outbox import Outbox
 from launcher.render import restart_rendezvous
 from launcher.supervisor import ExitInfo, Supervisor, process_state
 from unicorn_core import protocol, redis_io
+from unicorn_core.aio import cancel_all, stacks
 from unicorn_core.config import Config, load_config
 from unicorn_core.errors import ConfigError, InvalidArgument, RedisCallError, UnicornError
 from unicorn_core.jobenv import JobEnvironment
@@ -114,7 +115,9 @@ SIGSTOP detection 2.65x the mean iteration at p95, against 1.97x before)."""
 _NEAR_DEADLINE: Final = 0.75
 _UNSETTLED_EXIT_S: Final = 5.0
 _TASKS_END_S: Final = 10.0
-"""How long the agent's stop waits for its background tasks to end (see :func:`end_tasks`)."""
+"""How long the agent's stop waits for its background tasks to end
+(:func:`unicorn_core.aio.cancel_all`: a cancellation redis-py swallowed around the command
+task's blocking XREAD once kept an agent alive 25 minutes after its training ended)."""
 """How long a rank exit of unknown status waits for torchrun's exit (torchrun notices a
 worker's end within its --monitor-interval, 0.1 s as unicornd renders it, then stops the
 other workers and exits)."""
@@ -301,7 +304,11 @@ class Agent:
                 await self.supervisor.stop(self.grace_s)
             self._heartbeat_now()
             await self._outbox.flush(timeout_s=5.0)
-            await end_tasks(tasks, _TASKS_END_S)
+            stuck = await cancel_all(tasks, _TASKS_END_S)
+            if stuck:  # (a lost cancellation: never hang on the way out)
+                log.error(
+                    "agent_tasks_did_not_end", tasks=sorted(t.get_name() for t in stuck), where=stacks(stuck)
+                )
             await self._outbox.clear_heartbeat()
             gpus.stop()
             if faults is not None:
@@ -973,30 +980,6 @@ class Agent:
             for pid, info in sup.ranks.items()
             if info.rank is not None and pid not in sup.exited and process_state(pid) in ("T", "t")
         ]
-
-
-async def end_tasks(tasks: Sequence[asyncio.Task[Any]], timeout_s: float, every_s: float = 0.5) -> None:
-    """Cancel ``tasks`` and wait until they end, cancelling again every ``every_s`` a task
-    whose cancellation was swallowed, until ``timeout_s``; the ones still running then are
-    logged and left (the agent exits anyway).
-
-    A single cancel is not enough: redis-py can swallow a cancellation that arrives while
-    a blocking read is being set up (redis/redis-py#2028, BRPOPLPUSH; the same for XREAD).
-    Found by detection.py's overhead runs (session 30): an agent did not end after its
-    training did; its command task went on calling XREAD for 25 minutes after the stop, and
-    ``gather`` waited for it. The command loop also ends once the agent stops."""
-    pending = {t for t in tasks if not t.done()}
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        for t in pending:
-            if not t.cancelling():  # not yet asked, or the request was swallowed (uncancelled);
-                t.cancel()  # a task cleaning up after its cancellation is left to finish
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        _, pending = await asyncio.wait(pending, timeout=min(every_s, left))
-    for t in pending:
-        log.error("agent_task_did_not_end", task=t.get_name(), timeout_s=timeout_s)
 
 
 def _log_task_end(task: asyncio.Task[None]) -> None:

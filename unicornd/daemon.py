@@ -42,15 +42,16 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine
 from dataclasses import replace
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import redis.asyncio as aioredis
 
 from detect import Classifier, load_classifier
 from plan.hardware import gpu_spec
 from unicorn_core import acl, redis_io
+from unicorn_core.aio import cancel_all, stacks
 from unicorn_core.config import Config
 from unicorn_core.errors import ProtocolError, UnicornError
 from unicorn_core.keys import RedisKeys
@@ -364,7 +365,7 @@ class Daemon:
                 server.close()
             stuck = await cancel_all([*tasks, stopper, *others], SHUTDOWN_S)
             if stuck:  # never hang on the way out: systemd restarts a unicornd that exits
-                log.error("shutdown_stuck", tasks=sorted(t.get_name() for t in stuck), where=_stacks(stuck))
+                log.error("shutdown_stuck", tasks=sorted(t.get_name() for t in stuck), where=stacks(stuck))
                 status = status or 1
             if status == 0:  # a clean stop commits what it holds and hands over at once
                 with contextlib.suppress(UnicornError):
@@ -435,51 +436,6 @@ class Daemon:
                 await acl.set_user(self.client, marker, ["reset", "off"])
                 log.warning("redis_users_lost", roles=roles, agent_users_restored=jobs)
             await asyncio.sleep(LIVENESS_TTL_S / 3)
-
-
-_F = TypeVar("_F", bound="asyncio.Future[Any]")
-RECANCEL_S: Final = 0.5
-"""How often :func:`cancel_all` cancels again the tasks that have not ended."""
-
-
-async def cancel_all(tasks: Iterable[_F], within_s: float) -> set[_F]:
-    """Cancel ``tasks`` and wait up to ``within_s`` for them to end, cancelling again every
-    :data:`RECANCEL_S` those still running; returns those that did not end.
-
-    A cancellation can be lost: code that catches it, or an awaited call that completes as
-    it is cancelled (Python 3.11's ``asyncio.wait_for`` then returns its result), and the
-    task goes on to its next await. Found by the 4,096-node hour: unicornd's event reader
-    was still blocked in XREADGROUP 10 s after its one cancellation, and unicornd exited 1
-    (which of those lost it was not pinned down). A later cancellation lands in that read."""
-    pending = set(tasks)
-    deadline = asyncio.get_running_loop().time() + within_s
-    while pending:
-        for t in pending:
-            t.cancel()
-        left = deadline - asyncio.get_running_loop().time()
-        if left <= 0:
-            break
-        _, pending = await asyncio.wait(pending, timeout=min(RECANCEL_S, left))
-    return pending
-
-
-def _stacks(tasks: Iterable[asyncio.Task[Any]]) -> dict[str, str]:
-    """Where each task is suspended (its innermost frames), for the log of a stop that
-    hung: the task name alone does not say which await ignored the cancellation."""
-    out: dict[str, str] = {}
-    for t in tasks:
-        # Task.print_stack shows a suspended task's outer coroutine only: follow what each
-        # coroutine awaits (cr_await) down to the innermost one.
-        frames: list[str] = []
-        obj: Any = t.get_coro()
-        while obj is not None and len(frames) < 32:
-            frame = getattr(obj, "cr_frame", None) or getattr(obj, "gi_frame", None)
-            if frame is not None:
-                code = frame.f_code
-                frames.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
-            obj = getattr(obj, "cr_await", None) or getattr(obj, "gi_yieldfrom", None)
-        out[t.get_name()] = "\n".join(frames) or repr(t)
-    return out
 
 
 def _without(snap: Snapshot, outside: set[str]) -> Snapshot:

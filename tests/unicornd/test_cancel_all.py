@@ -1,12 +1,13 @@
-"""unicornd's stop cancels its tasks until they end (:func:`unicornd.daemon.cancel_all`):
-one lost cancellation no longer leaves a task running and unicornd exiting 1."""
+"""unicornd's stop (and the node agent's) cancels its tasks until they end
+(:func:`unicorn_core.aio.cancel_all`): one lost cancellation no longer leaves a task running
+and unicornd exiting 1."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
-from unicornd.daemon import RECANCEL_S, cancel_all
+from unicorn_core.aio import RECANCEL_S, cancel_all
 
 
 async def _loses_one_cancellation(ended: list[str]) -> None:

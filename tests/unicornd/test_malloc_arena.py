@@ -8,7 +8,7 @@ import asyncio
 import subprocess
 import sys
 
-from unicornd.daemon import _stacks
+from unicorn_core.aio import stacks
 
 
 def test_the_daemons_threads_share_one_malloc_arena() -> None:
@@ -67,7 +67,7 @@ async def test_a_stuck_tasks_log_names_the_await_it_waits_in() -> None:
     task = asyncio.create_task(root(), name="executor")
     await asyncio.sleep(0)
     try:
-        where = _stacks([task])
+        where = stacks([task])
     finally:
         task.cancel()
     assert list(where) == ["executor"]
