@@ -114,13 +114,13 @@ silence only as far as the newest sample (sampling every 0.1 s alone made the be
 SIGSTOP detection 2.65x the mean iteration at p95, against 1.97x before)."""
 _NEAR_DEADLINE: Final = 0.75
 _UNSETTLED_EXIT_S: Final = 5.0
+"""How long a rank exit of unknown status waits for torchrun's exit (torchrun notices a
+worker's end within its --monitor-interval, 0.1 s as unicornd renders it, then stops the
+other workers and exits)."""
 _TASKS_END_S: Final = 10.0
 """How long the agent's stop waits for its background tasks to end
 (:func:`unicorn_core.aio.cancel_all`: a cancellation redis-py swallowed around the command
 task's blocking XREAD once kept an agent alive 25 minutes after its training ended)."""
-"""How long a rank exit of unknown status waits for torchrun's exit (torchrun notices a
-worker's end within its --monitor-interval, 0.1 s as unicornd renders it, then stops the
-other workers and exits)."""
 
 
 def _usable_here(job_env: JobEnvironment) -> JobEnvironment:
