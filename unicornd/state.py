@@ -422,6 +422,13 @@ class TaskRecord(_Record):
         for t in (*self.recovery_times_s, *(t for t in stamps if t is not None)):
             _finite(t, f"task {self.task_id}: timestamp")
 
+    def starting(self) -> bool:
+        """Its latest launch has not finished an iteration yet (``first_iteration_s`` none, or
+        not after ``launched_s``); unknown (no launch time): not starting."""
+        if self.launched_s is None:
+            return False
+        return self.first_iteration_s is None or self.first_iteration_s <= self.launched_s
+
     def skip_ranges(self) -> tuple[tuple[int, int], ...]:
         """The iterations whose data every launch of the task skips: ``(first, last)`` pairs,
         sorted, overlapping ones merged."""

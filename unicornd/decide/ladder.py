@@ -675,7 +675,11 @@ def on_tick(snapshot: Snapshot, now_s: float) -> Decision:
             continue
         task = draft.task(inc.task_id)
         timeout_s = float(getattr(pol, _STAGE_TIMEOUT[inc.stage]))
-        if inc.stage is _L.RETRY_IN_PLACE and _starting(task):
+        if inc.stage is _L.RETRY_IN_PLACE and task.starting():
+            # Before the launch's first iteration (ranks loading, compiling, joining the
+            # rendezvous) "no iteration" says nothing about the fault: the wait gets the time
+            # a launch gets. Found by the safety bench: a benign SEV3 line printed during
+            # start-up restarted the node's ranks after retry_timeout_s (60 s), then the task.
             timeout_s = max(timeout_s, pol.transition_timeout_s)
         if now_s - inc.last_action_s < timeout_s:
             continue
@@ -716,19 +720,6 @@ def on_tick(snapshot: Snapshot, now_s: float) -> Decision:
         draft.notes.append(f"state: {len(tasks)} ended task(s), {len(incidents)} incident(s) dropped")
         return replace(draft.decision(), drop_tasks=tasks, drop_incidents=incidents)
     return draft.decision()
-
-
-def _starting(task: TaskRecord) -> bool:
-    """The task's latest launch has not finished an iteration yet (its ranks load, compile,
-    rendezvous): "no iteration" says nothing about a fault that waits in place then. Found
-    by the safety bench: a benign SEV3 line a rank printed during its start-up (a library's
-    ERROR-level notice) restarted the node's ranks after ``retry_timeout_s`` (60 s) and
-    then every process of the task, on a start-up that only took longer than that. Such a
-    wait gets the time a plan's launch gets to reach its first iteration
-    (``transition_timeout_s``). Unknown (no launch time): not starting."""
-    if task.launched_s is None:
-        return False
-    return task.first_iteration_s is None or task.first_iteration_s <= task.launched_s
 
 
 def rung_failed(

@@ -70,10 +70,7 @@ def on_progress(
     if task.last_iteration is None or iteration > task.last_iteration:
         new = replace(new, last_iteration=iteration, last_iteration_s=at, recoveries_without_progress=0)
     if (
-        task.requeue is None
-        and task.launched_s is not None
-        and at > task.launched_s
-        and (task.first_iteration_s is None or task.first_iteration_s <= task.launched_s)
+        task.requeue is None and task.starting() and task.launched_s is not None and at > task.launched_s
     ):  # the launch's first iteration (once per launch: the ladder's start-up wait ends)
         new = replace(new, first_iteration_s=at)
     inc = snapshot.open_incident(task_id)
