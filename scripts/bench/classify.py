@@ -30,8 +30,11 @@ Accuracy. ``tests/detect/data/corpus/`` holds real lines with public sources:
 - ``blind6`` (``blind6/*-errors.toml``, ``blind6/*-benign.toml``): the blind set of
   session 29, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
   30) its misses were read to write rules, so it is reported as ``blind6_*``;
-- ``held_out`` (``blind7/*-errors.toml``, ``blind7/*-benign.toml``): the blind set of
-  session 30, from sources in none of the sets above, collected by four collectors who
+- ``blind7`` (``blind7/*-errors.toml``, ``blind7/*-benign.toml``): the blind set of
+  session 30, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
+  31) its misses were read to write rules, so it is reported as ``blind7_*``;
+- ``held_out`` (``blind8/*-errors.toml``, ``blind8/*-benign.toml``): the blind set of
+  session 31, from sources in none of the sets above, collected by five collectors who
   never saw the rules. Its lines are read here and nowhere else; only aggregate figures
   about them are printed.
 
@@ -55,7 +58,7 @@ Figures:
   traceback, at those severities. Its de-duplication of repeated reports is cleared before
   each line, so each line counts.
 
-``--show-misses train|dev|fresh|blind2|blind3|blind4|blind5|blind6`` also lists every line of that
+``--show-misses train|dev|fresh|blind2|...|blind7`` also lists every line of that
 set (errors and benign) classified other than labelled, on stderr; held-out misses are never
 shown. The agent's own log lines go to stderr (warnings only).
 
@@ -138,7 +141,8 @@ SETS: Final = {
     "blind4": ("blind4/*-errors", "blind4/*-benign"),
     "blind5": ("blind5/*-errors", "blind5/*-benign"),
     "blind6": ("blind6/*-errors", "blind6/*-benign"),
-    "held_out": ("blind7/*-errors", "blind7/*-benign"),
+    "blind7": ("blind7/*-errors", "blind7/*-benign"),
+    "held_out": ("blind8/*-errors", "blind8/*-benign"),
 }
 """Set name -> (error lines, benign lines), see the module doc."""
 
@@ -277,7 +281,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--show-misses",
-        choices=["train", "dev", "fresh", "blind2", "blind3", "blind4", "blind5", "blind6"],
+        choices=["train", "dev", "fresh", "blind2", "blind3", "blind4", "blind5", "blind6", "blind7"],
         help="list the lines of that set classified other than labelled (on stderr)",
     )
     parser.add_argument("--speed", type=float, metavar="SECONDS", help="also measure throughput, per case")

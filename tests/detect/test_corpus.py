@@ -3,7 +3,7 @@
 Rules are written from the train and dev sets and, since 2026-11-29, from the spent blind
 sets of 2026-11-25 (``fresh/``) and 2026-11-29 (``blind2/``, spent in session 26; ``blind3/``,
 spent in session 27; ``blind4/``, spent in session 28; ``blind5/``, spent in session 29; ``blind6/``,
-spent in session 30). The blind set (``blind7/``) is read by the bench
+spent in session 30; ``blind7/``, spent in session 31). The blind set (``blind8/``) is read by the bench
 (scripts/bench/classify.py) alone, and only its aggregate figures are checked here, so a
 failure never prints a blind line.
 """
@@ -24,15 +24,15 @@ from detect.classify import Classifier, load_classifier
 
 REPO = Path(__file__).resolve().parents[2]
 
-HELD_OUT_STATUS_FLOOR = 0.68
-"""The blind set's status accuracy (``corpus/blind7/*-errors``) measured when the rules were
-last changed (0.695 on 154 lines, session 30, with the rules written from blind6's misses;
-blind6 was 0.630 blind), less a small margin: a regression fails."""
+HELD_OUT_STATUS_FLOOR = 0.67
+"""The blind set's status accuracy (``corpus/blind8/*-errors``) measured when the rules were
+last changed (0.689 on 135 lines, session 31, with the rules written from blind7's misses;
+blind7 was 0.695 blind), less a small margin: a regression fails."""
 HELD_OUT_BENIGN_FIRES_CEILING = 1
-"""Blind benign lines classified SEV1/SEV2 when the rules were last changed (1 of 180,
-session 30; not read; blind6 had 4 of 175 blind). More fails."""
+"""Blind benign lines classified SEV1/SEV2 when the rules were last changed (1 of 181,
+session 31; not read; blind7 had 1 of 180 blind). More fails."""
 HELD_OUT_AGENT_FIRES_CEILING = 0
-"""Blind benign lines a real agent sends at SEV1/SEV2 (0 of 180, session 30). More fails."""
+"""Blind benign lines a real agent sends at SEV1/SEV2 (0 of 181, session 31). More fails."""
 DEV_STATUS_FLOOR = 0.91
 """The dev set's status accuracy (the first held-out half and the second batch's hash half,
 both read to write rules on 2026-11-25: 0.922 on 205 lines), less a small margin."""
@@ -511,11 +511,138 @@ KNOWN_BLIND6_BENIGN_FIRES: dict[str, str] = {
 }
 
 
+_NAN_PROGRESS = (
+    "none",
+    None,
+    "labelled other_software_error: a progress line whose loss (or grad norm) field is nan. training_nan "
+    "reads lines that say a NaN was found ('Loss is NaN', 'found NaN in local grad norm': blind6's "
+    "_NAN_STATUS lines), not a number among a logger's fields (as blind6's INFO progress line and "
+    "evaluation row): detect.losshealth reads the training's own numbers",
+)
+_FABRIC_802 = (
+    "gpu_driver_error",
+    "SEV1",
+    "labelled cuda_error; CUDA's error 802 (system not yet initialized) is kept as blind2's known miss "
+    "has it: a driver daemon the node needs (the fabric manager on NVSwitch systems) is not running, a "
+    "fault of the node (isolation still waits for out-of-band confirmation)",
+)
+_GGML_CUDA = (
+    "cuda_error",
+    "SEV2",
+    "labelled illegal_memory_access from the thread; the line says only 'CUDA error' (ggml's abort): a "
+    "CUDA error of the process, the same severity",
+)
+_NVLS_THREAD = (
+    "the thread blames the NVLink fabric (its fabric manager failing); the line names a CUDA call's "
+    "error only, and a line must not drain a node on a diagnosis it does not carry"
+)
+_C10D_W = (
+    "none",
+    None,
+    "c10d's W-level socket line: by design no WARNING line fires (issue 17 item 1), and c10d prints it "
+    "on every retry before a connect that succeeds; the rendezvous' own timeout is the evidence",
+)
+KNOWN_BLIND7_MISSES: dict[str, tuple[str, str | None, str]] = {
+    # blind7 lines (the seventh blind set, read for rules in session 31), by their text without
+    # leading blanks: what we give them, and why
+    "RuntimeError: cuda runtime error (802) : system not yet initialized": _FABRIC_802,
+    "cudaGetDeviceProperties returned 802": _FABRIC_802,
+    "GPU 00000000:04:00.0: Detected Critical Xid Error": (
+        "gpu_driver_error",
+        "SEV1",
+        "labelled illegal_memory_access from the thread's later traceback; the line names no Xid, only "
+        "that a critical one was detected, which gpu_lost reads as the GPU's fault (isolation still waits "
+        "for out-of-band confirmation); the line alone cannot tell an application's Xid",
+    ),
+    "modprobe: FATAL: Module nvidia_uvm not found in directory /lib/modules/4.4.0-83-generic": (
+        "none",
+        None,
+        "labelled gpu_driver_error (the thread's driver install had failed); modprobe run in a container "
+        "reads the container's /lib/modules, not the host's driver: no drain on modprobe's words alone "
+        "(nvidia-docker's own 'Could not load UVM kernel module' is read)",
+    ),
+    "/llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:75: CUDA error": _GGML_CUDA,
+    'GGML_ASSERT: C:\\Users\\jeff\\git\\ollama\\llm\\llama.cpp\\ggml-cuda.cu:244: !"CUDA error"': _GGML_CUDA,
+    "gpu46:78367:78492 [0] transport/nvls.cc:244 NCCL WARN Cuda failure 1 'invalid argument'": (
+        "cuda_error",
+        "SEV2",
+        "labelled nvlink_error: " + _NVLS_THREAD,
+    ),
+    "HPL ERROR: CUDART Error: cudaMemcpyAsync( ipiv_l, ipiv + step * nb, nb * sizeof(int64_t)": (
+        "illegal_memory_access",
+        "SEV2",
+        "labelled nvlink_error: " + _NVLS_THREAD + " (700, an illegal memory access)",
+    ),
+    "etcd.EtcdKeyNotFound: Key not found : /torchelastic/p2p/run_": (
+        "none",
+        None,
+        "labelled other_network_error; etcd's client raises EtcdKeyNotFound for a key not yet written, "
+        "and torchelastic's etcd rendezvous catches it while it waits: the line is no failure alone",
+    ),
+    "[W socket.cpp:601] [c10d] The client socket has failed to connect to [::ffff:0.0.3.241]": _C10D_W,
+    "[W socket.cpp:601] [c10d] The IPv6 network addresses of (user, 53821) cannot be retrieved": _C10D_W,
+    "2019-08-03 09:58:24,196\tERROR worker.py:1713 -- The node with client ID 6a16415bb1baa3dc": _RAY_DEAD,
+    "DIAG  client ep 0x7ff15739e000 connect to 10.16.29.58:8124 failed: device br-vsw-1 is not": (
+        "none",
+        None,
+        "labelled other_network_error; UCX's DIAG level (below WARN) explaining a connect it refused by "
+        "configuration (UCX_NET_DEVICES): no line below an error fires; the endpoint's error is the "
+        "evidence",
+    ),
+    "FATAL:   While performing build: while running engine: exit status 1": (
+        "exited_abnormally",
+        "SEV2",
+        "labelled other_software_error (an image build failing); the line reports a child's exit status "
+        "1 (launcher_child_failed): the same severity, the build's own error line says why",
+    ),
+    "ERROR 01-06 07:04:04 [core_client.py:564] Engine core proc EngineCore_DP0 died unexpectedly": (
+        "none",
+        None,
+        "labelled exited_abnormally; vLLM prints the same line at a normal shutdown (the train set "
+        "labels it benign, vllm-project/vllm#32468, fixed as a benign log): not evidence alone",
+    ),
+    "terminate called after throwing an instance of 'std::bad_alloc'": (
+        "other_software_error",
+        "SEV2",
+        "labelled exited_abnormally; an uncaught C++ exception (cpp_terminate) is other_software_error "
+        "in the earlier sets (blind6's Xbyak::Error): the same severity",
+    ),
+    "2023-03-22 09:32:52 iter 3010: loss nan, time 1019.95ms, mfu 14.12%": _NAN_PROGRESS,
+    "[2021-12-29 09:20:59,144 INFO train.py line 249 2152192] Epoch: [1/100][2000/2976]": _NAN_PROGRESS,
+    "[epoch  3][iter    0/ 110] loss: nan, lr: 1.00e-10, rpn_cls: nan": _NAN_PROGRESS,
+    "{'loss': 153318.95, 'grad_norm': nan, 'learning_rate': 0.0002, 'epoch': 0.09}": _NAN_PROGRESS,
+    "{'loss': nan, 'lr': 0.0002, 'epoch': 0.09}": _NAN_PROGRESS,
+    "Training: 2023-03-14 09:08:47,984-Speed 2183.37 samples/sec   Loss nan": _NAN_PROGRESS,
+    "Detected inf/nan during batch_number=0": _NAN_STATUS,
+    "Asking to pad but the tokenizer does not have a padding token.": (
+        "none",
+        None,
+        "labelled other_software_error; the ValueError's message without its name (the harness printed "
+        "it alone): transformers' words, but the exception line is the evidence",
+    ),
+    "2023-04-29 06:01:12.977 [177/train/578 (pid 28936)] [09c561ee-a44c-4795-967c-7183a83b3160] "
+    "2023-04-29 06:01:12 ERROR [__main__] main failed": (
+        "none",
+        None,
+        "labelled other_software_error; an ERROR-level 'main failed' behind a platform's prefix that "
+        "error_level_line does not read (blind3's bare one is SEV3): the traceback after it is the evidence",
+    ),
+    "ERROR [12/20 18:16:20 d2.engine.train_loop]: Exception during training:": (
+        "none",
+        None,
+        "labelled other_software_error; detectron2's announcement of the traceback that follows: that "
+        "traceback's exception is the evidence (the agent reads it)",
+    ),
+}
+KNOWN_BLIND7_BENIGN_FIRES: dict[str, str] = {
+    "OSError: [Errno 9] Bad file descriptor": _SHUTDOWN_NOISE,
+}
+
 SPENT: dict[str, tuple[dict[str, tuple[str, str | None, str]], dict[str, str]]] = {
     # spent blind set -> (its known misses, its known benign fires). Each was spent once a
     # newer blind set existed: its misses were read to write rules (fresh, the 2026-11-25 set,
     # on 2026-11-29; blind2 in session 26; blind3 in session 27; blind4 in session 28; blind5 in
-    # session 29; blind6 in session 30), and
+    # session 29; blind6 in session 30; blind7 in session 31), and
     # every line now classifies as labelled or as named in these tables.
     "fresh": (KNOWN_FRESH_MISSES, KNOWN_FRESH_BENIGN_FIRES),
     "blind2": (KNOWN_BLIND2_MISSES, KNOWN_BLIND2_BENIGN_FIRES),
@@ -523,6 +650,7 @@ SPENT: dict[str, tuple[dict[str, tuple[str, str | None, str]], dict[str, str]]] 
     "blind4": (KNOWN_BLIND4_MISSES, KNOWN_BLIND4_BENIGN_FIRES),
     "blind5": (KNOWN_BLIND5_MISSES, KNOWN_BLIND5_BENIGN_FIRES),
     "blind6": (KNOWN_BLIND6_MISSES, KNOWN_BLIND6_BENIGN_FIRES),
+    "blind7": (KNOWN_BLIND7_MISSES, KNOWN_BLIND7_BENIGN_FIRES),
 }
 SPENT_LINES = {name: BENCH.load(f"{name}/*-errors") + BENCH.load(f"{name}/*-benign") for name in SPENT}
 
@@ -627,6 +755,7 @@ def test_bench_prints_one_json_object_without_held_out_lines() -> None:
             "blind5/*",
             "blind6/*",
             "blind7/*",
+            "blind8/*",
         )
         for line in BENCH.load(name)
     }
