@@ -41,6 +41,7 @@ from detect import (
     worst,
 )
 from detect.losshealth import LossHealth, LossHealthConfig, LossSample, named_iteration
+from detect.statuses import SECONDARY_BY_DEFAULT
 from detect.stragglers import Straggler, StragglerConfig, StragglerMonitor
 from unicorn_core.config import AgentConfig, DetectConfig
 from unicorn_core.protocol import (
@@ -644,14 +645,20 @@ class Detector:
         )
 
     def _fault(self, msg: FaultReport) -> Classification:
-        """The agent's classification, if it names a known status and severity; else re-classified."""
+        """The agent's classification, if it names a known status and severity; else re-classified.
+        Secondary as its rule is (looked up by name; a rule this classifier lacks: as its status's
+        default, :data:`detect.statuses.SECONDARY_BY_DEFAULT`)."""
         try:
             status, severity = ErrorStatus(msg.status), Severity(msg.severity)
         except ValueError:
             return self.classifier.classify_text(msg.evidence)
         if status is ErrorStatus.NONE:
             return self.classifier.classify_text(msg.evidence)
-        secondary = status in (ErrorStatus.TASK_HANG, ErrorStatus.NCCL_TIMEOUT)
+        # the rule's own flag (a launcher's summary, another node's loss: a consequence), which
+        # the message does not carry; a rule this classifier lacks (an agent's site rule): as a
+        # rule of that status is by default
+        rule = self.classifier.rule_named(msg.rule)
+        secondary = rule.secondary if rule is not None else status in SECONDARY_BY_DEFAULT
         return Classification(status, severity, msg.rule, msg.evidence[:1000], secondary)
 
     def check(self, now_s: float) -> list[JobEvidence]:

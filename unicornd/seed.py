@@ -11,8 +11,10 @@ the key says how long the agent has been silent:
   as 0);
 * key absent, and the task settled: running, no incident open (no agent restart or
   relaunch under way), launched longer than ``initial_timeout_s`` ago and its ranks
-  reported an iteration since (so its agents have beaten, and the key would be there if
-  they still did): silent at least ``heartbeat_ttl_s``;
+  reported an iteration since (:meth:`~unicornd.state.TaskRecord.starting` false, whatever
+  the iteration's number: a relaunch from a checkpoint iterates below the old mark), so its
+  agents have beaten and the key would be there if they still did: silent at least
+  ``heartbeat_ttl_s``;
 * otherwise (key absent while the task may be starting agents, or unreadable): no seed,
   the new agent's grace stands.
 
@@ -72,8 +74,7 @@ def silences(
         and snap.open_incident(t.task_id) is None
         and t.launched_s is not None
         and now_wall_s - t.launched_s > initial_timeout_s
-        and t.last_iteration_s is not None
-        and t.last_iteration_s > t.launched_s
+        and not t.starting()
     }
     out: dict[Agent, float] = {}
     for agent in expected_agents(snap):

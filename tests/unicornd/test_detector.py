@@ -400,6 +400,31 @@ def test_teardown_noise_after_the_last_iteration_is_no_finding() -> None:
     assert len(d.on_message(line("other_network_error", "SEV3"), 10.5)) == 1
 
 
+def test_a_line_found_by_a_secondary_rule_stays_secondary() -> None:
+    """A known miss until session 31: the detector rebuilt ``secondary`` from the status
+    alone, so a consequence an agent reported (a launcher's failure summary, Open MPI's word
+    that another node's daemon is gone) counted as a cause: it climbed an open incident
+    instead of being absorbed."""
+    d = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
+
+    def line(rule: str, status: str, severity: str, text: str) -> FaultReport:
+        return FaultReport(
+            job_id=4, node="n3", wall_time_s=1.0, status=status, severity=severity, rule=rule,
+            rank=None, evidence=text,
+        )  # fmt: skip
+
+    summary = line("torchelastic_summary", "exited_abnormally", "SEV2", "Root Cause (first observed failure)")
+    orte = line("mpi_daemon_lost", "lost_connection", "SEV1", "ORTE has lost communication with a daemon")
+    cause = line("python_exception", "other_software_error", "SEV2", "ValueError: bad shape")
+    unknown = line("a_site_rule", "other_software_error", "SEV2", "site: job failed")
+    unknown_reset = line("a_site_reset", "connection_refused_reset", "SEV3", "site: peer reset")
+    msgs = (summary, orte, cause, unknown, unknown_reset)
+    got = [d.on_message(m, 10.0 + i) for i, m in enumerate(msgs)]
+    assert [len(g) for g in got] == [1] * len(msgs)
+    # a rule the coordinator lacks (an agent's site rule): as its status's default
+    assert [g[0].evidence.classification.secondary for g in got] == [True, True, False, False, True]
+
+
 def test_the_exits_and_errors_of_replaced_ranks_are_no_finding() -> None:
     """Found in CI (the node-loss system test): after a shrink relaunched the job on its
     surviving node, the superseded agent there reported its old ranks' SIGKILL once the

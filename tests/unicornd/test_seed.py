@@ -26,8 +26,20 @@ def beat(job: int, node: str, age_s: float) -> Heartbeat:
     )
 
 
-def snap_with(requeue: RequeueWait | None = None, last_iteration_s: float | None = NOW - 2) -> Snapshot:
-    a = task("a", 1, ["n1", "n2"], launched_s=NOW - 600, requeue=requeue, last_iteration_s=last_iteration_s)
+def snap_with(
+    requeue: RequeueWait | None = None,
+    first_iteration_s: float | None = NOW - 590,
+    last_iteration_s: float | None = NOW - 2,
+) -> Snapshot:
+    a = task(
+        "a",
+        1,
+        ["n1", "n2"],
+        launched_s=NOW - 600,
+        requeue=requeue,
+        first_iteration_s=first_iteration_s,
+        last_iteration_s=last_iteration_s,
+    )
     b = task("b", 2, ["n3"], launched_s=NOW - 5)
     done = task("c", 3, ["n4"], state=TaskState.FINISHED, launched_s=NOW - 600)
     return world(4, [a, b, done])
@@ -42,8 +54,14 @@ def test_the_keys_say_how_long_each_agent_has_been_silent() -> None:
     assert silences(snap, beats, NOW, GRACE, TTL) == {(1, "n1"): pytest.approx(0.4), (1, "n2"): TTL}
     # Not settled, so an absent key may be an agent being started: no iteration since the
     # launch, or an incident open (an agent restart or a relaunch under way).
-    quiet = snap_with(last_iteration_s=NOW - 700)
+    quiet = snap_with(first_iteration_s=None, last_iteration_s=NOW - 700)
     assert silences(quiet, beats, NOW, GRACE, TTL) == {(1, "n1"): pytest.approx(0.4)}
+    before = snap_with(first_iteration_s=NOW - 700, last_iteration_s=NOW - 700)  # the launch before
+    assert silences(before, beats, NOW, GRACE, TTL) == {(1, "n1"): pytest.approx(0.4)}
+    # Relaunched from a checkpoint below the old mark: the mark's time has not moved since
+    # the launch, but the launch has iterated, so its agents have beaten: settled.
+    below = snap_with(first_iteration_s=NOW - 590, last_iteration_s=NOW - 700)
+    assert silences(below, beats, NOW, GRACE, TTL) == {(1, "n1"): pytest.approx(0.4), (1, "n2"): TTL}
     inc = Incident(
         incident_id="a.1",
         task_id="a",
