@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
+from unicorn_core.aio import cancel_all, stacks
 from unicorn_core.config import CkptConfig, DetectConfig
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.logs import configure_logging, get_logger
@@ -467,14 +468,25 @@ def main(argv: list[str] | None = None) -> int:
 async def _run_while_parent_lives(agent: CkptAgent, parent: int) -> None:
     """Run ``agent`` until the node agent that started us is gone (a kill -9 of the node
     agent orphans this process; it must not outlive it)."""
-    task = asyncio.create_task(agent.run())
+    task = asyncio.create_task(agent.run(), name="ckpt-agent")
     while not task.done():
         if os.getppid() != parent:
-            task.cancel()
+            # re-cancelled until it ends, bounded: a lost cancellation must not keep this
+            # process alive (the node agent's own stop, session 30)
+            if await cancel_all({task}, _END_S):
+                # asyncio.run would cancel it again and wait without bound (and for a worker
+                # thread stuck in I/O): end the process here
+                log.error("ckpt_agent_did_not_end", where=stacks({task}))
+                sys.stderr.flush()
+                os._exit(1)
             break
         await asyncio.wait({task}, timeout=1.0)
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+_END_S: Final = 10.0
+"""How long an orphaned checkpoint agent waits for its work to end after cancelling it."""
 
 
 def _import_engine() -> None:

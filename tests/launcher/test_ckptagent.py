@@ -224,6 +224,34 @@ def test_checkpoint_child_does_not_outlive_a_killed_node_agent(tmp_path: Path) -
     assert not alive, "the checkpoint child outlived its node agent"
 
 
+def test_an_orphan_whose_work_ignores_its_cancellation_still_exits() -> None:
+    """A lost cancellation (redis-py's, session 30's stuck node agent) must not keep an
+    orphaned checkpoint process alive: re-cancelled within a bound, then the process ends
+    (asyncio.run would cancel once more and wait for the task without bound)."""
+    code = (
+        "import asyncio\n"
+        "import launcher.ckptagent as c\n"
+        "c._END_S = 1.0\n"
+        "class Stubborn:\n"
+        "    async def run(self):\n"
+        "        while True:\n"
+        "            try:\n"
+        "                await asyncio.sleep(10)\n"
+        "            except asyncio.CancelledError:\n"
+        "                pass\n"
+        "import os\n"
+        "parent, calls = os.getppid(), []\n"
+        "os.getppid = lambda: parent if len(calls.append(0) or calls) < 2 else 1  # orphaned once running\n"
+        "asyncio.run(c._run_while_parent_lives(Stubborn(), parent))\n"
+        "print('returned')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "ckpt_agent_did_not_end" in done.stdout + done.stderr and "returned" not in done.stdout
+
+
 def test_the_checkpoint_process_imports_no_torch() -> None:
     """The agent's checkpoint process seals, persists and copies bytes: its engine imports
     no torch (~1 s of CPU at every agent start, taken from the training ranks: the
