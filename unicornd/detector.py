@@ -647,18 +647,25 @@ class Detector:
     def _fault(self, msg: FaultReport) -> Classification:
         """The agent's classification, if it names a known status and severity; else re-classified.
         Secondary as its rule is (looked up by name; a rule this classifier lacks: as its status's
-        default, :data:`detect.statuses.SECONDARY_BY_DEFAULT`)."""
+        default, :data:`detect.statuses.SECONDARY_BY_DEFAULT`), but an exit line the agent sent
+        at SEV1/SEV2 (one that corroborates an exit it saw) is primary."""
         try:
             status, severity = ErrorStatus(msg.status), Severity(msg.severity)
         except ValueError:
             return self.classifier.classify_text(msg.evidence)
         if status is ErrorStatus.NONE:
             return self.classifier.classify_text(msg.evidence)
-        # the rule's own flag (a launcher's summary, another node's loss: a consequence), which
-        # the message does not carry; a rule this classifier lacks (an agent's site rule): as a
-        # rule of that status is by default
+        # the rule's own flag (another node's lost daemon, a peer's remote error: a
+        # consequence), which the message does not carry; a rule this classifier lacks (an
+        # agent's site rule): as a rule of that status is by default. Except a line reporting
+        # an exit that the agent sent at SEV1/SEV2: it does so only when the line corroborates
+        # an exit it saw itself (launcher.agent: EXIT_LINE_WINDOW_S), and that line is what
+        # moves an open incident's ladder (the exit's own finding, torchrun's summary, is
+        # absorbed; CI of 71e3c96: a relaunch that could not start waited for its rung's timeout)
         rule = self.classifier.rule_named(msg.rule)
         secondary = rule.secondary if rule is not None else status in SECONDARY_BY_DEFAULT
+        if status is ErrorStatus.EXITED_ABNORMALLY and severity is not Severity.SEV3:
+            secondary = False
         return Classification(status, severity, msg.rule, msg.evidence[:1000], secondary)
 
     def check(self, now_s: float) -> list[JobEvidence]:

@@ -402,9 +402,10 @@ def test_teardown_noise_after_the_last_iteration_is_no_finding() -> None:
 
 def test_a_line_found_by_a_secondary_rule_stays_secondary() -> None:
     """A known miss until session 31: the detector rebuilt ``secondary`` from the status
-    alone, so a consequence an agent reported (a launcher's failure summary, Open MPI's word
-    that another node's daemon is gone) counted as a cause: it climbed an open incident
-    instead of being absorbed."""
+    alone, so a consequence an agent reported (a peer's remote error, Open MPI's word that
+    another node's daemon is gone) counted as a cause: it climbed an open incident instead of
+    being absorbed. An exit line the agent sent at SEV2 stays primary (it corroborates an exit
+    the agent saw: ARCHITECTURE.md's row of exit lines)."""
     d = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
 
     def line(rule: str, status: str, severity: str, text: str) -> FaultReport:
@@ -413,16 +414,21 @@ def test_a_line_found_by_a_secondary_rule_stays_secondary() -> None:
             rank=None, evidence=text,
         )  # fmt: skip
 
-    summary = line("torchelastic_summary", "exited_abnormally", "SEV2", "Root Cause (first observed failure)")
+    peer = line("nccl_remote_error", "other_network_error", "SEV3", "NCCL: remote process exited")
     orte = line("mpi_daemon_lost", "lost_connection", "SEV1", "ORTE has lost communication with a daemon")
     cause = line("python_exception", "other_software_error", "SEV2", "ValueError: bad shape")
     unknown = line("a_site_rule", "other_software_error", "SEV2", "site: job failed")
     unknown_reset = line("a_site_reset", "connection_refused_reset", "SEV3", "site: peer reset")
-    msgs = (summary, orte, cause, unknown, unknown_reset)
+    # torchrun's summary: sent at SEV2 only when it corroborates an exit the agent saw, then
+    # it moves the ladder (the exit's own finding is the secondary one); at SEV3, secondary
+    summary = line("torchelastic_summary", "exited_abnormally", "SEV2", "Root Cause (first observed failure)")
+    unseen = msgspec.structs.replace(summary, severity="SEV3", evidence="Root Cause (first observed)")
+    msgs = (peer, orte, cause, unknown, unknown_reset, summary, unseen)
     got = [d.on_message(m, 10.0 + i) for i, m in enumerate(msgs)]
     assert [len(g) for g in got] == [1] * len(msgs)
     # a rule the coordinator lacks (an agent's site rule): as its status's default
-    assert [g[0].evidence.classification.secondary for g in got] == [True, True, False, False, True]
+    secondary = [g[0].evidence.classification.secondary for g in got]
+    assert secondary == [True, True, False, False, True, False, True]
 
 
 def test_the_exits_and_errors_of_replaced_ranks_are_no_finding() -> None:
