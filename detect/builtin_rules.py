@@ -351,6 +351,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         # character set is scanned for in C, one that starts with a look-behind is tried everywhere
         "pattern": r"[IWD](?<![^\s:\]\[][IWD])(?:\d{3,4} \d\d:\d\d:\d\d[.\d]*\s+(?:\d+\s+)?[^\s\]]+:\d+\]|"
         r"(?<=\[[IWD]) [^\s\]]+:\d+\])",
+        # glog's failure-signal handler, which some programs log at WARNING level (PaddlePaddle)
+        "unless": r"\] \*\*\* SIG(?:ABRT|SEGV|BUS|ILL|FPE) \(@0x[0-9a-f]+\) received by PID \d+",
         "doc": "an INFO or WARNING line of glog/c10d (PyTorch's C++ log: '[W1206 18:44:12.7 "
         "socket.cpp:752]', "
         "'[W socket.cpp:558]', 'W0325 20:57:27.62 2606 api.py:869]'): the failure, if any, is reported at "
@@ -377,7 +379,12 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "zero_count",
         "status": "none",
-        "pattern": _each(r"\b(?:no|zero|0)\s+(?:[\w.-]+\s+){0,2}@\b", *_NOUNS)
+        # (not a PCI address's function number, 'amdgpu 0000:05:00.0 failed with error -22'; not UCX's
+        # 'no error callback is installed')
+        "pattern": _each(
+            r"\b(?:no|zero|(?<!:[0-9a-fA-F]{2}\.)0)\s+(?:[\w.-]+\s+){0,2}@\b(?!\s+(?:callback|handler)s?\b)",
+            *_NOUNS,
+        )
         + "|"
         + _each(r"\b@(?:\s+count)?\s*[:=]?\s*(?:0|none)\b(?![.\d])", *_NOUNS)
         + "|"
@@ -574,7 +581,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"combination"
         r"|API mismatch: the client has the version"
         r"|installed in this system is not supported"
-        r"|No NVIDIA GPU found"
+        r"|No NVIDIA GPU found|no ROCm-capable device is detected"
         r"|^\s*No devices were found\s*$"
         r"|cudaErrorDevicesUnavailable"
         r"|Unexpected error from cudaGetDeviceCount"
@@ -623,7 +630,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "iommu_dma_fault",
         "status": "invalid_dma_mapping",
         "pattern": r"DMAR: \[DMA (?:Read|Write)|DMAR: DRHD: handling fault|dmar_fault|"
-        r"AMD-Vi: Event logged \[IO_PAGE_FAULT|IO_PAGE_FAULT|DMA mapping error|dma_map\w* failed|"
+        r"AMD-Vi: Event logged \[(?:IO_PAGE_FAULT|(?:DEV|PAGE)_TAB_HARDWARE_ERROR|COMMAND_HARDWARE_ERROR|"
+        r"ILLEGAL_COMMAND_ERROR|IOTLB_INV_TIMEOUT)|"
+        r"IO_PAGE_FAULT|DMA mapping error|dma_map\w* failed|"
         r"invalid DMA mapping|IOMMU (?:page )?fault|\bsmmu\w*: .*\b(?:fault|event 0x)"
         r"|\[fault reason \w+\]",
         "ignore_case": True,
@@ -677,7 +686,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"\b(?:nouveau|amdgpu)(?:\b|_job_timedout\]).*(?:\bmmu (?:page )?fault\b|"
         r"\bchannel \d+ killed\b|\b[Rr]ing [\w.]+ (?:timeout|test failed|reset failed)\b|\bGPU reset begin\b"
         r"|\bGPU HANG\b"
-        r"|\bMES failed to respond to msg=|\bsuspend of IP block <\w+> failed"
+        r"|\bMES(?:\(\d+\))? failed to respond to msg=|\bsuspend of IP block <\w+> failed"
+        r"|\bFatal error during GPU init\b|\bamdgpu_discovery_init failed\b"
+        r"|: probe (?:of \S+|with driver amdgpu) failed with error -\d+"
         r"|\b(?:MES|cp) might be in (?:an? )?unrecoverable state\b"
         r"|\[Hardware [Ee]rror\]:? Accelerator Check Architecture)"
         r"|^HW Exception by GPU node-\d+ .*reason ?:\s*GPU Hang",  # ROCm's runtime
@@ -688,6 +699,14 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "reset, a firmware scheduler (MES) or command processor that stopped answering or a hardware "
         "error (ROCm's runtime: a GPU hang) (not a display or mobile GPU's: a host's integrated graphics "
         "is no reason to drain it)",
+    },
+    {
+        "name": "gpu_reset_lost_memory",
+        "status": "gpu_driver_error",
+        "severity": "SEV2",
+        "pattern": r"\bVRAM is lost due to GPU reset\b",
+        "doc": "amdgpu's reset lost the GPU's memory: every process on it must restart (SEV2); the reset's "
+        "cause (a ring timeout, a hang) is drm_gpu_fault's line, and a reset that succeeds prints this too",
     },
     {
         "name": "nvrm_failure",
@@ -728,7 +747,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"CUDA out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|"
         r"CUBLAS_STATUS_ALLOC_FAILED|CUDA(?:RT)? error: out of memory|Cuda failure '?out of memory|"
         r"Failed to CUDA calloc|^GPUassert: out of memory\b"
-        r"|\bFailed during cuda\w+: out of memory\b|\bHSA_STATUS_ERROR_OUT_OF_RESOURCES\b",
+        r"|\bFailed during cuda\w+: out of memory\b|\bHSA_STATUS_ERROR_OUT_OF_RESOURCES\b"
+        r"|\bHIP error: out of memory\b|\bhipErrorOutOfMemory\b",
+        # Ray's memory monitor: host memory, a process it killed (host_oom_kill)
+        "unless": r"\bray\.exceptions\.OutOfMemoryError\b",
         "doc": "the job asked for more GPU memory than exists: a configuration problem, the node is fine",
     },
     {
@@ -758,6 +780,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         # exception's own name must not make it a user's error); TensorFlow's words for a cuDNN
         # that could not start
         "pattern": r"\bCUDART error: "
+        # ROCm's runtime error as raised (PyTorch's 'torch.AcceleratorError: HIP error: ...'), not a help
+        # text or a status echo
+        r"|(?:^\s*|\b\w*(?:Error|Exception): |what\(\):\s+)HIP error: "
+        r"(?!hipSuccess\b|no error\b|hipErrorNotReady\b)"
         r"|\bFailed to get convolution algorithm\. This is probably because cuDNN failed to initialize\b",
     },
     {
@@ -814,7 +840,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bTask in /\S+ killed as a result of limit of /"
         r"|Exceeded (?:step|job) memory limit"
         r"|\bKilled process \d+ \([^)]*\),? (?:UID \d+, )?total-vm:"
-        r"|\b[1-9]\d* Workers? \(tasks / actors\) killed due to memory pressure \(OOM\)",
+        r"|\b[1-9]\d* Workers? \(tasks / actors\) killed due to memory pressure \(OOM\)"
+        r"|\bTask was killed due to the node running low on memory\b|\bRay killed this worker \(ID: ",
         "doc": "the kernel's OOM killer (host memory) killed a process",
     },
     {
@@ -838,7 +865,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|^double free or corruption\b|^corrupted size vs\. prev_size\b"
         # glog's and folly's fatal-signal handlers
         r"|^\*\*\* Aborted at \d+ \(unix time\)|\bSIG(?:ABRT|SEGV|BUS|ILL|FPE)\(\d+\), PID: \d+"
-        r"|^\*\*\* SIG(?:ABRT|SEGV|BUS|ILL|FPE) \(@0x[0-9a-f]+\) received by PID \d+"
+        r"|(?:^|\] )\*\*\* SIG(?:ABRT|SEGV|BUS|ILL|FPE) \(@0x[0-9a-f]+\) received by PID \d+"
+        # glibc before 2.26 named the program: "*** Error in `python': double free or corruption"
+        r"|^\*\*\* Error in `[^`']*': "
+        r"(?:double free|free\(\)|malloc\(\)|realloc\(\)|munmap_chunk\(\)|corrupted)"
         r"|^Command terminated by signal (?!(?:1|2|15)\b)\d+"  # GNU time; HUP, INT, TERM: a stop
         r"|^Aborted \(Signal sent by tkill\(\)"  # the shell's report of a raise(SIGABRT)
         # systemd's for a service: killed by a signal other than a stop, or by the OOM killer
@@ -902,6 +932,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|Worker group FAILED"
         r"|\*\*\* Process received signal \*\*\*|\] Failing at address: (?:0x[0-9a-f]+|\(nil\))"
         r"|\] Signal code: .*\(-?\d+\)$"
+        r"|\] Signal: (?:Aborted|Bus error|Illegal instruction|Floating point exception) \(\d+\)$"  # Open MPI
+        # the shell's report, in glibc's zh_CN words, or after a progress bar that ended no line
+        r"|^\s*已杀死\s*$|(?<=[\]|])Killed\s*$"
         r"|Per user-direction, the job has been aborted"
         r"|^Core was generated by `"  # gdb's header of a core file a crashed process left
         r"|(?:^|\]:\s?)-- Process \d+ terminated with the following error",
@@ -1155,7 +1188,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "nccl_remote_error",
         "status": "other_network_error",
-        "pattern": r"ncclRemoteError|remote process exited or there was a network error",
+        "pattern": r"ncclRemoteError|remote process exited or there was a network error"
+        r"|\bProxy Call to rank \d+ failed\b",  # NCCL's proxy could not reach that peer
         "secondary": True,
         "doc": "a peer of the collective went away (or the network between them did)",
     },
@@ -1175,7 +1209,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "connection_reset",
         "status": "connection_refused_reset",
-        "pattern": r"Connection reset by peer|ECONNRESET|Broken pipe|\bEPIPE\b|"
+        "pattern": r"Connection reset by (?:remote )?peer|ECONNRESET|Broken pipe|\bEPIPE\b|"
         r"Connection closed by (?:remote )?peer",
         "ignore_case": True,
     },
@@ -1255,9 +1289,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "nic_tx_hang",
         "status": "other_network_error",
-        "pattern": r"Detected (?:Hardware|Tx) Unit Hang",
+        "pattern": r"Detected (?:Hardware|Tx) Unit Hang"
+        r"|\befa(?:_\d+| [0-9a-f:.]+ \w+): Failed to process command\b",
         "doc": "a NIC driver (e1000e, igb, ixgbe) found its transmit unit hung; the link stalls until the "
-        "driver resets the adapter",
+        "driver resets the adapter; or EFA's device failed an admin command (the adapter's firmware)",
     },
     {
         "name": "socket_failure",
@@ -1267,7 +1302,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"client socket has failed to connect|client socket has timed out|connect\(\) timed out|"
         r"Timed out initializing process group|server socket has failed to (?:listen|bind)|errno: 98\b|"
         r"retry counter exceeded|RETRY_EXC_ERR|Max retries exceeded with url|NewConnectionError|"
-        r"Temporary failure in name resolution|Name or service not known|Timed out after \d+ "
+        r"Temporary failure in name resolution|Name or service not known|Name does not resolve|"
+        r"Timed out after \d+ "
         r"seconds waiting for "
         r"clients"
         r"|Rendezvous\w*Error"
@@ -1367,7 +1403,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "ddp_unused_parameters",
         "status": "other_software_error",
         "pattern": r"Parameter indices which did not receive grad for rank \d+"
-        r"|Expected to have finished reduction in the prior iteration",
+        r"|Expected to have finished reduction in the prior iteration"
+        # a parameter reduced twice in one iteration (reentrant checkpointing, shared weights)
+        r"|\bhas been marked as ready twice\b",
         "doc": "DistributedDataParallel's error for parameters that got no gradient (the model's code, or "
         "find_unused_parameters): the user's error",
     },

@@ -3,7 +3,8 @@
 Rules are written from the train and dev sets and, since 2026-11-29, from the spent blind
 sets of 2026-11-25 (``fresh/``) and 2026-11-29 (``blind2/``, spent in session 26; ``blind3/``,
 spent in session 27; ``blind4/``, spent in session 28; ``blind5/``, spent in session 29; ``blind6/``,
-spent in session 30; ``blind7/``, spent in session 31). The blind set (``blind8/``) is read by the bench
+spent in session 30; ``blind7/``, spent in session 31; ``blind8/``, spent in session 32). The blind set
+(``blind9/``) is read by the bench
 (scripts/bench/classify.py) alone, and only its aggregate figures are checked here, so a
 failure never prints a blind line.
 """
@@ -638,11 +639,117 @@ KNOWN_BLIND7_BENIGN_FIRES: dict[str, str] = {
     "OSError: [Errno 9] Bad file descriptor": _SHUTDOWN_NOISE,
 }
 
+_SAME_SEVERITY_SOFTWARE = (
+    "exited_abnormally",
+    "SEV2",
+    "labelled other_software_error (a container or a Slurm plugin that could not start the task); "
+    "the line is a launcher's report that the task failed to start: the same severity, no node fault",
+)
+_OPENS_TRACEBACK = (
+    "none",
+    None,
+    "labelled other_software_error; the line opens a traceback (a framework logging that a call "
+    "failed, 'Traceback' follows): the exception line that ends it is the evidence, and the rank's exit",
+)
+KNOWN_BLIND8_MISSES: dict[str, tuple[str, str | None, str]] = {
+    # blind8 lines (the eighth blind set, read for rules in session 32), by their text without
+    # leading blanks: what we give them, and why
+    "Jul 24 12:26:19 macross kernel: [drm] VRAM is lost due to GPU reset!": (
+        "gpu_driver_error",
+        "SEV2",
+        "labelled SEV1; the reset lost the processes' memory (gpu_reset_lost_memory, SEV2), and a reset "
+        "that succeeds prints it too: the reset's cause is the line that may drain (drm_gpu_fault)",
+    ),
+    "[   90.125450] iommu ivhd1: AMD-Vi: Event logged [INVALID_DEVICE_REQUEST device=0000:00:00.0": (
+        "none",
+        None,
+        "labelled invalid_dma_mapping; the root complex's INVALID_DEVICE_REQUEST (device 00:00.0) is "
+        "logged at many boots and is documented as ignorable: a node must not be drained on it",
+    ),
+    "[85030.671758] NVRM: Attempting to remove minor device 0 with non-zero usage count!": (
+        "none",
+        None,
+        "labelled gpu_driver_error; the driver's module being unloaded while a process holds the device "
+        "(an operator's rmmod or a power-off script), not a fault the line shows: the crash is in the "
+        "kernel WARNING trace that follows",
+    ),
+    "[task 2025-07-01T05:06:30.005+00:00] [train] No GPUs were found available on this machine.": (
+        "none",
+        None,
+        "labelled gpu_driver_error (the thread's driver/library mismatch); a wrapper's own words, which "
+        "a job started on a node without GPUs prints the same: no driver fault named",
+    ),
+    "[task 2025-07-01T05:06:30.004+00:00] [train] nvidia-smi failed with return code 18": (
+        "none",
+        None,
+        "labelled gpu_driver_error; 18 is NVML's driver/library version mismatch, but a rule reading one "
+        "tool's exit codes through a wrapper's words would be written from this one line",
+    ),
+    "2017-07-25 15:45:20,572 ERROR (MainThread-8045) 1: Failed to allocate GPU, trying again...": (
+        "none",
+        None,
+        "labelled gpu_driver_error (the thread's driver mismatch); the line is a scheduler's retry of a "
+        "GPU allocation, which a busy node prints the same",
+    ),
+    "[ 1008.330834] amdgpu 0000:c2:00.0: amdgpu: [gfxhub] page fault (src_id:0 ring:24 vmid:8": (
+        "illegal_memory_access",
+        "SEV2",
+        "labelled gpu_driver_error (a driver update fixed the thread's lock-ups); the line is a GPU page "
+        "fault of one process's address space (amdgpu_vm_fault, AMD's Xid 31): a node must not be "
+        "drained on it alone",
+    ),
+    "(remote_rm_fn_ray pid=98924) INFO 03-11 19:53:41 remote_rm_utils.py:24] Request error": _INFO_LEVEL,
+    "10.3.35.83: WARN: Function: find_ofi_provider Line: 543: NET/OFI Couldn't find any optimal": (
+        "none",
+        None,
+        "labelled other_network_error; the OFI plugin's WARN that it found no provider: NCCL falls back "
+        "to another transport and runs on (slower), no failure yet",
+    ),
+    "(EmbodiedFSDPActor pid=194723) [rank1]:[W504 16:19:23.815092992 TCPStore.cpp:138] [c10d]": _C10D_W,
+    "[W tensorpipe_agent.cpp:916] RPC agent for 3 encountered error when sending outgoing": (
+        "none",
+        None,
+        "labelled connection_refused_reset; a W-level line of PyTorch's C++ log (TensorPipe's RPC agent): "
+        "by design no WARNING line fires (issue 17 item 1), the RPC's exception is the evidence",
+    ),
+    "docker: Error response from daemon: OCI runtime create failed:": _SAME_SEVERITY_SOFTWARE,
+    "srun: error: task 0 launch failed: Plugin initialization failed": _SAME_SEVERITY_SOFTWARE,
+    "ERROR 10-23 18:21:12 [core_client.py:597] Engine core proc EngineCore_DP0 died unexpectedly": (
+        "none",
+        None,
+        "labelled exited_abnormally; vLLM prints the same line at a normal shutdown (as blind7's, "
+        "KNOWN_BLIND7_MISSES): not evidence alone",
+    ),
+    "/bin/sh: 1: scontrol: not found": (
+        "none",
+        None,
+        "labelled other_software_error; a shell's 'command not found': a job often goes on without an "
+        "optional tool (here Lightning's requeue), so no line of it fires; the job's exit is the evidence",
+    ),
+    "AssertionError: Rank 3: found NaN in local grad norm in backwards pass.": _NAN_STATUS,
+    "\u274c ERROR  | 2023-12-24 23:33:40 | autotrain.trainers.common:wrapper:90 - train has failed": (
+        _OPENS_TRACEBACK
+    ),
+    "{'loss': 0.0, 'grad_norm': nan,": _NAN_PROGRESS,
+    "make: *** No targets specified and no makefile found.  Stop.": (
+        "none",
+        None,
+        "labelled other_software_error; a build step's error in a job's output (a build may fail and "
+        "the job go on with what it has): the job's exit, or the exception that follows, is the evidence",
+    ),
+    "2024-06-28T06:11:52.685302801Z (LLMRayActor pid=20770) ERROR 06-28 06:11:45 worker_base.py:145]": (
+        _OPENS_TRACEBACK
+    ),
+}
+KNOWN_BLIND8_BENIGN_FIRES: dict[str, str] = {
+    "AttributeError: 'NoneType' object has no attribute 'dumps'": _SHUTDOWN_NOISE,
+}
+
 SPENT: dict[str, tuple[dict[str, tuple[str, str | None, str]], dict[str, str]]] = {
     # spent blind set -> (its known misses, its known benign fires). Each was spent once a
     # newer blind set existed: its misses were read to write rules (fresh, the 2026-11-25 set,
     # on 2026-11-29; blind2 in session 26; blind3 in session 27; blind4 in session 28; blind5 in
-    # session 29; blind6 in session 30; blind7 in session 31), and
+    # session 29; blind6 in session 30; blind7 in session 31; blind8 in session 32), and
     # every line now classifies as labelled or as named in these tables.
     "fresh": (KNOWN_FRESH_MISSES, KNOWN_FRESH_BENIGN_FIRES),
     "blind2": (KNOWN_BLIND2_MISSES, KNOWN_BLIND2_BENIGN_FIRES),
@@ -651,6 +758,7 @@ SPENT: dict[str, tuple[dict[str, tuple[str, str | None, str]], dict[str, str]]] 
     "blind5": (KNOWN_BLIND5_MISSES, KNOWN_BLIND5_BENIGN_FIRES),
     "blind6": (KNOWN_BLIND6_MISSES, KNOWN_BLIND6_BENIGN_FIRES),
     "blind7": (KNOWN_BLIND7_MISSES, KNOWN_BLIND7_BENIGN_FIRES),
+    "blind8": (KNOWN_BLIND8_MISSES, KNOWN_BLIND8_BENIGN_FIRES),
 }
 SPENT_LINES = {name: BENCH.load(f"{name}/*-errors") + BENCH.load(f"{name}/*-benign") for name in SPENT}
 
@@ -756,6 +864,7 @@ def test_bench_prints_one_json_object_without_held_out_lines() -> None:
             "blind6/*",
             "blind7/*",
             "blind8/*",
+            "blind9/*",
         )
         for line in BENCH.load(name)
     }

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Could a model learned from the labelled lines replace or back the rules? Leave-one-set-out.
+
+The rules (``detect/builtin_rules.py``) reach 0.63-0.78 status accuracy on each new blind set
+(BENCHMARKS.md), against the issue's goal of 0.95. This bench asks whether a standard
+text classifier trained on the same labelled lines does better on lines from sources it has
+not seen, the question a learned fallback for lines no rule matches would have to answer.
+
+Protocol: for each spent blind set (``fresh``, ``blind2`` ...; see ``classify.py``) in turn,
+train on every other set the rules may be written from (train, dev and the other spent blind
+sets, errors and benign lines alike, benign labelled ``none``) and classify the left-out set.
+Each set's sources appear in no other set (``scripts/corpus-split`` checks), so this is the
+same situation as the rules' one blind measurement of that set. The blind set (``held_out``)
+is never read.
+
+Models (standard baselines, no tuning on the left-out sets; settings fixed below):
+
+- ``nb``: multinomial naive Bayes over word unigrams and bigrams (lower case; digit runs longer
+  than 3 dropped: addresses, PIDs, timestamps), add-one smoothing;
+- ``knn``: the label of the most similar training line (cosine over tf-idf of the same
+  tokens), i.e. "this line resembles a known one".
+
+Figures per left-out set and pooled over them: ``*_status_acc`` (error lines whose predicted
+status equals the label), ``*_benign_fired`` (benign lines predicted as any failure status:
+what a fallback would have reported). Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import math
+import re
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+_TOKEN = re.compile(r"[a-z][a-z_]+|\d+")
+_MAX_DIGITS = 3
+
+
+def _corpus() -> ModuleType:
+    path = REPO / "scripts" / "bench" / "classify.py"
+    spec = importlib.util.spec_from_file_location("bench_classify", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def tokens(text: str) -> list[str]:
+    """Unigrams and bigrams of ``text`` (see the module doc)."""
+    words = [w for w in _TOKEN.findall(text.lower()) if not w.isdigit() or len(w) <= _MAX_DIGITS]
+    return words + [f"{a} {b}" for a, b in itertools.pairwise(words)]
+
+
+class NaiveBayes:
+    """Multinomial naive Bayes with add-one smoothing."""
+
+    def __init__(self, docs: Sequence[list[str]], labels: Sequence[str]) -> None:
+        self.classes = sorted(set(labels))
+        self.vocab = {w for d in docs for w in d}
+        self.prior = {c: math.log(labels.count(c) / len(labels)) for c in self.classes}
+        self.counts: dict[str, Counter[str]] = {c: Counter() for c in self.classes}
+        for doc, label in zip(docs, labels, strict=True):
+            self.counts[label].update(doc)
+        self.totals = {c: sum(self.counts[c].values()) for c in self.classes}
+
+    def predict(self, doc: list[str]) -> str:
+        v = len(self.vocab)
+        known = [w for w in doc if w in self.vocab]
+
+        def score(c: str) -> float:
+            n = self.totals[c] + v
+            return self.prior[c] + sum(math.log((self.counts[c][w] + 1) / n) for w in known)
+
+        return max(self.classes, key=score)
+
+
+class NearestLine:
+    """The label of the training line with the highest tf-idf cosine similarity."""
+
+    def __init__(self, docs: Sequence[list[str]], labels: Sequence[str]) -> None:
+        df = Counter(w for d in docs for w in set(d))
+        self.idf = {w: math.log(len(docs) / n) + 1.0 for w, n in df.items()}
+        self.vectors = [self._vector(d) for d in docs]
+        self.labels = list(labels)
+
+    def _vector(self, doc: list[str]) -> dict[str, float]:
+        tf = Counter(w for w in doc if w in self.idf)
+        vec = {w: n * self.idf[w] for w, n in tf.items()}
+        norm = math.sqrt(sum(x * x for x in vec.values())) or 1.0
+        return {w: x / norm for w, x in vec.items()}
+
+    def predict(self, doc: list[str]) -> str:
+        q = self._vector(doc)
+        if not q:
+            return "none"
+        best = max(
+            range(len(self.vectors)), key=lambda i: sum(x * self.vectors[i].get(w, 0.0) for w, x in q.items())
+        )
+        return self.labels[best]
+
+
+def main() -> None:
+    bench = _corpus()
+    names = [n for n in bench.SETS if n != "held_out"]
+    sets = {n: (bench.load(bench.SETS[n][0]), bench.load(bench.SETS[n][1])) for n in names}
+    spent = [n for n in names if n not in ("train", "dev")]
+    out: dict[str, Any] = {"models": ["nb", "knn"], "left_out": spent}
+    pooled: Counter[str] = Counter()
+    for left in spent:
+        lines = [line for n in names if n != left for line in sets[n][0] + sets[n][1]]
+        docs, labels = [tokens(line.text) for line in lines], [line.status for line in lines]
+        models = {"nb": NaiveBayes(docs, labels), "knn": NearestLine(docs, labels)}
+        errors, benign = sets[left]
+        row: dict[str, Any] = {"n": len(errors), "benign_n": len(benign)}
+        for key, model in models.items():
+            right = sum(model.predict(tokens(line.text)) == line.status for line in errors)
+            fired = sum(model.predict(tokens(line.text)) != "none" for line in benign)
+            row[f"{key}_status_acc"] = round(right / len(errors), 4)
+            row[f"{key}_benign_fired"] = fired
+            pooled[f"{key}_right"] += right
+            pooled[f"{key}_fired"] += fired
+        pooled["n"] += len(errors)
+        pooled["benign_n"] += len(benign)
+        out[left] = row
+    for key in ("nb", "knn"):
+        out[f"{key}_status_acc"] = round(pooled[f"{key}_right"] / pooled["n"], 4)
+        out[f"{key}_benign_fired"] = pooled[f"{key}_fired"]
+    out["n"], out["benign_n"] = pooled["n"], pooled["benign_n"]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

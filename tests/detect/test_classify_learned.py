@@ -1,0 +1,93 @@
+"""scripts/bench/classify_learned.py: the learned baselines, and that the blind set is never read."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench() -> ModuleType:
+    path = REPO / "scripts" / "bench" / "classify_learned.py"
+    spec = importlib.util.spec_from_file_location("bench_classify_learned", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+BENCH = _bench()
+
+
+@dataclass(frozen=True)
+class _Line:
+    text: str
+    status: str
+
+
+def test_tokens_drop_long_numbers_and_pair_words() -> None:
+    assert BENCH.tokens("NCCL error 12345 at rank 7") == [
+        "nccl",
+        "error",
+        "at",
+        "rank",
+        "7",
+        "nccl error",
+        "error at",
+        "at rank",
+        "rank 7",
+    ]
+
+
+def test_models_give_a_seen_line_its_label() -> None:
+    lines = [
+        ("CUDA error: an illegal memory access was encountered", "illegal_memory_access"),
+        ("NCCL watchdog timeout after 600000 milliseconds", "nccl_timeout"),
+        ("iteration 10 lm loss 7.1", "none"),
+    ]
+    docs = [BENCH.tokens(text) for text, _ in lines]
+    labels = [label for _, label in lines]
+    for model in (BENCH.NaiveBayes(docs, labels), BENCH.NearestLine(docs, labels)):
+        assert [model.predict(d) for d in docs] == labels
+    assert BENCH.NearestLine(docs, labels).predict(BENCH.tokens("zzz qqq")) == "none"  # no known token
+
+
+def test_leaves_each_spent_set_out_and_never_reads_the_blind_set(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = {
+        "train-e": [_Line("CUDA error: illegal memory access", "illegal_memory_access")],
+        "train-b": [_Line("iteration 1 loss 2.0", "none")],
+        "dev-e": [_Line("watchdog caught collective operation timeout", "nccl_timeout")],
+        "dev-b": [_Line("iteration 2 loss 1.9", "none")],
+        "s1-e": [_Line("illegal memory access was encountered", "illegal_memory_access")],
+        "s1-b": [_Line("iteration 3 loss 1.8", "none")],
+    }
+
+    def load(name: str) -> list[_Line]:
+        assert not name.startswith("blind"), "the blind set was read"
+        return data[name]
+
+    fake = SimpleNamespace(
+        SETS={
+            "train": ("train-e", "train-b"),
+            "dev": ("dev-e", "dev-b"),
+            "s1": ("s1-e", "s1-b"),
+            "held_out": ("blind-e", "blind-b"),
+        },
+        load=load,
+    )
+    monkeypatch.setattr(BENCH, "_corpus", lambda: fake)
+    BENCH.main()
+    out = json.loads(capsys.readouterr().out)
+    assert out["left_out"] == ["s1"]
+    assert out["s1"]["n"] == 1 and out["s1"]["benign_n"] == 1
+    assert out["knn_status_acc"] == 1.0 and out["knn_benign_fired"] == 0
