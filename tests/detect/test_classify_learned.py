@@ -86,8 +86,39 @@ def test_leaves_each_spent_set_out_and_never_reads_the_blind_set(
         load=load,
     )
     monkeypatch.setattr(BENCH, "_corpus", lambda: fake)
-    BENCH.main()
+    BENCH.main([])
     out = json.loads(capsys.readouterr().out)
     assert out["left_out"] == ["s1"]
     assert out["s1"]["n"] == 1 and out["s1"]["benign_n"] == 1
     assert out["knn_status_acc"] == 1.0 and out["knn_benign_fired"] == 0
+
+
+def test_the_fallback_names_only_lines_no_rule_matched() -> None:
+    @dataclass(frozen=True)
+    class _Result:
+        rule: str
+        status: SimpleNamespace
+
+    class _Rules:  # one rule: lines with "CUDA" are cuda_error
+        def classify_line(self, text: str) -> _Result:
+            hit = "CUDA" in text
+            return _Result("cuda" if hit else "", SimpleNamespace(value="cuda_error" if hit else "none"))
+
+    data = {
+        "t-e": [_Line("watchdog caught collective operation timeout", "nccl_timeout")],
+        "t-b": [_Line("iteration 1 loss 2.0", "none")],
+        "h-e": [
+            _Line("CUDA failure here", "cuda_error"),  # the rule's
+            _Line("the watchdog caught a collective operation timeout", "nccl_timeout"),  # the fallback's
+            _Line("zzz qqq", "link_flapping"),  # nothing known: missed
+        ],
+        "h-b": [_Line("iteration 9 loss 1.0", "none"), _Line("collective operation timeout warning", "none")],
+    }
+    fake = SimpleNamespace(
+        SETS={"t": ("t-e", "t-b"), "held_out": ("h-e", "h-b")}, load=data.__getitem__, load_classifier=_Rules
+    )
+    out = BENCH.fallback(fake, ["t"], 0.3)
+    assert out["fallback_rules_status_acc"] == round(1 / 3, 4)
+    assert out["fallback_status_acc"] == round(2 / 3, 4)
+    assert (out["fallback_named_right"], out["fallback_named_wrong"]) == (1, 0)
+    assert out["fallback_benign_fired"] == 1  # the benign look-alike: what the fallback costs
