@@ -492,7 +492,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|Uncorr\w*\.?\s+ECC\b\D*[1-9]"
         r"|^\s+Uncorrectable Error\s+: [1-9]\d*\s*$"
         # CUDA's code 214 (CUDA_ERROR_ECC_UNCORRECTABLE) as a runtime prints the failed call
-        r"|\bcu[A-Z]\w* returned error 214\b|\bCUDA error \(214\)|\bCUDA error code \(214\)",
+        r"|\bcu[A-Z]\w* returned error 214\b|\bCUDA error \(214\)|\bCUDA error code \(214\)"
+        r"|\bCheck failed: \w+ == (?:cuda|hip)Success \(214 vs\. 0\)",
         "ignore_case": True,
         "doc": "an uncorrectable GPU memory error, or a row remap or page retirement it caused",
     },
@@ -686,12 +687,14 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"\b(?:nouveau|amdgpu)(?:\b|_job_timedout\]).*(?:\bmmu (?:page )?fault\b|"
         r"\bchannel \d+ killed\b|\b[Rr]ing [\w.]+ (?:timeout|test failed|reset failed)\b|\bGPU reset begin\b"
         r"|\bGPU HANG\b"
-        r"|\bMES(?:\(\d+\))? failed to respond to msg=|\bsuspend of IP block <\w+> failed"
+        r"|\bMES(?:\(\d+\))? failed to respon(?:d to|se) msg=|\bsuspend of IP block <\w+> failed"
         r"|\bFatal error during GPU init\b|\bamdgpu_discovery_init failed\b"
         r"|: probe (?:of \S+|with driver amdgpu) failed with error -\d+"
         r"|\b(?:MES|cp) might be in (?:an? )?unrecoverable state\b"
         r"|\[Hardware [Ee]rror\]:? Accelerator Check Architecture)"
-        r"|^HW Exception by GPU node-\d+ .*reason ?:\s*GPU Hang",  # ROCm's runtime
+        r"|^HW Exception by GPU node-\d+ .*reason ?:\s*GPU Hang"  # ROCm's runtime
+        # (FreeBSD's drm-kmod, or amdgpu built into the kernel: no 'amdgpu' on the line)
+        r"|\bmes_v\d+_\d+_\w+\](?:\s+\*ERROR\*)?\s+MES failed to respon(?:d to|se) msg=",
         # amdgpu's soft recovery of a ring timeout worked, or its reset did: the GPU runs on
         "unless": r"\bbut soft recovered\b|\breset succeeded\b",
         "doc": "a compute GPU's kernel driver other than NVIDIA's (nouveau, amdgpu) reporting an MMU "
@@ -732,13 +735,16 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "status": "illegal_memory_access",
         "pattern": r"illegal memory access|CUDA_ERROR_ILLEGAL_ADDRESS|cudaErrorIllegalAddress|"
         r"misaligned address"
-        r"|Warp (?:Illegal|Out-of-range|Misaligned) Address"
+        r"|Warp (?:Illegal|Out-of-range|Misaligned) Address|Warp Misaligned Register"
         r"|\bIllegal address in (?:cu[A-Z]\w*|CUDA)\b"
         r"|\bCuError\(code=700\b"  # CUDA.jl's error object: 700 is CUDA_ERROR_ILLEGAL_ADDRESS
         # the same code as other programs print it
         r"|\breturned error 700\b|\bCUDA error \(700\)|\berror code \(700\)"
+        r"|\bCheck failed: \w+ == (?:cuda|hip)Success \(700 vs\. 0\)"
         # cuda-memcheck's and compute-sanitizer's report of a bad access ('Address 0x10a8 is misaligned')
-        r"|^=+\s+Address 0x[0-9a-f]+ is (?:misaligned|out of bounds)",
+        r"|^=+\s+Address 0x[0-9a-f]+ is (?:misaligned|out of bounds)"
+        r"|^=+\s+Misaligned shared or local address"
+        r"|^=+\s+Invalid __(?:global|shared|local)__ (?:read|write|atomic)",
         "ignore_case": True,
     },
     {
@@ -748,7 +754,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"CUBLAS_STATUS_ALLOC_FAILED|CUDA(?:RT)? error: out of memory|Cuda failure '?out of memory|"
         r"Failed to CUDA calloc|^GPUassert: out of memory\b"
         r"|\bFailed during cuda\w+: out of memory\b|\bHSA_STATUS_ERROR_OUT_OF_RESOURCES\b"
-        r"|\bHIP error: out of memory\b|\bhipErrorOutOfMemory\b",
+        r"|\bHIP error: out of memory\b|\bhipErrorOutOfMemory\b"
+        r"|\bCheck failed: \w+ == (?:cuda|hip)Success \(2 vs\. 0\)",
         # Ray's memory monitor: host memory, a process it killed (host_oom_kill)
         "unless": r"\bray\.exceptions\.OutOfMemoryError\b",
         "doc": "the job asked for more GPU memory than exists: a configuration problem, the node is fine",
@@ -784,6 +791,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         # text or a status echo
         r"|(?:^\s*|\b\w*(?:Error|Exception): |what\(\):\s+)HIP error: "
         r"(?!hipSuccess\b|no error\b|hipErrorNotReady\b)"
+        # (2, 214 and 700: out of memory, an uncorrectable ECC error, an illegal address, read by those rules)
+        r"|\bCheck failed: \w+ == (?:hip|cuda)Success\b(?! \((?:2|214|700) vs\. 0\))"
         r"|\bFailed to get convolution algorithm\. This is probably because cuDNN failed to initialize\b",
     },
     {
@@ -923,6 +932,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bA worker process managed by the executor was unexpectedly terminated\b"  # joblib/loky
         r"|\bCrashLoopBackOff\b"  # Kubernetes: the container keeps dying
         r"|\bjob exceeded wallclock limit\b"  # Moab/Torque killed the job at its time limit
+        # LSF's time-limit kill, and the subject of its job report
+        r"|\bTERM_RUNLIMIT: job killed\b|^Subject: Job \d+(?:\[\d+\])?: <[^>]*> in cluster <[^>]*> Exited\s*$"
+        r"|\bThe exit codes of the workers are \{[^}]*\bSIG(?:KILL|SEGV|ABRT|BUS|ILL|FPE)\b"  # joblib/loky
         r"|\bterminated with signal (?:4|6|7|8|11)\b"
         r"|^\[\d+\]\s+\d+ killed|^\[\d+\]\s+\d+ abort"
         r"|^\s*Aborted\s*$"
@@ -1227,7 +1239,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"Link ACTIVE\b|link status definitely (?:down|up)|link status up again|NIC Link is (?:Down|Up)|"
         r"[Ll]ost carrier|carrier (?:lost|off)\b|\blink is (?:down|up)\b|link state changed to (?:UP|DOWN)\b|"
         r"port \d+ state changed to (?:UP|DOWN|ACTIVE)\b|\bstate DOWN physical_state (?!DISABLED)|"
-        r"link status down for interface|check_hw_ib:\s+No IB port \S+ is ACTIVE"
+        r"link status down for interface|check_hw_ib:\s+No IB port (?:\S+ )?is ACTIVE"
         r"|\b[Pp]ort \S+ changed state to (?:down|up)\b"
         # a NIC driver's own ('r8169 ... eth1: Link is Down', 'r8168: eth0: link down'), netifd's loss
         r"|: Link is Down\b|: link down\b|\bhas link connectivity loss\b"
@@ -1244,6 +1256,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bsocketStartConnect: Connect to \S+ failed : "
         r"|\bCoordination service agent in error status\b"
         r"|\bucp_\w+\(.*\) failed: (?:Destination is unreachable|Connection reset|Endpoint timeout)"
+        r"|\bucp_ep_create\(.*\) failed: "
+        r"|\bFatal: (?:transport error: Endpoint timeout|UD endpoint \S+(?: to .*)?: unhandled timeout error)"
         r"|\bheartbeat timeout\. This indicates that the remote task has failed\b"
         r"|\bDEADLINE_EXCEEDED: Barrier timed out\b"  # JAX/XLA's coordination service
         r"|\bError encountered progressing operation=Connect\b",
