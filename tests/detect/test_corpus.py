@@ -25,15 +25,15 @@ from detect.classify import Classifier, load_classifier
 
 REPO = Path(__file__).resolve().parents[2]
 
-HELD_OUT_STATUS_FLOOR = 0.76
-"""The blind set's status accuracy (``corpus/blind9/*-errors``) measured when the rules were
-last changed (0.783 on 120 lines, session 32, with the rules written from blind8's misses;
-blind8 was 0.689 blind), less a small margin: a regression fails."""
+HELD_OUT_STATUS_FLOOR = 0.77
+"""The blind set's status accuracy (``corpus/blind10/*-errors``) measured when the rules were
+last changed (0.796 on 93 lines, session 32, with the rules written from blind9's misses;
+blind9 was 0.783 blind), less a small margin: a regression fails."""
 HELD_OUT_BENIGN_FIRES_CEILING = 0
-"""Blind benign lines classified SEV1/SEV2 when the rules were last changed (0 of 146,
-session 32; blind8 had 1 of 181 blind). More fails."""
+"""Blind benign lines classified SEV1/SEV2 when the rules were last changed (0 of 110,
+session 32; blind9 had 0 of 146 blind). More fails."""
 HELD_OUT_AGENT_FIRES_CEILING = 0
-"""Blind benign lines a real agent sends at SEV1/SEV2 (0 of 146, session 32). More fails."""
+"""Blind benign lines a real agent sends at SEV1/SEV2 (0 of 110, session 32). More fails."""
 DEV_STATUS_FLOOR = 0.91
 """The dev set's status accuracy (the first held-out half and the second batch's hash half,
 both read to write rules on 2026-11-25: 0.922 on 205 lines), less a small margin."""
