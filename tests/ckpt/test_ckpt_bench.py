@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _bench() -> ModuleType:
-    path = REPO / "scripts" / "bench" / "ckpt.py"
-    spec = importlib.util.spec_from_file_location("bench_ckpt", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.bench_script import load_bench
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_bench_reports_every_ratio_and_leaves_nothing(shm_root: Path, tmp_path: Path) -> None:
-    bench = _bench()
+    bench = load_bench("ckpt")
     result = bench.bench_size(16, shm_root, tmp_path, 2, "fadvise")
     for key in (
         "restore_over_memcpy",

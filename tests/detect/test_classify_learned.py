@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.bench_script import load_bench
 
-
-def _bench() -> ModuleType:
-    path = REPO / "scripts" / "bench" / "classify_learned.py"
-    spec = importlib.util.spec_from_file_location("bench_classify_learned", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _bench()
+BENCH = load_bench("classify_learned")
 
 
 @dataclass(frozen=True)

@@ -11,17 +11,16 @@ failure never prints a blind line.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from detect.classify import Classifier, load_classifier
+from tests.bench_script import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -143,17 +142,7 @@ KNOWN_DEV_BENIGN_FIRES: dict[str, str] = {
 }
 
 
-def _bench() -> ModuleType:
-    path = REPO / "scripts" / "bench" / "classify.py"
-    spec = importlib.util.spec_from_file_location("bench_classify", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _bench()
+BENCH = load_bench("classify")
 
 
 @pytest.fixture(scope="module")

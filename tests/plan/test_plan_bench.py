@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import numpy as np
 import pytest
 
 from plan.solver import brute_force
+from tests.bench_script import load_bench
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _bench() -> ModuleType:
-    path = REPO / "scripts" / "bench" / "planner.py"
-    spec = importlib.util.spec_from_file_location("bench_planner", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-BENCH = _bench()
+BENCH = load_bench("planner")
 
 
 def test_exhaustive_search_tries_every_allocation_and_finds_the_best() -> None:
