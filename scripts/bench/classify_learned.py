@@ -132,19 +132,19 @@ def fallback(bench: ModuleType, names: list[str], threshold: float) -> dict[str,
     classifier = bench.load_classifier()
     errors, benign = bench.load(bench.SETS["held_out"][0]), bench.load(bench.SETS["held_out"][1])
 
-    def fallback_status(text: str) -> str | None:
-        """The rules' status when a rule matches, else the nearest line's above the threshold."""
+    def named(text: str) -> tuple[str, str | None]:
+        """The rules' status, and the fallback's (None: a rule matched, or no line is near enough)."""
         result = classifier.classify_line(text)
         if result.rule:
-            return None
+            return result.status.value, None
         status, similarity = model.nearest(tokens(text))
-        return status if similarity >= threshold and status != "none" else "none"
+        return result.status.value, status if similarity >= threshold and status != "none" else None
 
-    rules_right = sum(classifier.classify_line(line.text).status.value == line.status for line in errors)
-    named = [(fallback_status(line.text), line.status) for line in errors]
-    right = sum(1 for got, want in named if got is not None and got != "none" and got == want)
-    wrong = sum(1 for got, want in named if got is not None and got not in ("none", want))
-    fired = sum(fallback_status(line.text) not in (None, "none") for line in benign)
+    results = [(named(line.text), line.status) for line in errors]
+    rules_right = sum(rules == want for (rules, _), want in results)
+    right = sum(got == want for (_, got), want in results if got is not None)
+    wrong = sum(got != want for (_, got), want in results if got is not None)
+    fired = sum(named(line.text)[1] is not None for line in benign)
     return {
         "fallback_threshold": threshold,
         "fallback_rules_status_acc": round(rules_right / len(errors), 4),
