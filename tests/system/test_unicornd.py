@@ -301,8 +301,16 @@ def test_prometheus_and_the_report_show_the_goodput_of_a_node_kill(
         assert len(total) == 1 and len(productive) == 1 and 0 < productive[0].value < total[0].value
         achieved = prom.query('unicorn_goodput_task_achieved_waf_tflops{task="p"}')
         assert len(achieved) == 1 and achieved[0].value > 0, achieved
+        # W* now is the calibrated ideal. It is not an upper bound on the latest stretch's rate: the
+        # calibration lags a faster stretch (CALIBRATE_UP), most after the shrink's new layout, and the
+        # ledger books the difference as negative sub_healthy (CI once scraped 2134 vs 2262). Over
+        # the run the ideal's work exceeds the achieved by the kill's losses: one expression, so
+        # both sides come from one scrape.
         ideal = prom.query("unicorn_goodput_ideal_waf_tflops")
-        assert len(ideal) == 1 and ideal[0].value >= achieved[0].value, (ideal, achieved)
+        assert len(ideal) == 1 and ideal[0].value > 0, ideal
+        gap = prom.query("unicorn_goodput_ideal_wtflop - unicorn_goodput_achieved_wtflop")
+        lost = prom.query("unicorn_goodput_lost_wtflop")
+        assert len(gap) == 1 and gap[0].value > 0, (gap, lost)
 
         # The same run as the operator's page, rendered by a real browser.
         page = tmp_path / "report.html"
