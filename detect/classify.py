@@ -18,10 +18,13 @@ from pathlib import Path
 from typing import Final
 
 from detect.builtin_rules import BUILTIN_RULES
+from detect.isolation import Isolation, isolation_of
 from detect.literals import Gate, NeedleSet, gates, lowered
+from detect.nearest import TAIL_LINES, Nearest, NearestLines
+from detect.nearest import builtin as builtin_nearest
 from detect.origin import LAUNCHER_PREFIX, node_report
 from detect.rules import Rule, RuleKind, load_rules_file, merge_rules, parse_rules
-from detect.statuses import ErrorStatus, Severity, worst
+from detect.statuses import SECONDARY_BY_DEFAULT, ErrorStatus, Severity, worst
 from detect.unraisable import IgnoredBlocks
 from unicorn_core.errors import InvalidArgument
 from unicorn_core.protocol import GpuFaultKind
@@ -35,6 +38,8 @@ EVIDENCE_CHARS: Final = 1000
 _XID = re.compile(r"\bXID\b\s*(?:\([^)]*\))?\s*[:=]?\s*(\d{1,5})\b(?!, IRQ\b)", re.IGNORECASE)
 """The Xid code of a line: ``NVRM: Xid (PCI:0000:0a:00): 79, ...``, ``XID 48 ...``, ``Xid=79``; not a
 Realtek NIC's chip revision at boot (``r8169 ... RTL8125B, <mac>, XID 641, IRQ 51``)."""
+NEAREST_RULE: Final = "nearest_line"
+"""The ``rule`` of a bare non-zero exit named by :mod:`detect.nearest`."""
 _MAX_SIGNAL: Final = 64
 _SIGNAL_EXIT_BASE: Final = 128
 
@@ -127,9 +132,14 @@ which one must be present (None: always try), the rule), or an Xid block."""
 class Classifier:
     """Applies an ordered rule list; for each piece of evidence the first matching rule wins."""
 
-    def __init__(self, rules: Sequence[Rule], *, prefilter: bool = True) -> None:
-        """``prefilter=False`` runs every line rule's regex on every line (for measurements)."""
+    def __init__(
+        self, rules: Sequence[Rule], *, prefilter: bool = True, nearest: NearestLines | bool = False
+    ) -> None:
+        """``prefilter=False`` runs every line rule's regex on every line (for measurements).
+        ``nearest``: labelled lines to name the cause of a bare non-zero exit
+        (:mod:`detect.nearest`; True: the packaged ones, read at the first such exit)."""
         self.rules: tuple[Rule, ...] = tuple(rules)
+        self._nearest = nearest
         self._xid_rules = tuple(r for r in self.rules if r.kind is RuleKind.XID)
         self._exit_rules = tuple(r for r in self.rules if r.kind is RuleKind.EXIT)
         self._exception_rules = tuple(r for r in self.rules if r.kind is RuleKind.EXCEPTION)
@@ -218,7 +228,13 @@ class Classifier:
         cause when it can; an exit rule (e.g. SIGKILL) competes with it (non-secondary
         first, then more severe, ties to the text), and a bare non-zero exit is only the
         fallback. A process that is gone needs at least a restart, so the severity is at
-        least ``SEV2`` even when the cause alone would be ``SEV3``.
+        least ``SEV2`` even when the cause alone would be ``SEV3``. A bare exit whose output
+        no rule matched may be named by the nearest labelled line (rule :data:`NEAREST_RULE`,
+        always ``SEV2``: it names the cause, never escalates; see :mod:`detect.nearest`) when
+        that status is one a node can cause (still isolated only on out-of-band
+        confirmation, :mod:`detect.isolation`); a status that never isolates (the task's
+        own code) is only a hint in the evidence of the bare exit: a guess never skips the
+        node check that would find a bad node, nor ends a task.
         """
         _check_exit(exit_code, signal)
         if exit_code == 0:
@@ -258,10 +274,40 @@ class Classifier:
                 exit_rule.secondary,
             )
         if number is not None:
-            fallback = "killed_by_signal"
-        else:
-            fallback = "exit_nonzero" if exit_code else "exit_status_unknown"
-        return Classification(ErrorStatus.EXITED_ABNORMALLY, Severity.SEV2, fallback, ended)
+            return Classification(ErrorStatus.EXITED_ABNORMALLY, Severity.SEV2, "killed_by_signal", ended)
+        return self._bare_exit(ended, "exit_nonzero" if exit_code else "exit_status_unknown", texts)
+
+    def _bare_exit(self, ended: str, rule: str, texts: Sequence[str]) -> Classification:
+        """An exit nothing explains: ``exited_abnormally``, unless the nearest labelled line
+        names a status a node can cause (see :meth:`classify_exit`)."""
+        named = self._nearest_cause(texts)
+        if named is None:
+            return Classification(ErrorStatus.EXITED_ABNORMALLY, Severity.SEV2, rule, ended)
+        hint = _cut(
+            f"{ended}: {named.line.strip()} (no rule; nearest labelled line:"
+            f" {named.status.value}, similarity {named.similarity:.2f})"
+        )
+        if isolation_of(named.status) is Isolation.NEVER:
+            # A guess never ends a task as its own fault: the bare exit keeps its path (a
+            # node check before anything isolates or stops the task), with the hint.
+            return Classification(ErrorStatus.EXITED_ABNORMALLY, Severity.SEV2, rule, hint)
+        secondary = named.status in SECONDARY_BY_DEFAULT
+        return Classification(named.status, Severity.SEV2, NEAREST_RULE, hint, secondary)
+
+    def _nearest_cause(self, texts: Sequence[str]) -> Nearest | None:
+        """The status :mod:`detect.nearest` names from the last :data:`TAIL_LINES` lines of
+        an exit's output that no rule matched (not even a benign one), outside Python's
+        reports of ignored exceptions and not copies of a node's report; None without
+        labelled lines or when none is near enough."""
+        if self._nearest is False:
+            return None
+        index = builtin_nearest() if self._nearest is True else self._nearest
+        ignored = IgnoredBlocks()
+        kept = [line for t in texts for line in t.splitlines() if not ignored.inside(line) and line.strip()]
+        tail = [
+            line for line in kept[-TAIL_LINES:] if self._line_rule(line) is None and node_report(line) is None
+        ]
+        return index.name("\n".join(tail)) if tail else None
 
     # --- exceptions -------------------------------------------------------------------
 
@@ -383,9 +429,10 @@ def load_classifier(rules_file: str | Path | None = None) -> Classifier:
     """A classifier over the built-in rules, preceded by those of ``rules_file`` if given.
 
     A rule in the file with a built-in's name replaces it. A bad file raises
-    ``ConfigError`` (naming the file, the rule and the reason) and nothing is built.
+    ``ConfigError`` (naming the file, the rule and the reason) and nothing is built. A bare
+    non-zero exit is named from the packaged labelled lines (:mod:`detect.nearest`).
     """
     rules = builtin_rules()
     if rules_file:
         rules = merge_rules(load_rules_file(rules_file), rules)
-    return Classifier(rules)
+    return Classifier(rules, nearest=True)

@@ -40,6 +40,7 @@ from detect import (
     Severity,
     worst,
 )
+from detect.classify import NEAREST_RULE
 from detect.losshealth import LossHealth, LossHealthConfig, LossSample, named_iteration
 from detect.statuses import SECONDARY_BY_DEFAULT
 from detect.stragglers import Straggler, StragglerConfig, StragglerMonitor
@@ -60,14 +61,15 @@ from unicornd.actions import Decision, LaunchAgents, Requeue, SendCommand
 from unicornd.seed import expected_agents
 from unicornd.state import ENDED_STATES, LIVE_TASK_STATES, Snapshot, TaskRecord
 
-BARE_EXIT_RULES: Final = frozenset({"exit_nonzero", "exit_status_unknown"})
+BARE_EXIT_RULES: Final = frozenset({"exit_nonzero", "exit_status_unknown", NEAREST_RULE})
+"""The classifier's fallbacks for an exit whose own output no rule explains
+(:meth:`detect.Classifier.classify_exit`; the nearest labelled line's status is a guess, so
+the rank's own exception report still names the cause)."""
 EXIT_AFTER_EXCEPTION_S: Final = 30.0
 """An exit this long after the rank's exception (agents' wall clocks) can be the exception's:
 Python unwinds, runs atexit handlers and tears down process groups in seconds. An exception
 the rank survived (a thread's, reported by the hook's threading.excepthook) is seldom
 followed by a bare exit this soon."""
-"""The classifier's fallbacks for an exit whose own output names no cause
-(:meth:`detect.Classifier.classify_exit`)."""
 
 STOPPED: Final = "\x00stopped"
 """The launch id of an agent unicornd stopped on purpose (never a command's id)."""

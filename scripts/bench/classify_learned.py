@@ -40,10 +40,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import itertools
 import json
 import math
-import re
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -52,9 +50,9 @@ from types import ModuleType
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
 
-_TOKEN = re.compile(r"[a-z][a-z_]+|\d+")
-_MAX_DIGITS = 3
+from detect import nearest  # noqa: E402
 
 
 def _corpus() -> ModuleType:
@@ -68,9 +66,8 @@ def _corpus() -> ModuleType:
 
 
 def tokens(text: str) -> list[str]:
-    """Unigrams and bigrams of ``text`` (see the module doc)."""
-    words = [w for w in _TOKEN.findall(text.lower()) if not w.isdigit() or len(w) <= _MAX_DIGITS]
-    return words + [f"{a} {b}" for a, b in itertools.pairwise(words)]
+    """Unigrams and bigrams of ``text`` (see the module doc): :mod:`detect.nearest`'s."""
+    return nearest.tokens(nearest.words(text))
 
 
 class NaiveBayes:
@@ -97,31 +94,19 @@ class NaiveBayes:
 
 
 class NearestLine:
-    """The label of the training line with the highest tf-idf cosine similarity."""
+    """The label of the training line with the highest tf-idf cosine similarity: the
+    product's index (:class:`detect.nearest.NearestLines`), labels as strings."""
 
     def __init__(self, docs: Sequence[list[str]], labels: Sequence[str]) -> None:
-        df = Counter(w for d in docs for w in set(d))
-        self.idf = {w: math.log(len(docs) / n) + 1.0 for w, n in df.items()}
-        self.vectors = [self._vector(d) for d in docs]
-        self.labels = list(labels)
-
-    def _vector(self, doc: list[str]) -> dict[str, float]:
-        tf = Counter(w for w in doc if w in self.idf)
-        vec = {w: n * self.idf[w] for w, n in tf.items()}
-        norm = math.sqrt(sum(x * x for x in vec.values())) or 1.0
-        return {w: x / norm for w, x in vec.items()}
+        self.index = nearest.NearestLines(docs, labels)
 
     def predict(self, doc: list[str]) -> str:
         return self.nearest(doc)[0]
 
     def nearest(self, doc: list[str]) -> tuple[str, float]:
         """The nearest training line's label and its cosine similarity (``none``, 0: no known token)."""
-        q = self._vector(doc)
-        if not q:
-            return "none", 0.0
-        sims = [sum(x * v.get(w, 0.0) for w, x in q.items()) for v in self.vectors]
-        best = max(range(len(sims)), key=sims.__getitem__)
-        return self.labels[best], sims[best]
+        found = self.index.nearest(doc)
+        return found.status.value, found.similarity
 
 
 def fallback(bench: ModuleType, names: list[str], threshold: float) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from dataclasses import replace
 import msgspec
 import pytest
 
-from detect.classify import load_classifier
+from detect.classify import NEAREST_RULE, load_classifier
 from detect.statuses import ErrorStatus
 from tests.unicornd.coord_world import apply, of_kind, task, world
 from unicorn_core.config import AgentConfig, DetectConfig
@@ -690,6 +690,13 @@ def test_a_bare_exit_after_the_ranks_own_exception_takes_the_exceptions_status()
     d.on_message(raised(1, ""), 4.0)
     (unstamped,) = d.on_message(ended(1, ""), 4.1)
     assert unstamped.classification.status is ErrorStatus.EXITED_ABNORMALLY
+    # The nearest labelled line's status for an exit no rule explains is a guess: the rank's
+    # own exception still names the cause.
+    tail = "gdrdrv:nvidia_p2p_get_pages(va=704fe0000 len=327680 p2p_token=0 va_space=0) failed [ret = -22]"
+    assert load_classifier(None).classify_exit(1, None, tail).rule == NEAREST_RULE
+    d.on_message(raised(1, first.action_id), 4.5)
+    (guessed,) = d.on_message(msgspec.structs.replace(ended(1, first.action_id), stderr_tail=tail), 4.6)
+    assert guessed.classification.status is ErrorStatus.OTHER_SOFTWARE_ERROR
     # Forgetting the job forgets its exceptions.
     d.on_message(raised(1, first.action_id), 5.0)
     d.forget_job(4)
