@@ -512,9 +512,19 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"EDAC \w+: \d+ UE\b|\[Hardware Error\]|Machine check events logged|"
         r"\bmce: .*(?:uncorrected|fatal)|Uncorrected hardware memory error|Memory failure: 0x[0-9a-f]+"
         r"|HANDLING MCE MEMORY ERROR",
-        "unless": r"\bamdgpu\b",  # the GPU driver's RAS report: drm_gpu_fault
+        # the GPU driver's RAS report (drm_gpu_fault); APEI/GHES's words for an error the hardware
+        # corrected (the same '[Hardware Error]' prefix)
+        "unless": r"\bamdgpu\b|\bcorrected by h/w\b|\bevent severity: (?:corrected|info)\b",
         "ignore_case": True,
-        "doc": "the host's memory or CPU reported a hardware error (EDAC uncorrectable, machine check)",
+        "doc": "the host's memory or CPU reported a hardware error (EDAC uncorrectable, machine check), "
+        "not one it corrected",
+    },
+    {
+        "name": "nvidia_kernel_oops",
+        "status": "gpu_driver_error",
+        "pattern": r"\bRIP: [0-9a-f]{4}:\w+\+0x[0-9a-f]+/0x[0-9a-f]+ \[nvidia(?:[-_]\w+)?\]",
+        "doc": "the kernel oopsed inside the NVIDIA driver (its RIP line names the module): the driver "
+        "is in an undefined state until the node reboots",
     },
     {
         "name": "gpu_fallen_off_bus",
@@ -755,6 +765,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"Failed to CUDA calloc|^GPUassert: out of memory\b"
         r"|\bFailed during cuda\w+: out of memory\b|\bHSA_STATUS_ERROR_OUT_OF_RESOURCES\b"
         r"|\bHIP error: out of memory\b|\bhipErrorOutOfMemory\b"
+        r"|\bResource exhausted: (?:Failed to allocate request for|Out of memory while trying to allocate)\b"
         r"|\bCheck failed: \w+ == (?:cuda|hip)Success \(2 vs\. 0\)",
         # Ray's memory monitor: host memory, a process it killed (host_oom_kill)
         "unless": r"\bray\.exceptions\.OutOfMemoryError\b",
@@ -875,6 +886,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         # glog's and folly's fatal-signal handlers
         r"|^\*\*\* Aborted at \d+ \(unix time\)|\bSIG(?:ABRT|SEGV|BUS|ILL|FPE)\(\d+\), PID: \d+"
         r"|(?:^|\] )\*\*\* SIG(?:ABRT|SEGV|BUS|ILL|FPE) \(@0x[0-9a-f]+\) received by PID \d+"
+        # absl's FailureSignalHandler; the coredump hook a fatal signal runs
+        r"|^\*\*\* SIG(?:ABRT|SEGV|BUS|ILL|FPE) received by PID \d+ \(TID \d+\)"
+        r"|\bcoredump_hook\.cc:\d+\] RAW: Skipping coredump\b"
         # glibc before 2.26 named the program: "*** Error in `python': double free or corruption"
         r"|^\*\*\* Error in `[^`']*': "
         r"(?:double free|free\(\)|malloc\(\)|realloc\(\)|munmap_chunk\(\)|corrupted)"
@@ -887,7 +901,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bYOUR APPLICATION TERMINATED WITH THE EXIT STRING: (?!Terminated\b|Hangup\b|Interrupt\b)\w"
         r"|^=+\s+KILLED BY SIGNAL: (?!(?:1|2|15)\b)\d+",
         "doc": "a process aborted by the C library (heap corruption) or a fatal signal as glog, folly, "
-        "GNU time, systemd or MPICH report it",
+        "absl, GNU time, systemd or MPICH report it",
     },
     {
         "name": "launcher_process_exit",
@@ -995,7 +1009,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "launcher_ssh_unreachable",
         "status": "other_network_error",
         "pattern": r"\bwas not reachable via ssh\b"
-        r"|Command '\[?'ssh [^']*'\]?' returned non-zero exit status 255\b",
+        r"|Command '\[?'ssh [^']*'\]?' returned non-zero exit status 255\b"
+        r"|Command 'ssh [^']*' returned non-zero exit status 255\b",
         "doc": "a launcher (DeepSpeed's runner, a hostfile check) could not reach a host over ssh "
         "(ssh exits 255 for its own failures): a network or configuration error before training",
     },
@@ -1003,9 +1018,11 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "launcher_child_failed",
         "status": "exited_abnormally",
         "pattern": r"exits with return code = -?\d+|returned non-zero exit status -?\d+|"
-        r"died with <Signals\.SIG\w+|exited with (?:exit )?code [1-9]\d*|ssh exited with exit code"
+        r"died with <Signals\.SIG\w+|exited with (?:exit )?code (?:[1-9]\d*|-(?:4|6|7|8|9|11)\b)"
+        r"|ssh exited with exit code"
         r"|Received \S+ death signal"
         r"|\bexit (?:code|status)\s*[:=]?\s*(?:[1-9]\d*|-\d+|0x0*[1-9a-f][0-9a-f]*)\b"
+        r"|\b(?:Exit code|learner_exit_code): [1-9]\d*\b"  # FfDL's learner
         r"|\berror code -(?:4|6|7|8|9|11)\b",
         "secondary": True,
         "doc": "a launcher reporting that a worker exited with an error (DeepSpeed 'exits with return code "
@@ -1086,7 +1103,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "slurm_error",
         "status": "exited_abnormally",
-        "pattern": r"^\s*(?:srun|slurmstepd(?:-\S+)?|salloc|sbatch): error: ",
+        "pattern": r"^\s*(?:srun|slurmstepd(?:-\S+)?|salloc|sbatch): error: "
+        r"|\berror: spank: required plugin \S+: \w+\(\) failed\b",  # slurmstepd's own log
         # slurmstepd's chdir fallback (the step runs on), and proctrack's race with a process
         # that just ended (it reads /proc of each pid it tracks)
         "unless": r": going to \S+ instead\b|_is_a_lwp: open\(\) /proc/\d+/status failed"
@@ -1164,6 +1182,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|Received a (?:global )?dump signal"
         r"|flight recorder dump signal"
         r"|First PG on this rank to signal dumping"
+        r"|First PG on this rank that detected no heartbeat of its watchdog"
         r"|ran for \d+ milliseconds before timing out"
         r"|gloo/transport/\S+\] TIMEOUT\b"  # gloo's pair timing out on a peer
         r"|failure detected by watchdog at work sequence id",
@@ -1277,6 +1296,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|UCX\s+ERROR"
         r"|\bfi_\w+\b.*\bfailed"
         r"|Gloo connectFullMesh failed"
+        r"|\bUnable to write to EQ: .*\berr: "  # libfabric's EFA provider
         r"|Bootstrap : no socket interface found|\bWARN Socket creation failed|is neither AF_INET",
         "ignore_case": True,
     },
@@ -1366,10 +1386,11 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "arrow_exception",
         "status": "other_software_error",
         "pattern": r"\bArrow(?:Invalid|TypeError|NotImplementedError|IOError|KeyError|IndexError|MemoryError"
-        r"|CapacityError|SerializationError|Cancelled): ",
+        r"|CapacityError|SerializationError|Cancelled): "
+        r"|(?:^|\.)EnforceNotMet: ",  # PaddlePaddle's failed PADDLE_ENFORCE
         "generic": True,
         "doc": "pyarrow's exceptions (a dataset that does not parse: 'pyarrow.lib.ArrowInvalid: JSON parse "
-        "error'), whose names python_exception's pattern does not cover",
+        "error') and PaddlePaddle's EnforceNotMet, whose names python_exception's pattern does not cover",
     },
     {
         "name": "python_exception",
@@ -1403,6 +1424,13 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "generic": True,
         "doc": "an exception of the base class itself ('Exception: Current loss scale already at "
         "minimum'), which python_exception's named-class pattern does not cover",
+    },
+    {
+        "name": "python_script_missing",
+        "status": "other_software_error",
+        "pattern": r"\bpython[\d.]*: can't open file '[^']*': \[Errno 2\]",
+        "doc": "the interpreter cannot open the script it was given (a wrong path in the job's command): "
+        "the user's error, and the process exits 2",
     },
     {
         "name": "config_override_error",

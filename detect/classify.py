@@ -425,14 +425,15 @@ def builtin_rules() -> tuple[Rule, ...]:
     return parse_rules(BUILTIN_RULES, "built-in detect rules")
 
 
-def load_classifier(rules_file: str | Path | None = None) -> Classifier:
+def load_classifier(rules_file: str | Path | None = None, *, nearest: bool = False) -> Classifier:
     """A classifier over the built-in rules, preceded by those of ``rules_file`` if given.
 
     A rule in the file with a built-in's name replaces it. A bad file raises
-    ``ConfigError`` (naming the file, the rule and the reason) and nothing is built. A bare
-    non-zero exit is named from the packaged labelled lines (:mod:`detect.nearest`).
+    ``ConfigError`` (naming the file, the rule and the reason) and nothing is built.
+    ``nearest``: a bare non-zero exit is named from the packaged labelled lines
+    (:mod:`detect.nearest`; ``[detect] nearest_lines``).
     """
     rules = builtin_rules()
     if rules_file:
         rules = merge_rules(load_rules_file(rules_file), rules)
-    return Classifier(rules, nearest=True)
+    return Classifier(rules, nearest=nearest)

@@ -155,7 +155,9 @@ class Daemon:
         self.keys = RedisKeys(cfg.redis.key_prefix)
         self.store = Store(client, self.keys, policy or cfg.recovery, replication=cfg.redis)
         self.detector = Detector(
-            cfg.detect, cfg.agent, classifier or load_classifier(cfg.detect.rules_file or None)
+            cfg.detect,
+            cfg.agent,
+            classifier or load_classifier(cfg.detect.rules_file or None, nearest=cfg.detect.nearest_lines),
         )
         self.consumer = consumer
         self.alerts = AlertSink(cfg.alerts)

@@ -39,8 +39,11 @@ Accuracy. ``tests/detect/data/corpus/`` holds real lines with public sources:
 - ``blind9`` (``blind9/*-errors.toml``, ``blind9/*-benign.toml``): the blind set of
   session 32, measured blind once (BENCHMARKS.md); once a newer blind set existed (later in
   session 32) its misses were read to write rules, so it is reported as ``blind9_*``;
-- ``held_out`` (``blind10/*-errors.toml``, ``blind10/*-benign.toml``): the second blind set of
-  session 32, from sources in none of the sets above, collected by four collectors who
+- ``blind10`` (``blind10/*-errors.toml``, ``blind10/*-benign.toml``): the second blind set of
+  session 32, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
+  33) its misses were read to write rules, so it is reported as ``blind10_*``;
+- ``held_out`` (``blind11/*-errors.toml``, ``blind11/*-benign.toml``): the blind set of
+  session 33, from sources in none of the sets above, collected by four collectors who
   never saw the rules. Its lines are read here and nowhere else; only aggregate figures
   about them are printed.
 
@@ -64,7 +67,18 @@ Figures:
   traceback, at those severities. Its de-duplication of repeated reports is cleared before
   each line, so each line counts.
 
-``--show-misses train|dev|fresh|blind2|...|blind9`` also lists every line of that
+- ``held_out_exit_*``: each blind error line as the whole output of a rank that exited
+  with code 1 (:meth:`Classifier.classify_exit`: a rule's status, else the nearest labelled
+  line's, :mod:`detect.nearest` (``[detect] nearest_lines``, off by default), else
+  ``exited_abnormally``; so lines labelled
+  ``exited_abnormally`` are right without any rule): ``held_out_exit_status_acc_rules``
+  without the nearest lines, ``held_out_exit_status_acc`` with them (one run),
+  ``held_out_exit_named``/``_named_right``: exits they named (rightly); and
+  ``held_out_exit_benign_named``: blind benign lines they named a cause of such an exit
+  (a wrong cause when a rank's last line was benign). Only the blind set: every other set
+  is in the labelled lines, where each line is its own nearest.
+
+``--show-misses train|dev|fresh|blind2|...|blind10`` also lists every line of that
 set (errors and benign) classified other than labelled, on stderr; held-out misses are never
 shown. The agent's own log lines go to stderr (warnings only).
 
@@ -91,7 +105,7 @@ from typing import Final
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from detect.classify import Classification, Classifier, load_classifier  # noqa: E402
+from detect.classify import NEAREST_RULE, Classification, Classifier, load_classifier  # noqa: E402
 from detect.statuses import Severity  # noqa: E402
 from launcher.agent import Agent  # noqa: E402
 from unicorn_core.config import Config  # noqa: E402
@@ -150,7 +164,8 @@ SETS: Final = {
     "blind7": ("blind7/*-errors", "blind7/*-benign"),
     "blind8": ("blind8/*-errors", "blind8/*-benign"),
     "blind9": ("blind9/*-errors", "blind9/*-benign"),
-    "held_out": ("blind10/*-errors", "blind10/*-benign"),
+    "blind10": ("blind10/*-errors", "blind10/*-benign"),
+    "held_out": ("blind11/*-errors", "blind11/*-benign"),
 }
 """Set name -> (error lines, benign lines), see the module doc."""
 
@@ -219,6 +234,26 @@ def agent_fires(lines: list[Line]) -> int:
         return fired
 
 
+def exits(classifier: Classifier, errors: list[Line], benign: list[Line]) -> dict[str, object]:
+    """The blind set's lines each as the whole output of a rank that exited 1 (see the
+    module doc): status accuracy with the rules alone and with the nearest labelled lines,
+    the exits the nearest lines named (right), and benign lines they named a cause."""
+    alone, nearest = Classifier(classifier.rules), Classifier(classifier.rules, nearest=True)
+    got = [(nearest.classify_exit(1, None, line.text), line) for line in errors]
+    named = [(c, line) for c, line in got if c.rule == NEAREST_RULE]
+    return {
+        "held_out_exit_status_acc_rules": share(
+            sum(status_ok(alone.classify_exit(1, None, line.text), line) for line in errors), len(errors)
+        ),
+        "held_out_exit_status_acc": share(sum(status_ok(c, line) for c, line in got), len(errors)),
+        "held_out_exit_named": len(named),
+        "held_out_exit_named_right": sum(status_ok(c, line) for c, line in named),
+        "held_out_exit_benign_named": sum(
+            nearest.classify_exit(1, None, line.text).rule == NEAREST_RULE for line in benign
+        ),
+    }
+
+
 def misses(classifier: Classifier, lines: list[Line]) -> list[tuple[Line, Classification]]:
     """Lines whose status or severity differs from the label."""
     found = []
@@ -242,16 +277,20 @@ def measure(classifier: Classifier) -> dict[str, object]:
         result[f"{name}_benign_fires_agent"] = agent_fires(quiet)
         benign += quiet
     held_out = load(SETS["held_out"][0])
-    return result | {
-        "held_out_status_acc_by_status": by_status(classifier, held_out),
-        "held_out_vetoed": vetoed(classifier, held_out),
-        "benign_fires": fires(classifier, benign, serious),
-        "benign_fires_sev3": fires(classifier, benign, {Severity.SEV3}),
-        "benign_fires_agent": sum(
-            v for k, v in result.items() if k.endswith("_benign_fires_agent") and isinstance(v, int)
-        ),
-        "benign_n": len(benign),
-    }
+    return (
+        result
+        | exits(classifier, held_out, load(SETS["held_out"][1]))
+        | {
+            "held_out_status_acc_by_status": by_status(classifier, held_out),
+            "held_out_vetoed": vetoed(classifier, held_out),
+            "benign_fires": fires(classifier, benign, serious),
+            "benign_fires_sev3": fires(classifier, benign, {Severity.SEV3}),
+            "benign_fires_agent": sum(
+                v for k, v in result.items() if k.endswith("_benign_fires_agent") and isinstance(v, int)
+            ),
+            "benign_n": len(benign),
+        }
+    )
 
 
 def rate(classify: Callable[[str], object], lines: list[str], seconds: float) -> float:

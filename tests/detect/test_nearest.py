@@ -130,11 +130,12 @@ def test_python_s_ignored_exception_reports_are_not_candidates() -> None:
 
 
 def test_the_product_classifier_names_bare_exits_from_the_packaged_lines() -> None:
-    """load_classifier (what unicornd runs) reads the packaged lines: the exit of a rank whose
+    """load_classifier with ``nearest`` (unicornd's ``[detect] nearest_lines``) reads the packaged
+    lines: the exit of a rank whose
     last line is a labelled error line no rule matches gets that line's status (it is its own
     nearest line; a status that never isolates only as a hint), unless a line with the same
     words has another label; copies of a node's report in the output are never read."""
-    c = load_classifier(None)
+    c = load_classifier(None, nearest=True)
     bench = load_bench("classify")
     labels: dict[str, set[str]] = {}
     for _, ws in json.loads((REPO / "detect" / "nearest_lines.json").read_text(encoding="utf-8"))["lines"]:
@@ -161,3 +162,6 @@ def test_the_product_classifier_names_bare_exits_from_the_packaged_lines() -> No
         else:
             assert (got.rule, got.status.value) == (NEAREST_RULE, line.status), line.text
     assert c.classify_exit(3, None, "nothing here resembles anything qqq zzz").rule == "exit_nonzero"
+    # Off by default (config): the same exits stay bare.
+    off = load_classifier(None)
+    assert {off.classify_exit(1, None, line.text).rule for line in unmatched} <= {"exit_nonzero"}

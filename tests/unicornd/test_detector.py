@@ -647,7 +647,7 @@ def test_a_bare_exit_after_the_ranks_own_exception_takes_the_exceptions_status()
     exit that names no cause of its own, of a rank that raised in the same launch, ended
     because of that exception: it is the exception's finding, with the rank gone. An exit
     with its own cause (a signal), of another rank, or of another launch is its own."""
-    d = Detector(DetectConfig(), AgentConfig(), load_classifier(None))
+    d = Detector(DetectConfig(), AgentConfig(), load_classifier(None, nearest=True))
     empty = Snapshot(tasks={}, nodes={}, gpus_per_node=8)
     first = LaunchAgents("plan-1/launch/4", "a", 4, (NodeArgv("n1", ("train",)), NodeArgv("n2", ("train",))))
     d.follow(empty, empty, Decision(actions=(first,)), 1.0)
@@ -693,7 +693,7 @@ def test_a_bare_exit_after_the_ranks_own_exception_takes_the_exceptions_status()
     # The nearest labelled line's status for an exit no rule explains is a guess: the rank's
     # own exception still names the cause.
     tail = "gdrdrv:nvidia_p2p_get_pages(va=704fe0000 len=327680 p2p_token=0 va_space=0) failed [ret = -22]"
-    assert load_classifier(None).classify_exit(1, None, tail).rule == NEAREST_RULE
+    assert load_classifier(None, nearest=True).classify_exit(1, None, tail).rule == NEAREST_RULE
     d.on_message(raised(1, first.action_id), 4.5)
     (guessed,) = d.on_message(msgspec.structs.replace(ended(1, first.action_id), stderr_tail=tail), 4.6)
     assert guessed.classification.status is ErrorStatus.OTHER_SOFTWARE_ERROR

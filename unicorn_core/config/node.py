@@ -274,6 +274,15 @@ class DetectConfig(Section):
             "replaces it. Empty = built-in rules only. Default: empty."
         ),
     )
+    nearest_lines: bool = field(
+        default=False,
+        metadata=_meta(
+            "Name the cause of a non-zero exit no rule explains by the most similar labelled "
+            "corpus line (detect/nearest.py; always SEV2, a status that never isolates only as a "
+            "hint). Off by default: on the two blind sets it was measured on it changed no "
+            "exit's status for the better (BENCHMARKS.md). Default false."
+        ),
+    )
 
     def problems(self) -> list[str]:
         if self.loss_window < self.loss_warmup:
