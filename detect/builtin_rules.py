@@ -509,22 +509,18 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "host_memory_error",
         "status": "ecc_error",
-        "pattern": r"EDAC \w+: \d+ UE\b|\[Hardware Error\]|Machine check events logged|"
+        # APEI/GHES prints '[Hardware Error]' on each of a report's ~10 lines, corrected ones too:
+        # only the lines that say it was not corrected
+        "pattern": r"EDAC \w+: \d+ UE\b|Machine check events logged|"
+        r"\[Hardware Error\]:.*\b(?:event severity: (?:fatal|recoverable)|uncorrected|uncorrectable)\b|"
         r"\bmce: .*(?:uncorrected|fatal)|Uncorrected hardware memory error|Memory failure: 0x[0-9a-f]+"
         r"|HANDLING MCE MEMORY ERROR",
         # the GPU driver's RAS report (drm_gpu_fault); APEI/GHES's words for an error the hardware
         # corrected (the same '[Hardware Error]' prefix)
         "unless": r"\bamdgpu\b|\bcorrected by h/w\b|\bevent severity: (?:corrected|info)\b",
         "ignore_case": True,
-        "doc": "the host's memory or CPU reported a hardware error (EDAC uncorrectable, machine check), "
-        "not one it corrected",
-    },
-    {
-        "name": "nvidia_kernel_oops",
-        "status": "gpu_driver_error",
-        "pattern": r"\bRIP: [0-9a-f]{4}:\w+\+0x[0-9a-f]+/0x[0-9a-f]+ \[nvidia(?:[-_]\w+)?\]",
-        "doc": "the kernel oopsed inside the NVIDIA driver (its RIP line names the module): the driver "
-        "is in an undefined state until the node reboots",
+        "doc": "the host's memory or CPU reported a hardware error (EDAC uncorrectable, machine check, an "
+        "APEI record that was not corrected), not one it corrected",
     },
     {
         "name": "gpu_fallen_off_bus",
@@ -765,10 +761,13 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"Failed to CUDA calloc|^GPUassert: out of memory\b"
         r"|\bFailed during cuda\w+: out of memory\b|\bHSA_STATUS_ERROR_OUT_OF_RESOURCES\b"
         r"|\bHIP error: out of memory\b|\bhipErrorOutOfMemory\b"
-        r"|\bResource exhausted: (?:Failed to allocate request for|Out of memory while trying to allocate)\b"
+        r"|\b(?:Resource exhausted|RESOURCE_EXHAUSTED): "
+        r"(?:Failed to allocate request for|Out of memory while trying to allocate)\b"
         r"|\bCheck failed: \w+ == (?:cuda|hip)Success \(2 vs\. 0\)",
-        # Ray's memory monitor: host memory, a process it killed (host_oom_kill)
-        "unless": r"\bray\.exceptions\.OutOfMemoryError\b",
+        # Ray's memory monitor: host memory, a process it killed (host_oom_kill); XLA's autotuner
+        # trying an algorithm that does not fit, then another (training goes on)
+        "unless": r"\bray\.exceptions\.OutOfMemoryError\b"
+        r"|\bProfiling failure on\b|\bconvolution algorithm\b|\bperformance may be suboptimal\b",
         "doc": "the job asked for more GPU memory than exists: a configuration problem, the node is fine",
     },
     {
@@ -1010,7 +1009,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "status": "other_network_error",
         "pattern": r"\bwas not reachable via ssh\b"
         r"|Command '\[?'ssh [^']*'\]?' returned non-zero exit status 255\b"
-        r"|Command 'ssh [^']*' returned non-zero exit status 255\b",
+        r"|Command 'ssh [^']*' returned non-zero exit status 255\b"
+        r"|Command '\['ssh',[^\]]*\]' returned non-zero exit status 255\b",
         "doc": "a launcher (DeepSpeed's runner, a hostfile check) could not reach a host over ssh "
         "(ssh exits 255 for its own failures): a network or configuration error before training",
     },
@@ -1018,11 +1018,12 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "launcher_child_failed",
         "status": "exited_abnormally",
         "pattern": r"exits with return code = -?\d+|returned non-zero exit status -?\d+|"
-        r"died with <Signals\.SIG\w+|exited with (?:exit )?code (?:[1-9]\d*|-(?:4|6|7|8|9|11)\b)"
+        r"died with <Signals\.SIG\w+|exited with (?:exit )?code (?:[1-9]\d*|-(?:4|6|7|8|11)\b)"
         r"|ssh exited with exit code"
         r"|Received \S+ death signal"
         r"|\bexit (?:code|status)\s*[:=]?\s*(?:[1-9]\d*|-\d+|0x0*[1-9a-f][0-9a-f]*)\b"
-        r"|\b(?:Exit code|learner_exit_code): [1-9]\d*\b"  # FfDL's learner
+        # FfDL's learner (not a stop: 128 + HUP, INT, TERM)
+        r"|\b(?:Training process finished\. Exit code|learner_exit_code): (?!(?:129|130|143)\b)[1-9]\d*\b"
         r"|\berror code -(?:4|6|7|8|9|11)\b",
         "secondary": True,
         "doc": "a launcher reporting that a worker exited with an error (DeepSpeed 'exits with return code "

@@ -295,18 +295,17 @@ class Classifier:
         return Classification(named.status, Severity.SEV2, NEAREST_RULE, hint, secondary)
 
     def _nearest_cause(self, texts: Sequence[str]) -> Nearest | None:
-        """The status :mod:`detect.nearest` names from the last :data:`TAIL_LINES` lines of
-        an exit's output that no rule matched (not even a benign one), outside Python's
-        reports of ignored exceptions and not copies of a node's report; None without
-        labelled lines or when none is near enough."""
+        """The status :mod:`detect.nearest` names from the last :data:`TAIL_LINES` of an
+        exit's lines that no rule matched (not even a benign one), outside Python's reports
+        of ignored exceptions and not copies of a node's report; None without labelled lines
+        or when none is near enough."""
         if self._nearest is False:
             return None
         index = builtin_nearest() if self._nearest is True else self._nearest
         ignored = IgnoredBlocks()
         kept = [line for t in texts for line in t.splitlines() if not ignored.inside(line) and line.strip()]
-        tail = [
-            line for line in kept[-TAIL_LINES:] if self._line_rule(line) is None and node_report(line) is None
-        ]
+        unmatched = [line for line in kept if self._line_rule(line) is None and node_report(line) is None]
+        tail = unmatched[-TAIL_LINES:]
         return index.name("\n".join(tail)) if tail else None
 
     # --- exceptions -------------------------------------------------------------------
@@ -436,4 +435,5 @@ def load_classifier(rules_file: str | Path | None = None, *, nearest: bool = Fal
     rules = builtin_rules()
     if rules_file:
         rules = merge_rules(load_rules_file(rules_file), rules)
-    return Classifier(rules, nearest=nearest)
+    # read now: a bad data file fails at start-up, not at the first exit
+    return Classifier(rules, nearest=builtin_nearest() if nearest else False)

@@ -17,6 +17,11 @@ is to blame (:mod:`detect.isolation`: a status that never isolates) or a node co
 The labelled lines are the corpus sets the rules may be written from (never the blind
 set), as tokens, in ``detect/nearest_lines.json``: ``scripts/corpus-nearest`` writes it
 and a test checks it is current.
+
+Off by default (``[detect] nearest_lines``): on blind10 and blind11 it changed no exit's
+status for the better (BENCHMARKS.md). Known weakness: a short line whose words all appear
+in one labelled error line is near it, e.g. a banner ``nccl version 2.18.3`` and a
+``... unhandled cuda error, NCCL version ...`` line.
 """
 
 from __future__ import annotations
@@ -41,15 +46,20 @@ THRESHOLD: Final = 0.3
 read (0.0: more right, 13 of 181 benign lines called failures; 0.5: 0 and fewer right)."""
 TAIL_LINES: Final = 20
 """Lines of an exit's output read, from its end (the cause is printed last)."""
+MIN_SHARED_WORDS: Final = 2
+"""Distinct words (not numbers) a line must share with the labelled line that names it: one
+common word ('ERROR', 'nccl') makes a short line look near a short labelled one."""
 
 _TOKEN = re.compile(r"[a-z][a-z_]+|\d+")
 _MAX_DIGITS = 3
+_MAX_CHARS = 8192
+"""Only this many leading characters of a line are read (as ``detect.classify.MAX_LINE_CHARS``)."""
 
 
 def words(text: str) -> list[str]:
     """The lower-case words and numbers of ``text``; digit runs longer than 3 dropped
     (addresses, PIDs, timestamps say nothing about the cause)."""
-    return [w for w in _TOKEN.findall(text.lower()) if not w.isdigit() or len(w) <= _MAX_DIGITS]
+    return [w for w in _TOKEN.findall(text[:_MAX_CHARS].lower()) if not w.isdigit() or len(w) <= _MAX_DIGITS]
 
 
 def tokens(ws: Sequence[str]) -> list[str]:
@@ -65,6 +75,8 @@ class Nearest:
     status: ErrorStatus
     similarity: float
     line: str = ""
+    shared: int = 0
+    """Distinct words (not numbers) the line shares with the labelled one."""
 
 
 class NearestLines:
@@ -82,6 +94,8 @@ class NearestLines:
             raise InvalidArgument(f"nearest lines: {e}") from e
         df = Counter(w for d in docs for w in set(d))
         self.idf = {w: math.log(len(docs) / n) + 1.0 for w, n in df.items()}
+        self._unknown_idf = math.log(max(len(docs), 1)) + 1.0  # a word no line has: the rarest
+        self._words = [_plain(d) for d in docs]
         postings: defaultdict[str, list[tuple[int, float]]] = defaultdict(list)
         for i, doc in enumerate(docs):
             for w, x in self._vector(doc).items():
@@ -91,36 +105,50 @@ class NearestLines:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def _vector(self, doc: Iterable[str]) -> dict[str, float]:
-        tf = Counter(w for w in doc if w in self.idf)
-        vec = {w: n * self.idf[w] for w, n in tf.items()}
-        norm = math.sqrt(sum(x * x for x in vec.values())) or 1.0
+    def _vector(self, doc: Iterable[str], *, query: bool = False) -> dict[str, float]:
+        """Unit tf-idf vector of ``doc`` over the known words. A ``query``'s unknown words
+        count in its norm (at the rarest word's idf), so a line is not judged on the few words
+        it shares with the lines: a true cosine."""
+        tf = Counter(doc)
+        vec = {w: n * self.idf[w] for w, n in tf.items() if w in self.idf}
+        unknown = (
+            sum((n * self._unknown_idf) ** 2 for w, n in tf.items() if w not in self.idf) if query else 0.0
+        )
+        norm = math.sqrt(sum(x * x for x in vec.values()) + unknown) or 1.0
         return {w: x / norm for w, x in vec.items()}
 
     def nearest(self, doc: Sequence[str]) -> Nearest:
-        """The line most similar to ``doc`` (its :func:`tokens`); ties to the first listed.
-        No known token: ``none`` at 0."""
+        """The line most similar to ``doc`` (its :func:`tokens`); ties to a benign line, then
+        to the first listed. No known token: ``none`` at 0."""
         scores: defaultdict[int, float] = defaultdict(float)
-        for w, x in self._vector(doc).items():
+        for w, x in self._vector(doc, query=True).items():
             for i, y in self._postings[w]:
                 scores[i] += x * y
         if not scores:
             return Nearest(ErrorStatus.NONE, 0.0)
-        best = min(scores, key=lambda i: (-scores[i], i))
-        return Nearest(self.labels[best], scores[best])
+        best = min(scores, key=lambda i: (-scores[i], self.labels[i] is not ErrorStatus.NONE, i))
+        return Nearest(self.labels[best], scores[best], shared=len(_plain(doc) & self._words[best]))
 
     def name(self, text: str, threshold: float = THRESHOLD) -> Nearest | None:
         """The failure status of the line of ``text`` nearest a labelled error line, at
-        least ``threshold`` similar (the most similar wins, then the later line); None when
-        every line is nearest a benign one or none is near enough."""
+        least ``threshold`` similar and sharing :data:`MIN_SHARED_WORDS` with it (the most
+        similar wins, then the later line); None when every line is nearest a benign one or
+        none is near enough."""
         best: tuple[float, int, Nearest] | None = None
         for position, line in enumerate(text.splitlines()):
             found = self.nearest(tokens(words(line)))
             if found.status is ErrorStatus.NONE or found.similarity < threshold:
                 continue
+            if found.shared < MIN_SHARED_WORDS:
+                continue
             if best is None or (found.similarity, position) >= best[:2]:
                 best = (found.similarity, position, Nearest(found.status, found.similarity, line))
         return None if best is None else best[2]
+
+
+def _plain(doc: Iterable[str]) -> frozenset[str]:
+    """The distinct words of a token list: no bigrams, no numbers."""
+    return frozenset(w for w in doc if " " not in w and not w.isdigit())
 
 
 def dump(lines: Iterable[tuple[str, str]], sets: Sequence[str]) -> str:

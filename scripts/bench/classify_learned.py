@@ -26,7 +26,8 @@ what a fallback would have reported).
 
 ``--fallback THRESHOLD``: also the blind set (``held_out``) through the rules with a fallback:
 a line no rule matches (not even a benign one) gets the status of the nearest training line
-(every set but the blind one) when their cosine similarity is at least THRESHOLD; aggregates
+(every set but the blind one) when their cosine similarity is at least THRESHOLD and they share
+two words (:meth:`detect.nearest.NearestLines.name`, as the product names a bare exit's cause); aggregates
 only (``fallback_*``): status accuracy of the rules alone and with the fallback, error lines
 the fallback named right and wrong, benign lines it called a failure (a fallback would report
 them at SEV3 at most). 0.3 was chosen on blind8 with the rules blind8 was measured with
@@ -122,8 +123,8 @@ def fallback(bench: ModuleType, names: list[str], threshold: float) -> dict[str,
         result = classifier.classify_line(text)
         if result.rule:
             return result.status.value, None
-        status, similarity = model.nearest(tokens(text))
-        return result.status.value, status if similarity >= threshold and status != "none" else None
+        found = model.index.name(text, threshold)  # as the product names an exit's line
+        return result.status.value, found.status.value if found is not None else None
 
     results = [(named(line.text), line.status) for line in errors]
     rules_right = sum(rules == want for (rules, _), want in results)

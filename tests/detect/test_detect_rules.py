@@ -52,6 +52,22 @@ CORPUS_TRAIN: list[str] = [  # the rules' sources: train, the spent first held-o
 ]
 
 BENIGN_LINES = [
+    # session 33's review: lines of an APEI/GHES report of a corrected error, XLA's autotuner
+    # trying an algorithm that does not fit, a launcher's own stop, help text, an oops-free RIP
+    "{1}[Hardware Error]: Hardware error from APEI Generic Hardware Error Source: 1",
+    "{1}[Hardware Error]:   section_type: memory error",
+    "[Hardware Error]: Unified Memory Controller Ext. Error Code: 0, DRAM ECC error.",
+    "kernel: [ 2484.374028] {359}[Hardware Error]: It has been corrected by h/w and requires no further "
+    "action",
+    "  Profiling failure on cuDNN engine 1#TC: Resource exhausted: Out of memory while trying to allocate "
+    "2373024000 bytes.",
+    "2022-05-01 12:00:00.123456: W external/xla/service/gpu/gpu_conv_algorithm_picker.cc:727] Failed to "
+    "determine best cudnn convolution algorithm: Resource exhausted: x. Convolution performance may be "
+    "suboptimal.",
+    "Exit code: 143",
+    "  Exit code: 2  Invalid command line arguments",
+    "learner_exit_code: 143",
+    "[ 1234.5] RIP: 0010:_nv043210rm+0x1a/0x30 [nvidia]",
     " iteration      100/  100000 | consumed samples:     3200 | elapsed time per iteration (ms): 812.3 "
     "| learning rate: 1.500E-04 | global batch size:    32 | lm loss: 7.121E+00 | loss scale: 1.0 "
     "| grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |",
@@ -150,6 +166,20 @@ NOT_EVIDENCE = [
 
 # The same phrasing with error evidence in it still fires: the vetoes are not blanket.
 STILL_EVIDENCE = [
+    # session 33's review: what the narrowed rules must still read
+    ("{2}[Hardware Error]: event severity: fatal", "host_memory_error"),
+    (
+        "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+        "12 bytes.",
+        "cuda_out_of_memory",
+    ),
+    ("Failed: learner_exit_code: 137", "launcher_child_failed"),
+    ("ERROR:composer.cli.launcher:Global rank 0 (PID 208865) exited with code -11", "launcher_child_failed"),
+    (
+        "subprocess.CalledProcessError: Command '['ssh', '-o', 'BatchMode=yes', 'node01', 'true']' returned "
+        "non-zero exit status 255.",
+        "launcher_ssh_unreachable",
+    ),
     ("srun: error: node-7: task 4: Killed", "slurm_task_failed"),
     ("[rank0]: -- Process 0 terminated with the following error:", "process_crashed"),
     (

@@ -71,6 +71,23 @@ def test_name_takes_the_most_similar_error_line_and_ignores_benign_neighbours() 
     assert n.name("gizmo collective stalled", threshold=1.01) is None  # not near enough
 
 
+def test_the_review_s_cases_a_true_cosine_two_shared_words_and_ties_to_benign() -> None:
+    """Found in review (session 33): a query was normalised over its known words only, so a
+    line was judged on the words it shared (``ERROR`` alone named cuda_error at 0.41); one
+    common word named a cause; a tie went to whichever line came first."""
+    n = index()
+    known = n.nearest(tokens(words("gizmo collective stalled")))
+    padded = n.nearest(tokens(words("gizmo collective stalled qqq zzz www")))
+    assert padded.similarity < known.similarity  # unknown words count in the norm
+    assert known.shared == 3
+    assert n.name("gizmo", threshold=0.0) is None  # one shared word names nothing
+    assert n.name("gizmo collective", threshold=0.0) is not None
+    tied = NearestLines([tokens(["alpha", "beta"])] * 2, ["ecc_error", "none"])
+    assert tied.nearest(tokens(["alpha", "beta"])).status is ErrorStatus.NONE
+    long_line = "gizmo collective stalled " + "ab " * 100_000  # read up to 8192 characters
+    assert 2000 < len(words(long_line)) < 3000
+
+
 def test_bad_data_is_a_clear_error() -> None:
     with pytest.raises(InvalidArgument, match="unknown statuses"):
         dump([("melted", "some words")], ["train"])
