@@ -12,9 +12,12 @@ Work is in weighted TFLOP (weighted TFLOP/s x s, Unicron's F integrated), time i
   Recomputed iterations earn nothing.
 * **Ideal** W*: the planner's best allocation of the same (planned) tasks on all known
   nodes with no failures, each task's analytic rate x its **calibration** (the measured
-  over the analytic iteration time; the first measured stretch of a task sets it, later
-  stretches move it: quickly up, slowly down, so a slowdown stays visible). A task enters
-  the WAF accounts once calibrated (its GPU-seconds are counted from the start).
+  over the analytic iteration time; the first measured stretch of a task's layout sets it,
+  later stretches on that layout move it: quickly up, slowly down, so a slowdown stays
+  visible). The analytic model's error is its layout's own, so a new layout starts a new
+  calibration: carried over a shrink, the old one lagged the new layout's measured rate and
+  W* read below the achieved rate for a few stretches (CI, stop 44). A task enters the WAF
+  accounts once calibrated (its GPU-seconds are counted from the start).
 * Rates **in force** are those of the snapshot at the previous update (layout, nodes,
   health): the interval up to now is booked at them, then they are re-read.
 
@@ -236,7 +239,8 @@ class TaskBook(msgspec.Struct, forbid_unknown_fields=True):
 
     ``booked_s``: its time is attributed up to here; ``mark``: the high-water iteration
     seen; ``incidents``: per incident id, how many of its milestones (detected, acted,
-    ended) were booked; ``efficiency``: measured / analytic speed (None: not calibrated).
+    ended) were booked; ``efficiency``: measured / analytic speed (None: not calibrated),
+    measured at the analytic iteration time ``calibrated_analytic_s`` (its layout's).
     In force since the last update: ``gpus``, ``iteration_wtflop`` (weight x model TFLOP per
     iteration), ``analytic_iteration_s`` of its layout (None: no layout), ``ideal_wtflops``
     and ``healthy_wtflops`` (its analytic share in the best plan on all nodes, on the nodes
@@ -258,6 +262,7 @@ class TaskBook(msgspec.Struct, forbid_unknown_fields=True):
     launched_s: float | None = None
     incidents: dict[str, int] = msgspec.field(default_factory=dict)
     efficiency: float | None = None
+    calibrated_analytic_s: float | None = None
     gpus: int = 0
     iteration_wtflop: float = 0.0
     analytic_iteration_s: float | None = None
@@ -505,6 +510,7 @@ class _Book:
         self.phase = book.phase
         self.mark = book.mark
         self.efficiency = book.efficiency
+        self.calibrated_analytic = book.calibrated_analytic_s
         self.achieved_rate = book.achieved_wtflops
         self.running_s = book.running_s
         self.running_iterations = book.running_iterations
@@ -638,11 +644,12 @@ class _Book:
         if analytic is None or measured_s <= 0:
             return
         observed = analytic / measured_s
-        if self.efficiency is None:
-            self.efficiency = observed
-            return
-        weight = CALIBRATE_UP if observed > self.efficiency else CALIBRATE_DOWN
-        self.efficiency += weight * (observed - self.efficiency)
+        if self.efficiency is None or analytic != self.calibrated_analytic:
+            self.efficiency = observed  # the first stretch of this layout
+        else:
+            weight = CALIBRATE_UP if observed > self.efficiency else CALIBRATE_DOWN
+            self.efficiency += weight * (observed - self.efficiency)
+        self.calibrated_analytic = analytic
 
 
 def _events(
@@ -769,6 +776,7 @@ def advance(ledger: Ledger, snap: Snapshot, now_s: float, gpu: GpuSpec, assume: 
             launched_s=task.launched_s,
             incidents=seen,
             efficiency=book.efficiency,
+            calibrated_analytic_s=book.calibrated_analytic,
             gpus=gpus,
             iteration_wtflop=task.weight * task.model.model_flop_per_iteration() / 1e12,
             analytic_iteration_s=analytic,

@@ -302,10 +302,11 @@ def test_prometheus_and_the_report_show_the_goodput_of_a_node_kill(
         achieved = prom.query('unicorn_goodput_task_achieved_waf_tflops{task="p"}')
         assert len(achieved) == 1 and achieved[0].value > 0, achieved
         # W* now is the calibrated ideal. It is not an upper bound on the latest stretch's rate: the
-        # calibration lags a faster stretch (CALIBRATE_UP), most after the shrink's new layout, and the
-        # ledger books the difference as negative sub_healthy (CI once scraped 2134 vs 2262). Over
-        # the run the ideal's work exceeds the achieved by the kill's losses: one expression, so
-        # both sides come from one scrape.
+        # calibration moves 0.3 of the way toward a faster stretch (CALIBRATE_UP), and the ledger
+        # books the difference as negative sub_healthy. (CI once scraped 2134 vs 2262 after the
+        # shrink, when the old layout's calibration was carried over: a new layout now starts its
+        # own.) Over the run the ideal's work exceeds the achieved by the kill's losses: one
+        # expression, so both sides come from one scrape.
         ideal = prom.query("unicorn_goodput_ideal_waf_tflops")
         assert len(ideal) == 1 and ideal[0].value > 0, ideal
         gap = prom.query("unicorn_goodput_ideal_wtflop - unicorn_goodput_achieved_wtflop")

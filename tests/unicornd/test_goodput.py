@@ -195,6 +195,35 @@ def test_a_node_loss_is_booked_by_cause_and_the_causes_add_up_to_the_gap() -> No
     assert ledger.tasks["a"].running_ranges == [(2, 10), (12, 14)]
 
 
+def test_a_new_layout_starts_a_new_calibration() -> None:
+    """Found by CI (stop 44): after a shrink the task's calibration, carried over from the old
+    layout and moved 0.3 of the way per faster stretch, lagged the new layout's measured rate,
+    and W* read below the achieved rate. On 2 nodes at 1 s an iteration, then relaunched on n1
+    (no incident) where it runs twice as fast as the 2-node calibration predicts: its first
+    running stretch there sets the calibration, and W* is again at least the achieved rate."""
+    a2, a1 = _estimates()
+    ledger = new_ledger(T0)
+    for sec in range(6):
+        ledger = book(ledger, running(("n1", "n2"), 2, sec, sec), sec)
+    assert ledger.tasks["a"].efficiency == pytest.approx(a2 / 1.0, rel=REL)
+    tau = 0.5 * a1 / a2  # twice the calibrated 1-node speed
+    ledger = book(ledger, running(("n1",), 1, 5, 5, launched_s=T0 + 6), 6)
+    for k, it in enumerate(range(6, 10), start=1):
+        at = 6 + k * tau
+        ledger = book(ledger, running(("n1",), 1, it, at, launched_s=T0 + 6), at)
+    book_ = ledger.tasks["a"]
+    assert book_.phase is Phase.RUNNING
+    assert book_.efficiency == pytest.approx(a1 / tau, rel=REL)  # not 0.3 of the way from a2
+    assert book_.calibrated_analytic_s == pytest.approx(a1, rel=REL)
+    assert ledger.achieved_wtflops() == pytest.approx(WF / tau, rel=REL)
+    assert ledger.ideal_wtflops() >= ledger.achieved_wtflops()
+    # A later stretch on the same layout moves it as before (a slower one by 0.03 of the way).
+    at = 6 + 4 * tau + 2 * tau
+    ledger = book(ledger, running(("n1",), 1, 10, at, launched_s=T0 + 6), at)
+    e = a1 / tau
+    assert ledger.tasks["a"].efficiency == pytest.approx(e + 0.03 * (a1 / (2 * tau) - e), rel=REL)
+
+
 def test_idle_gpus_and_a_slow_stretch_are_their_own_causes() -> None:
     """On n1 of two healthy nodes at 1 s an iteration, then iteration 6 takes 2 s."""
     a2, a1 = _estimates()
