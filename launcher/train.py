@@ -157,7 +157,8 @@ def _env_int(name: str, default: int) -> int:
     type=float,
     default=0.5,
     show_default=True,
-    help="How long survivors wait for each other before agreeing who is left.",
+    help="How long a missing rank's heartbeat (every fifth of this) must stand still before the survivors "
+    "agree without it; a rank that still beats is waited for, up to --dist-timeout-s.",
 )
 @click.option(
     "--skip-iterations",

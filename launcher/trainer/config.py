@@ -217,7 +217,8 @@ class TrainConfig:
     exit :data:`launcher.trainer.reuse.REUSED_EXIT_CODE` for a restart from it
     (:mod:`launcher.trainer.reuse`). Active at TP1 PP1 on gloo (:attr:`reusing`); at other
     layouts, which unicorn may choose at any relaunch, the run trains as without it.
-    ``reuse_settle_s``: how long survivors wait for each other before agreeing who is left.
+    ``reuse_settle_s``: how long a missing rank's heartbeat must stand still before the
+    survivors agree without it (:func:`~launcher.trainer.reuse.agree_members`).
     ``slowdown``: a test-only straggler rank (:class:`SlowRank`).
     """
 

@@ -87,6 +87,7 @@ from launcher.trainer.parallel import (
 )
 from launcher.trainer.reuse import (
     REUSED_EXIT_CODE,
+    Heartbeat,
     MicroBatchGrads,
     PeerLost,
     Reduced,
@@ -281,6 +282,8 @@ def _train(cfg: TrainConfig, clock: StartupClock, rank: int, device: torch.devic
     finally:
         if trainer.jit is not None:
             trainer.jit.stop()
+        if trainer.heartbeat is not None:
+            trainer.heartbeat.stop()
     if rank == 0:
         print(f"[unicorn-train] done at iteration {iteration} (last saved {last_saved})", flush=True)
     if trainer.memory is not None:
@@ -364,6 +367,7 @@ class _Trainer:
         self.runner = StepRunner(module, mesh, layout, device, cfg.pp_schedule)
         self.grads = MicroBatchGrads(list(stage.parameters())) if reusing else None
         self.store = job_store() if reusing else None
+        self.heartbeat = None if self.store is None else Heartbeat(self.store, rank, cfg.reuse_settle_s / 5)
         self.state: dict[str, Any] = {"train": TrainState(stage, self.optimizer), "meta": _meta(cfg)}
         self.memory = (
             MemoryCheckpoints(

@@ -16,9 +16,13 @@ again. Here, at TP1 PP1 on gloo:
 2. **A peer dies.** Its process is gone, its sockets close, and gloo's all-reduce raises
    on every survivor within milliseconds (:class:`PeerLost`); their buffers are intact.
 3. **Agree who is left** (:func:`agree_members`) on the job's store (torchrun's agent
-   store, which outlives any rank): each survivor registers, waits up to ``settle_s`` for
-   the others, and the first to finish waiting fixes the member list (``compare_set``),
-   which every survivor then reads; one registered too late is left out and exits.
+   store, which outlives any rank): each survivor registers and waits for the others; the
+   first to finish waiting fixes the member list (``compare_set``), which every survivor
+   then reads; one registered too late is left out and exits. A rank's
+   :class:`Heartbeat` tells dead from slow: the wait ends when every rank registered or
+   every missing one's beat stood still for ``settle_s``. Without it a fixed ``settle_s``
+   left out a live survivor still computing its last micro-batch on a loaded machine
+   (seen in CI: survivors [0] of [0, 2]).
 4. **A new process group among the survivors** (:func:`regroup`): the broken groups are
    destroyed and a new default group initialised on a prefix of the same store
    (``PrefixStore``) with the survivors renumbered in order. gloo needs nothing more:
@@ -44,6 +48,7 @@ The trainer wiring is in :mod:`launcher.trainer.loop`.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,6 +65,7 @@ REUSED_EXIT_CODE: Final = 4
 data-parallel peer died: restart the task from the newest version."""
 STORE_PREFIX: Final = "unicorn-reuse"
 _POLL_S: Final = 0.01
+_BEAT: Final = "beat"
 
 
 class PeerLost(Exception):
@@ -145,17 +151,33 @@ def agree_members(
     """Agree with the other survivors who is left; returns the seconds waited and the members.
 
     Every survivor registers under ``<prefix>/<tag>`` and waits until all ``world_size``
-    ranks did or ``settle_s`` passed; the first to stop waiting writes the ranks registered
-    by then as the member list (``compare_set``: only the first write wins), and every
-    survivor reads that one list. Raises :class:`LeftOut` for a rank not in it. Store
-    operations time out after ``timeout_s`` (the store is the job's: torchrun's agent).
+    ranks did, or every rank still missing is silent: its :class:`Heartbeat` counter has not
+    moved for ``settle_s`` since this rank began looking (a rank without a heartbeat is
+    silent from the start, so ``settle_s`` is then a fixed wait). A missing rank that still
+    beats is alive, only slow, and is waited for, at most ``timeout_s`` in all. The first to
+    stop waiting writes the ranks registered by then as the member list (``compare_set``:
+    only the first write wins), and every survivor reads that one list. Raises
+    :class:`LeftOut` for a rank not in it. Store operations time out after ``timeout_s``
+    (the store is the job's: torchrun's agent).
     """
     keys = PrefixStore(f"{STORE_PREFIX}/{tag}", store)
     keys.set_timeout(timedelta(seconds=timeout_s))
+    beats = PrefixStore(f"{STORE_PREFIX}/{_BEAT}", store)
+    beats.set_timeout(timedelta(seconds=timeout_s))
     start = time.monotonic()
     keys.set(f"alive/{rank}", "1")
     arrived = keys.add("arrived", 1)
-    while arrived < world_size and time.monotonic() - start < settle_s:
+    missing = set(range(world_size)) - {rank}
+    moved: dict[int, tuple[int, float]] = {}  # rank -> (its beat count, when this rank saw it change)
+    while arrived < world_size and time.monotonic() - start < timeout_s:
+        missing = {r for r in missing if not keys.check([f"alive/{r}"])}
+        now = time.monotonic()
+        for r in missing:
+            count = beats.add(str(r), 0)
+            if moved.get(r, (None, 0.0))[0] != count:
+                moved[r] = (count, now)
+        if all(now - moved[r][1] >= settle_s for r in missing):
+            break
         time.sleep(_POLL_S)
         arrived = keys.add("arrived", 0)
     alive = [r for r in range(world_size) if keys.check([f"alive/{r}"])]
@@ -164,6 +186,42 @@ def agree_members(
     if rank not in members:
         raise LeftOut(f"rank {rank} arrived after the survivors {list(members)} agreed")
     return time.monotonic() - start, members
+
+
+class Heartbeat:
+    """This rank's liveness for :func:`agree_members`: a daemon thread adds 1 to
+    ``<prefix>/beat/<rank>`` on the job's store every ``period_s`` until :meth:`stop` or
+    the process ends.
+
+    Why a thread: a survivor still computing its micro-batches (or blocked in the all-reduce
+    until a peer frees its group) reaches the agreement late; its main thread cannot say it
+    is alive, but a thread beats while torch computes without the GIL, and a dead rank's
+    counter stands still. ``period_s`` must be well under the agreement's ``settle_s`` (the
+    trainer uses a fifth). The store client serialises the thread's and the main thread's
+    operations; one small ``add`` per period per rank is the load on torchrun's store."""
+
+    def __init__(self, store: Store, rank: int, period_s: float) -> None:
+        if period_s <= 0:
+            raise ValueError(f"the heartbeat period must be positive, got {period_s}")
+        self._keys = PrefixStore(f"{STORE_PREFIX}/{_BEAT}", store)
+        self._name = str(rank)
+        self._period_s = period_s
+        self._stopped = threading.Event()
+        self._keys.add(self._name, 1)
+        self._thread = threading.Thread(target=self._run, name=f"reuse-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self._period_s):
+            try:
+                self._keys.add(self._name, 1)
+            except RuntimeError:  # DistStoreError: the store went away, the job is ending
+                return
+
+    def stop(self) -> None:
+        """Stop beating (idempotent); waits for the thread."""
+        self._stopped.set()
+        self._thread.join(max(1.0, 4 * self._period_s))
 
 
 def regroup(

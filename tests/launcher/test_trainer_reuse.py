@@ -15,6 +15,7 @@ import contextlib
 import re
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from launcher.trainer.config import FaultInjection, TrainConfig
 from launcher.trainer.data import replica_samples
 from launcher.trainer.reuse import (
     REUSED_EXIT_CODE,
+    Heartbeat,
     LeftOut,
     agree_members,
     microbatch_samples,
@@ -102,6 +104,44 @@ def test_survivors_agree_on_one_member_list_and_a_latecomer_is_left_out() -> Non
     assert all(0.25 <= waited < 5 for waited, _ in lists.values())  # rank 2 never came
     _agree(store, 2, 0.3, out)  # rank 2 was only late: the others went on without it
     assert isinstance(out[2], LeftOut)
+
+
+def _agree_late(store: Any, rank: int, world_size: int, delay_s: float, out: dict[int, object]) -> None:
+    time.sleep(delay_s)
+    try:
+        agreed = agree_members(store, tag="9", rank=rank, world_size=world_size, settle_s=0.3, timeout_s=10)
+        out[rank] = agreed
+    except LeftOut as exc:
+        out[rank] = exc
+
+
+def test_a_slow_survivor_that_still_beats_is_waited_for_and_a_silent_one_is_not() -> None:
+    """World 5: ranks 0, 1 and 3 arrive at once; rank 2 beats and arrives 1.2 s later (four
+    times settle_s: what a fixed settle left out, the CI failure); rank 4 beat, then stopped
+    (died). The survivors wait for rank 2 and agree on [0, 1, 2, 3] without rank 4."""
+    store = HashStore()
+    slow, dead = Heartbeat(store, 2, 0.05), Heartbeat(store, 4, 0.05)
+    dead.stop()
+    out: dict[int, object] = {}
+    delays = {0: 0.0, 1: 0.0, 3: 0.0, 2: 1.2}
+    threads = [threading.Thread(target=_agree_late, args=(store, r, 5, d, out)) for r, d in delays.items()]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+    finally:
+        slow.stop()
+    assert sorted(out) == [0, 1, 2, 3], out
+    assert all(isinstance(v, tuple) and v[1] == (0, 1, 2, 3) for v in out.values()), out
+    waited = {r: v[0] for r, v in out.items() if isinstance(v, tuple)}
+    assert min(waited[r] for r in (0, 1, 3)) >= 1.2, waited  # they waited for the beating rank
+    assert waited[2] < 1.0, waited  # and stopped once rank 4 was silent for settle_s
+
+
+def test_the_heartbeat_period_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="period must be positive"):
+        Heartbeat(HashStore(), 0, 0.0)
 
 
 def test_agreement_ends_at_once_when_every_rank_arrives() -> None:
