@@ -133,11 +133,11 @@ class Classifier:
     """Applies an ordered rule list; for each piece of evidence the first matching rule wins."""
 
     def __init__(
-        self, rules: Sequence[Rule], *, prefilter: bool = True, nearest: NearestLines | bool = False
+        self, rules: Sequence[Rule], *, prefilter: bool = True, nearest: NearestLines | None = None
     ) -> None:
         """``prefilter=False`` runs every line rule's regex on every line (for measurements).
         ``nearest``: labelled lines to name the cause of a bare non-zero exit
-        (:mod:`detect.nearest`; True: the packaged ones, read at the first such exit)."""
+        (:mod:`detect.nearest`; :func:`detect.nearest.builtin` the packaged ones); None: never."""
         self.rules: tuple[Rule, ...] = tuple(rules)
         self._nearest = nearest
         self._xid_rules = tuple(r for r in self.rules if r.kind is RuleKind.XID)
@@ -299,9 +299,9 @@ class Classifier:
         exit's lines that no rule matched (not even a benign one), outside Python's reports
         of ignored exceptions and not copies of a node's report; None without labelled lines
         or when none is near enough."""
-        if self._nearest is False:
+        index = self._nearest
+        if index is None:
             return None
-        index = builtin_nearest() if self._nearest is True else self._nearest
         ignored = IgnoredBlocks()
         kept = [line for t in texts for line in t.splitlines() if not ignored.inside(line) and line.strip()]
         unmatched = [line for line in kept if self._line_rule(line) is None and node_report(line) is None]
@@ -436,4 +436,4 @@ def load_classifier(rules_file: str | Path | None = None, *, nearest: bool = Fal
     if rules_file:
         rules = merge_rules(load_rules_file(rules_file), rules)
     # read now: a bad data file fails at start-up, not at the first exit
-    return Classifier(rules, nearest=builtin_nearest() if nearest else False)
+    return Classifier(rules, nearest=builtin_nearest() if nearest else None)

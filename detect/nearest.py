@@ -32,7 +32,7 @@ import math
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from typing import Final
@@ -142,7 +142,7 @@ class NearestLines:
             if found.shared < MIN_SHARED_WORDS:
                 continue
             if best is None or (found.similarity, position) >= best[:2]:
-                best = (found.similarity, position, Nearest(found.status, found.similarity, line))
+                best = (found.similarity, position, replace(found, line=line))
         return None if best is None else best[2]
 
 

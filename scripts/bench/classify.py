@@ -106,6 +106,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from detect.classify import NEAREST_RULE, Classification, Classifier, load_classifier  # noqa: E402
+from detect.nearest import builtin as builtin_nearest  # noqa: E402
 from detect.statuses import Severity  # noqa: E402
 from launcher.agent import Agent  # noqa: E402
 from unicorn_core.config import Config  # noqa: E402
@@ -238,7 +239,7 @@ def exits(classifier: Classifier, errors: list[Line], benign: list[Line]) -> dic
     """The blind set's lines each as the whole output of a rank that exited 1 (see the
     module doc): status accuracy with the rules alone and with the nearest labelled lines,
     the exits the nearest lines named (right), and benign lines they named a cause."""
-    alone, nearest = Classifier(classifier.rules), Classifier(classifier.rules, nearest=True)
+    alone, nearest = Classifier(classifier.rules), Classifier(classifier.rules, nearest=builtin_nearest())
     got = [(nearest.classify_exit(1, None, line.text), line) for line in errors]
     named = [(c, line) for c, line in got if c.rule == NEAREST_RULE]
     return {

@@ -40,7 +40,6 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -52,18 +51,15 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts" / "bench"))  # also when the tests load this file
+
+from benchload import load_bench  # noqa: E402
 
 from detect import nearest  # noqa: E402
 
 
 def _corpus() -> ModuleType:
-    path = REPO / "scripts" / "bench" / "classify.py"
-    spec = importlib.util.spec_from_file_location("bench_classify", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("classify")
 
 
 def tokens(text: str) -> list[str]:
