@@ -697,15 +697,20 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bFatal error during GPU init\b|\bamdgpu_discovery_init failed\b"
         r"|: probe (?:of \S+|with driver amdgpu) failed with error -\d+"
         r"|\b(?:MES|cp) might be in (?:an? )?unrecoverable state\b"
-        r"|\[Hardware [Ee]rror\]:? Accelerator Check Architecture)"
+        r"|\[Hardware [Ee]rror\]:? Accelerator Check Architecture"
+        # a page fault in VM 0, the driver's own address space (no process: pasid 0)
+        r"|\[(?:gfx|mm)hub\d*\] (?:[\w-]+ )?page fault \(src_id:\d+ ring:\d+ vmid:0 pasid:0\))"
+        # Moore Threads' driver blaming a hung job in its recovery of a core
+        r"|\bMTGPU: .*\bGuilty Lockup\b"
         r"|^HW Exception by GPU node-\d+ .*reason ?:\s*GPU Hang"  # ROCm's runtime
         # (FreeBSD's drm-kmod, or amdgpu built into the kernel: no 'amdgpu' on the line)
         r"|\bmes_v\d+_\d+_\w+\](?:\s+\*ERROR\*)?\s+MES failed to respon(?:d to|se) msg=",
         # amdgpu's soft recovery of a ring timeout worked, or its reset did: the GPU runs on
         "unless": r"\bbut soft recovered\b|\breset succeeded\b",
-        "doc": "a compute GPU's kernel driver other than NVIDIA's (nouveau, amdgpu) reporting an MMU "
-        "fault (nouveau), a killed channel, a ring timeout or a ring that fails its test in a reset, a "
-        "reset, a firmware scheduler (MES) or command processor that stopped answering or a hardware "
+        "doc": "a compute GPU's kernel driver other than NVIDIA's (nouveau, amdgpu, mtgpu) reporting an "
+        "MMU fault (nouveau) or a page fault in the driver's own VM (amdgpu vmid 0), a killed channel, "
+        "a ring timeout or a ring that fails its test in a reset, a reset, a guilty lockup (mtgpu), a "
+        "firmware scheduler (MES) or command processor that stopped answering or a hardware "
         "error (ROCm's runtime: a GPU hang) (not a display or mobile GPU's: a host's integrated graphics "
         "is no reason to drain it)",
     },
@@ -762,7 +767,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bFailed during cuda\w+: out of memory\b|\bHSA_STATUS_ERROR_OUT_OF_RESOURCES\b"
         r"|\bHIP error: out of memory\b|\bhipErrorOutOfMemory\b"
         r"|\b(?:Resource exhausted|RESOURCE_EXHAUSTED): "
-        r"(?:Failed to allocate request for|Out of memory while trying to allocate)\b"
+        r"(?:Failed to allocate request for|Out of memory while trying to allocate"
+        r"|Attempting to reserve \S+ at the bottom of memory)\b"
         r"|\bCheck failed: \w+ == (?:cuda|hip)Success \(2 vs\. 0\)",
         # Ray's memory monitor: host memory, a process it killed (host_oom_kill); XLA's autotuner
         # trying an algorithm that does not fit, then another (training goes on)
@@ -898,7 +904,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\.service: Failed with result '(?:oom-kill|core-dump|signal)'"
         # MPICH/Hydra's BAD TERMINATION banner (signals other than a stop)
         r"|\bYOUR APPLICATION TERMINATED WITH THE EXIT STRING: (?!Terminated\b|Hangup\b|Interrupt\b)\w"
-        r"|^=+\s+KILLED BY SIGNAL: (?!(?:1|2|15)\b)\d+",
+        r"|^=+\s+KILLED BY SIGNAL: (?!(?:1|2|15)\b)\d+"
+        r"|^memory allocation of \d+ bytes failed\s*$",  # Rust's allocator, as it aborts
         "doc": "a process aborted by the C library (heap corruption) or a fatal signal as glog, folly, "
         "absl, GNU time, systemd or MPICH report it",
     },
@@ -1024,7 +1031,12 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bexit (?:code|status)\s*[:=]?\s*(?:[1-9]\d*|-\d+|0x0*[1-9a-f][0-9a-f]*)\b"
         # FfDL's learner (not a stop: 128 + HUP, INT, TERM)
         r"|\b(?:Training process finished\. Exit code|learner_exit_code): (?!(?:129|130|143)\b)[1-9]\d*\b"
-        r"|\berror code -(?:4|6|7|8|9|11)\b",
+        r"|\berror code -(?:4|6|7|8|9|11)\b"
+        # PaddlePaddle's launcher (paddle.distributed.launch)
+        r"|\bLAUNCH ERROR .*\bContainer failed\b|^\s*Container rank \d+ status failed cmd \["
+        r"|\bCHILD PROCESS FAILED WITH NO ERROR_FILE\b"  # torchelastic's record of a failed child
+        # Kubernetes' container status (kubectl describe): 128 + a signal other than a stop
+        r"|^\s*Exit Code:\s+(?!(?:129|130|143)\b)1(?:29|[3-5]\d)\s*$",
         "secondary": True,
         "doc": "a launcher reporting that a worker exited with an error (DeepSpeed 'exits with return code "
         "= -9', Accelerate's CalledProcessError 'returned non-zero exit status 1', pdsh)",
@@ -1086,7 +1098,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"\berror: pyxis: |\bpyxis: +(?:\[ERROR\] |\S+: (?:failed|cannot|couldn't)\b)"
         r"|\benroot-\w+: failed to "
         r"|^\s*FATAL:\s+(?:container creation failed: "
-        r"|while extracting \S+: root filesystem extraction failed)",
+        r"|while extracting \S+: root filesystem extraction failed)"
+        r"|^ERROR\s+: Failed to create user namespace\b"  # Apptainer/Singularity
+        r"|^docker: Error response from daemon: ",
         "doc": "the job's container could not be created or started (pyxis/enroot under Slurm, Apptainer): "
         "an image, mount or permission problem of the job's setup, not the node's hardware; SEV2, and "
         "the ladder stops the task when a restart meets the same error",
@@ -1094,7 +1108,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "slurm_request_invalid",
         "status": "other_software_error",
-        "pattern": r"^\s*(?:srun|sbatch|salloc): fatal: "
+        "pattern": r"^\s*(?:srun|sbatch|salloc): fatal: |^\s*sbatch: error: Batch job submission failed: "
         r"|\bUnable to create step for job \d+: (?:Invalid (?!job id)"
         r"|Requested node configuration is not available"
         r"|More processors requested than permitted|Memory required by task is not available)",
@@ -1117,7 +1131,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "ray_peer_marked_dead",
         "status": "lost_connection",
         "severity": "SEV3",
-        "pattern": r"\bmarked (?:as )?dead because .*\bmissed too many heartbeats",
+        "pattern": r"\bmarked (?:as )?dead because .*\bmissed too many heartbeats"
+        r"|\bThe actor is dead because its owner has died\b.*\bOwner's node has crashed\b",
         "secondary": True,
         "doc": "Ray's head declared a node dead after missing its heartbeats: a node of the job may be "
         "lost, but the line names another node than the one that printed it and is Ray's opinion "
@@ -1139,6 +1154,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "program_usage_error",
         "status": "other_software_error",
         "pattern": r"^\S+\.py: error: |OutOfResources: out of resource|\bBackendCompilerFailed\b"
+        r"|\bAn error occurred during the runtime of your JAX program!"  # Equinox
+        r"|^\[(?:ERROR|CRITICAL)\] ME\(\d+[,:]"  # MindSpore's front end raising
         r"|^Dataset does not exist: ",
         "doc": "the program rejected its arguments (argparse), or a compiler (Triton, Inductor) failed",
     },
@@ -1153,6 +1170,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "ray_unhandled_error",
         "status": "other_software_error",
         "pattern": r"Unhandled error \(suppress with '?RAY_IGNORE_UNHANDLED_ERRORS"
+        r"|\bERROR function_runner\.py:\d+ -- Runner Thread raised error\b"
         r"|RayTaskError\b",
         "doc": "Ray reporting an exception a remote task raised and nobody retrieved",
     },
@@ -1161,7 +1179,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "status": "nan_loss",
         "pattern": r"found (?:NaN|Inf) in (?:local )?(?:grad norm|forward loss)|\bloss is (?:nan|inf)\b|"
         r"Detected (?:NaN|Inf)\b|Unexpected result -?(?:nan|inf)\b"
-        r"|unexpected result is reproducible within the tolerance \(-?(?:nan|inf)\b",
+        r"|unexpected result is reproducible within the tolerance \(-?(?:nan|inf)\b"
+        r"|\bInvalid loss, terminating training\b",  # Keras' TerminateOnNaN
         "ignore_case": True,
         "doc": "a NaN or Inf in the training's numbers (Megatron-LM's rerun state machine: 'Unexpected "
         "result nan on rank 0 at iteration #8 ... (message='found NaN in local forward loss calculation')', "
@@ -1298,6 +1317,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bfi_\w+\b.*\bfailed"
         r"|Gloo connectFullMesh failed"
         r"|\bUnable to write to EQ: .*\berr: "  # libfabric's EFA provider
+        r"|\bCheck failed: .*\bIBV_WC_SUCCESS\b"  # a failed RDMA work completion (glog's CHECK)
+        r"|\bmlx5_\w+(?:/\d+)?: QP \d+ error: "  # the mlx5 kernel driver's queue pair error
+        r"|\bUCX endpoint create failed\b"
         r"|Bootstrap : no socket interface found|\bWARN Socket creation failed|is neither AF_INET",
         "ignore_case": True,
     },
