@@ -4,7 +4,8 @@ Rules are written from the train and dev sets and, since 2026-11-29, from the sp
 sets of 2026-11-25 (``fresh/``) and 2026-11-29 (``blind2/``, spent in session 26; ``blind3/``,
 spent in session 27; ``blind4/``, spent in session 28; ``blind5/``, spent in session 29; ``blind6/``,
 spent in session 30; ``blind7/``, spent in session 31; ``blind8/`` and ``blind9/``, spent in session
-32; ``blind10/``, spent in session 33). The blind set (``blind11/``) is read by the bench
+32; ``blind10/``, spent in session 33; ``blind11/``, spent in session 34). The blind set
+(``blind12/``) is read by the bench
 (scripts/bench/classify.py) alone, and only its aggregate figures are checked here, so a
 failure never prints a blind line.
 """
@@ -24,16 +25,15 @@ from tests.bench_script import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
 
-HELD_OUT_STATUS_FLOOR = 0.70
-"""The blind set's status accuracy (``corpus/blind11/*-errors``) measured when the rules were
-last changed (0.723 on 101 lines, session 33, with the rules written from blind10's misses;
-blind10 was 0.796 blind), less a small margin: a regression fails."""
+HELD_OUT_STATUS_FLOOR = 0.68
+"""The blind set's status accuracy (``corpus/blind12/*-errors``) measured when the rules were
+last changed (0.708 on 106 lines, session 34, with the rules written from blind11's misses;
+blind11 was 0.723 blind), less a small margin: a regression fails."""
 HELD_OUT_BENIGN_FIRES_CEILING = 0
-"""Blind benign lines classified SEV1/SEV2 (session 33: 1 of 135 when measured blind, a
-kernel's report of a corrected hardware error; that one line was then read, as fresh's were,
-and host_memory_error no longer reads corrected errors: 0). More fails."""
+"""Blind benign lines classified SEV1/SEV2 (session 34: 0 of 128 when measured blind). More
+fails."""
 HELD_OUT_AGENT_FIRES_CEILING = 0
-"""Blind benign lines a real agent sends at SEV1/SEV2 (0 of 135, session 33). More fails."""
+"""Blind benign lines a real agent sends at SEV1/SEV2 (0 of 128, session 34). More fails."""
 DEV_STATUS_FLOOR = 0.91
 """The dev set's status accuracy (the first held-out half and the second batch's hash half,
 both read to write rules on 2026-11-25: 0.922 on 205 lines), less a small margin."""
@@ -842,13 +842,64 @@ KNOWN_BLIND10_MISSES: dict[str, tuple[str, str | None, str]] = {
     ),
 }
 KNOWN_BLIND10_BENIGN_FIRES: dict[str, str] = {}
+_GLOO_CLOSED = (
+    "connection_refused_reset",
+    "SEV3",
+    "labelled other_network_error; gloo's 'Connection closed by peer' is labelled connection_refused_reset "
+    "by as many earlier lines (fresh, blind8, the held-out half) as other_network_error (blind6, "
+    "blind11), and the rules keep one label for one text: the same severity",
+)
+KNOWN_BLIND11_MISSES: dict[str, tuple[str, str | None, str]] = {
+    # blind11 lines (the eleventh blind set, read for rules in session 34), by their text without
+    # leading blanks: what we give them, and why
+    "ERROR: 15 GPU[0]: power: Data (usually from reading a file) was not of the type": (
+        "none",
+        None,
+        "labelled gpu_driver_error (rocm-smi could not read a sysfs power file); a monitoring tool's own "
+        "read error says nothing certain about the GPU, and a SEV1 would drain: no rule",
+    ),
+    "W0613 08:28:11.555796    7053 ucx_utils.cpp:43] Unexpected UCX error: Endpoint": (
+        "none",
+        None,
+        "labelled other_network_error; a W-level glog line: by design no WARNING line fires (issue 17 "
+        "item 1); UCX's E-level 'endpoint create failed' does (nccl_net_failure)",
+    ),
+    "Jul 13 21:22:34 RuntimeError: [/var/lib/jenkins/workspace/third_party/gloo/gloo/": _GLOO_CLOSED,
+    "[rank5]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:544": _GLOO_CLOSED,
+    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection cl": _GLOO_CLOSED,
+    "I 09-12 22:49:49 controller.py:545] Cluster is preempted or failed. Recovering..": (
+        "none",
+        None,
+        "labelled lost_connection (SkyPilot's managed-job controller saw its cloud cluster preempted); an "
+        "I-level line of a controller outside the job, already recovering: no INFO line fires",
+    ),
+    "The actor is dead because its owner has died. Owner Id: 01000000ffffffffffffffff": (
+        "lost_connection",
+        "SEV3",
+        "labelled lost_connection SEV1; Ray's report that another node (the actor's owner's) crashed, "
+        "printed by a process that lives on: like Ray's other opinions of a peer (ray_peer_marked_dead), "
+        "SEV3; unicorn's own heartbeats and out-of-band checks decide a drain",
+    ),
+    "AssertionError: Rank 11: found NaN in local grad norm in backward pass before da": _NAN_STATUS,
+    "i.pretrain/0 [default2]:[rank2]: RuntimeError: Rank 2, node dcfai-xe9680-01, dev": _NAN_STATUS,
+    "1883/3455 [===============>..............] - ETA: 2:39:53 - loss: nan     Batch ": _NAN_STATUS,
+    "100/100 [==============================] - 332s 3s/step - loss: nan - val_loss: ": _NAN_PROGRESS,
+    "2024-05-23 23:14:44.399398: W external/tsl/tsl/framework/bfc_allocator.cc:482] A": (
+        "none",
+        None,
+        "labelled other_software_error (the job ran out of GPU memory); TensorFlow's allocator warns at W "
+        "level for an allocation it may retry ('the caller indicates that this is not a failure'): no "
+        "WARNING line fires; the OOM error that follows does (cuda_out_of_memory)",
+    ),
+}
+KNOWN_BLIND11_BENIGN_FIRES: dict[str, str] = {}
 
 SPENT: dict[str, tuple[dict[str, tuple[str, str | None, str]], dict[str, str]]] = {
     # spent blind set -> (its known misses, its known benign fires). Each was spent once a
     # newer blind set existed: its misses were read to write rules (fresh, the 2026-11-25 set,
     # on 2026-11-29; blind2 in session 26; blind3 in session 27; blind4 in session 28; blind5 in
     # session 29; blind6 in session 30; blind7 in session 31; blind8 and blind9 in session 32;
-    # blind10 in session 33), and
+    # blind10 in session 33; blind11 in session 34), and
     # every line now classifies as labelled or as named in these tables.
     "fresh": (KNOWN_FRESH_MISSES, KNOWN_FRESH_BENIGN_FIRES),
     "blind2": (KNOWN_BLIND2_MISSES, KNOWN_BLIND2_BENIGN_FIRES),
@@ -860,6 +911,7 @@ SPENT: dict[str, tuple[dict[str, tuple[str, str | None, str]], dict[str, str]]] 
     "blind8": (KNOWN_BLIND8_MISSES, KNOWN_BLIND8_BENIGN_FIRES),
     "blind9": (KNOWN_BLIND9_MISSES, KNOWN_BLIND9_BENIGN_FIRES),
     "blind10": (KNOWN_BLIND10_MISSES, KNOWN_BLIND10_BENIGN_FIRES),
+    "blind11": (KNOWN_BLIND11_MISSES, KNOWN_BLIND11_BENIGN_FIRES),
 }
 SPENT_LINES = {name: BENCH.load(f"{name}/*-errors") + BENCH.load(f"{name}/*-benign") for name in SPENT}
 
@@ -968,6 +1020,7 @@ def test_bench_prints_one_json_object_without_held_out_lines() -> None:
             "blind9/*",
             "blind10/*",
             "blind11/*",
+            "blind12/*",
         )
         for line in BENCH.load(name)
     }
