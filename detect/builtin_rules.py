@@ -697,20 +697,15 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bFatal error during GPU init\b|\bamdgpu_discovery_init failed\b"
         r"|: probe (?:of \S+|with driver amdgpu) failed with error -\d+"
         r"|\b(?:MES|cp) might be in (?:an? )?unrecoverable state\b"
-        r"|\[Hardware [Ee]rror\]:? Accelerator Check Architecture"
-        # a page fault in VM 0, the driver's own address space (no process: pasid 0)
-        r"|\[(?:gfx|mm)hub\d*\] (?:[\w-]+ )?page fault \(src_id:\d+ ring:\d+ vmid:0 pasid:0\))"
-        # Moore Threads' driver blaming a hung job in its recovery of a core
-        r"|\bMTGPU: .*\bGuilty Lockup\b"
+        r"|\[Hardware [Ee]rror\]:? Accelerator Check Architecture)"
         r"|^HW Exception by GPU node-\d+ .*reason ?:\s*GPU Hang"  # ROCm's runtime
         # (FreeBSD's drm-kmod, or amdgpu built into the kernel: no 'amdgpu' on the line)
         r"|\bmes_v\d+_\d+_\w+\](?:\s+\*ERROR\*)?\s+MES failed to respon(?:d to|se) msg=",
         # amdgpu's soft recovery of a ring timeout worked, or its reset did: the GPU runs on
         "unless": r"\bbut soft recovered\b|\breset succeeded\b",
-        "doc": "a compute GPU's kernel driver other than NVIDIA's (nouveau, amdgpu, mtgpu) reporting an "
-        "MMU fault (nouveau) or a page fault in the driver's own VM (amdgpu vmid 0), a killed channel, "
-        "a ring timeout or a ring that fails its test in a reset, a reset, a guilty lockup (mtgpu), a "
-        "firmware scheduler (MES) or command processor that stopped answering or a hardware "
+        "doc": "a compute GPU's kernel driver other than NVIDIA's (nouveau, amdgpu) reporting an MMU "
+        "fault (nouveau), a killed channel, a ring timeout or a ring that fails its test in a reset, a "
+        "reset, a firmware scheduler (MES) or command processor that stopped answering or a hardware "
         "error (ROCm's runtime: a GPU hang) (not a display or mobile GPU's: a host's integrated graphics "
         "is no reason to drain it)",
     },
@@ -1036,7 +1031,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bLAUNCH ERROR .*\bContainer failed\b|^\s*Container rank \d+ status failed cmd \["
         r"|\bCHILD PROCESS FAILED WITH NO ERROR_FILE\b"  # torchelastic's record of a failed child
         # Kubernetes' container status (kubectl describe): 128 + a signal other than a stop
-        r"|^\s*Exit Code:\s+(?!(?:129|130|143)\b)1(?:29|[3-5]\d)\s*$",
+        # (137, SIGKILL, is also a stop whose grace period ran out)
+        r"|^\s*Exit Code:\s+13[2-69]\s*$",
         "secondary": True,
         "doc": "a launcher reporting that a worker exited with an error (DeepSpeed 'exits with return code "
         "= -9', Accelerate's CalledProcessError 'returned non-zero exit status 1', pdsh)",
@@ -1108,7 +1104,13 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "slurm_request_invalid",
         "status": "other_software_error",
-        "pattern": r"^\s*(?:srun|sbatch|salloc): fatal: |^\s*sbatch: error: Batch job submission failed: "
+        "pattern": r"^\s*(?:srun|sbatch|salloc): fatal: "
+        # sbatch refusing the request itself (not the controller being unreachable)
+        r"|^\s*sbatch: error: Batch job submission failed: (?:Requested time limit is invalid"
+        r"|Invalid (?:account|partition|qos|generic resource|feature|wckey)"
+        r"|Requested node configuration is not available|Job violates accounting/QOS policy"
+        r"|Node count specification invalid|More processors requested than permitted"
+        r"|Memory required by task is not available|Invalid job array specification)"
         r"|\bUnable to create step for job \d+: (?:Invalid (?!job id)"
         r"|Requested node configuration is not available"
         r"|More processors requested than permitted|Memory required by task is not available)",
@@ -1154,8 +1156,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "program_usage_error",
         "status": "other_software_error",
         "pattern": r"^\S+\.py: error: |OutOfResources: out of resource|\bBackendCompilerFailed\b"
-        r"|\bAn error occurred during the runtime of your JAX program!"  # Equinox
-        r"|^\[(?:ERROR|CRITICAL)\] ME\(\d+[,:]"  # MindSpore's front end raising
+        r"|(?:^|\) )An error occurred during the runtime of your JAX program!"  # Equinox
         r"|^Dataset does not exist: ",
         "doc": "the program rejected its arguments (argparse), or a compiler (Triton, Inductor) failed",
     },
@@ -1170,7 +1171,6 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "ray_unhandled_error",
         "status": "other_software_error",
         "pattern": r"Unhandled error \(suppress with '?RAY_IGNORE_UNHANDLED_ERRORS"
-        r"|\bERROR function_runner\.py:\d+ -- Runner Thread raised error\b"
         r"|RayTaskError\b",
         "doc": "Ray reporting an exception a remote task raised and nobody retrieved",
     },

@@ -272,6 +272,8 @@ def _train(cfg: TrainConfig, clock: StartupClock, rank: int, device: torch.devic
         )
     trainer.start_jit(done)
     try:
+        if trainer.store is not None:  # --reuse-microbatches: the survivors' agreement reads it
+            trainer.heartbeat = Heartbeat(trainer.store, rank, cfg.reuse_settle_s / 5)
         iteration, last_saved = _loop(cfg, trainer, rank, done)
     except PeerLost as lost:  # --reuse-microbatches: a peer died in the all-reduce
         return trainer.complete_after_peer_loss(lost)
@@ -367,7 +369,7 @@ class _Trainer:
         self.runner = StepRunner(module, mesh, layout, device, cfg.pp_schedule)
         self.grads = MicroBatchGrads(list(stage.parameters())) if reusing else None
         self.store = job_store() if reusing else None
-        self.heartbeat = None if self.store is None else Heartbeat(self.store, rank, cfg.reuse_settle_s / 5)
+        self.heartbeat: Heartbeat | None = None
         self.state: dict[str, Any] = {"train": TrainState(stage, self.optimizer), "meta": _meta(cfg)}
         self.memory = (
             MemoryCheckpoints(

@@ -156,29 +156,29 @@ def agree_members(
     silent from the start, so ``settle_s`` is then a fixed wait). A missing rank that still
     beats is alive, only slow, and is waited for, at most ``timeout_s`` in all. The first to
     stop waiting writes the ranks registered by then as the member list (``compare_set``:
-    only the first write wins), and every survivor reads that one list. Raises
+    only the first write wins), and every survivor reads that one list (a survivor arriving
+    after it was written stops waiting at once). A missing rank agreeing under another tag
+    (another iteration: its all-reduce of this one completed) is not coming. Raises
     :class:`LeftOut` for a rank not in it. Store operations time out after ``timeout_s``
     (the store is the job's: torchrun's agent).
     """
     keys = PrefixStore(f"{STORE_PREFIX}/{tag}", store)
     keys.set_timeout(timedelta(seconds=timeout_s))
     beats = PrefixStore(f"{STORE_PREFIX}/{_BEAT}", store)
-    beats.set_timeout(timedelta(seconds=timeout_s))
     start = time.monotonic()
+    beats.set(f"at/{rank}", tag)
     keys.set(f"alive/{rank}", "1")
     arrived = keys.add("arrived", 1)
     missing = set(range(world_size)) - {rank}
     moved: dict[int, tuple[int, float]] = {}  # rank -> (its beat count, when this rank saw it change)
-    while arrived < world_size and time.monotonic() - start < timeout_s:
+    poll_s = max(_POLL_S, settle_s / 10)
+    while arrived < world_size and not keys.check(["members"]) and time.monotonic() - start < timeout_s:
         missing = {r for r in missing if not keys.check([f"alive/{r}"])}
         now = time.monotonic()
-        for r in missing:
-            count = beats.add(str(r), 0)
-            if moved.get(r, (None, 0.0))[0] != count:
-                moved[r] = (count, now)
-        if all(now - moved[r][1] >= settle_s for r in missing):
+        silent = [_silent(beats, r, tag, now=now, moved=moved, settle_s=settle_s) for r in missing]
+        if all(silent):  # every missing rank's count updated first (no short circuit)
             break
-        time.sleep(_POLL_S)
+        time.sleep(poll_s)
         arrived = keys.add("arrived", 0)
     alive = [r for r in range(world_size) if keys.check([f"alive/{r}"])]
     agreed = keys.compare_set("members", "", ",".join(map(str, alive))).decode()
@@ -186,6 +186,20 @@ def agree_members(
     if rank not in members:
         raise LeftOut(f"rank {rank} arrived after the survivors {list(members)} agreed")
     return time.monotonic() - start, members
+
+
+def _silent(
+    beats: Store, rank: int, tag: str, *, now: float, moved: dict[int, tuple[int, float]], settle_s: float
+) -> bool:
+    """Whether missing ``rank`` is not coming to agreement ``tag``: it is in another one, or
+    its beat count has not moved for ``settle_s`` since this rank first looked (``moved``
+    keeps the count and when it last changed)."""
+    if beats.check([f"at/{rank}"]) and beats.get(f"at/{rank}").decode() != tag:
+        return True
+    count = beats.add(str(rank), 0)
+    if moved.get(rank, (None, 0.0))[0] != count:
+        moved[rank] = (count, now)
+    return now - moved[rank][1] >= settle_s
 
 
 class Heartbeat:
@@ -215,11 +229,12 @@ class Heartbeat:
         while not self._stopped.wait(self._period_s):
             try:
                 self._keys.add(self._name, 1)
-            except RuntimeError:  # DistStoreError: the store went away, the job is ending
-                return
+            except RuntimeError:  # DistStoreError: a store hiccup or the job ending; beat on
+                continue
 
     def stop(self) -> None:
-        """Stop beating (idempotent); waits for the thread."""
+        """Stop beating (idempotent); waits for the thread, at most the longer of 1 s and
+        four periods (a beat blocked in the store is left to the daemon thread)."""
         self._stopped.set()
         self._thread.join(max(1.0, 4 * self._period_s))
 

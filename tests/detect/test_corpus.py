@@ -880,6 +880,38 @@ KNOWN_BLIND11_MISSES: dict[str, tuple[str, str | None, str]] = {
         "printed by a process that lives on: like Ray's other opinions of a peer (ray_peer_marked_dead), "
         "SEV3; unicorn's own heartbeats and out-of-band checks decide a drain",
     ),
+    "[   34.966247] amdgpu 0000:03:00.0: amdgpu: [gfxhub] page fault (src_id:0 ring:32 vmid:0": (
+        "illegal_memory_access",
+        "SEV2",
+        "labelled gpu_driver_error SEV1 (a page fault in VM 0, the driver's own); a GPU page fault alone "
+        "never drains (amdgpu_vm_fault, as the AMD counterpart of Xid 31): a rule for VM 0 was written, "
+        "then dropped in review (the same fault reads SEV2 in the kernel's older format)",
+    ),
+    "[234620.919572] MTGPU:  550:   Recovery 1: Core = 1, PID = 21057, frame = 0, HWRTDa": (
+        "none",
+        None,
+        "labelled gpu_driver_error; a 'guilty lockup' is the driver blaming one job's hang as it recovers "
+        "the core (the GPU goes on): a rule was written, then dropped in review",
+    ),
+    "Exit Code:    137": (
+        "none",
+        None,
+        "labelled exited_abnormally (a container killed); Kubernetes also reports 137 for an ordinary stop "
+        "whose grace period ran out: only the crash signals (132-136, 139) are read",
+    ),
+    "(TrainTrainable pid=96138) 2022-03-22 10:41:28,079\tERROR function_runner.py:281": (
+        "none",
+        None,
+        "labelled other_software_error; Ray Tune catches its trainable's error itself (the trial is marked "
+        "ERROR and retried, the sweep goes on): a rule was written, then dropped in review",
+    ),
+    "[ERROR] ME(32429,python):2020-04-03-10:53:16.561.678 [mindspore/ccsrc/operator": (
+        "other_software_error",
+        "SEV3",
+        "labelled other_software_error SEV2; an ERROR-level line of MindSpore's log: the level alone is "
+        "SEV3 (error_level_line), as for every framework's log; a rule for MindSpore's ERROR lines was "
+        "written, then dropped in review (it read worker restarts as failures)",
+    ),
     "AssertionError: Rank 11: found NaN in local grad norm in backward pass before da": _NAN_STATUS,
     "i.pretrain/0 [default2]:[rank2]: RuntimeError: Rank 2, node dcfai-xe9680-01, dev": _NAN_STATUS,
     "1883/3455 [===============>..............] - ETA: 2:39:53 - loss: nan     Batch ": _NAN_STATUS,
