@@ -86,6 +86,7 @@ from launcher.trainer.parallel import (
     replica_names,
 )
 from launcher.trainer.reuse import (
+    BEATS_PER_SETTLE,
     REUSED_EXIT_CODE,
     Heartbeat,
     MicroBatchGrads,
@@ -273,7 +274,7 @@ def _train(cfg: TrainConfig, clock: StartupClock, rank: int, device: torch.devic
     trainer.start_jit(done)
     try:
         if trainer.store is not None:  # --reuse-microbatches: the survivors' agreement reads it
-            trainer.heartbeat = Heartbeat(trainer.store, rank, cfg.reuse_settle_s / 5)
+            trainer.heartbeat = Heartbeat(trainer.store, rank, cfg.reuse_settle_s / BEATS_PER_SETTLE)
         iteration, last_saved = _loop(cfg, trainer, rank, done)
     except PeerLost as lost:  # --reuse-microbatches: a peer died in the all-reduce
         return trainer.complete_after_peer_loss(lost)

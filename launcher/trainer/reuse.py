@@ -65,7 +65,10 @@ REUSED_EXIT_CODE: Final = 4
 data-parallel peer died: restart the task from the newest version."""
 STORE_PREFIX: Final = "unicorn-reuse"
 _POLL_S: Final = 0.01
-_BEAT: Final = "beat"
+_BEATS: Final = f"{STORE_PREFIX}/beat"
+BEATS_PER_SETTLE: Final = 5
+"""Heartbeats a rank sends per ``settle_s``: the trainer's period is ``settle_s / 5``, well
+under the silence that marks a rank dead."""
 
 
 class PeerLost(Exception):
@@ -164,7 +167,7 @@ def agree_members(
     """
     keys = PrefixStore(f"{STORE_PREFIX}/{tag}", store)
     keys.set_timeout(timedelta(seconds=timeout_s))
-    beats = PrefixStore(f"{STORE_PREFIX}/{_BEAT}", store)
+    beats = PrefixStore(_BEATS, store)
     start = time.monotonic()
     beats.set(f"at/{rank}", tag)
     keys.set(f"alive/{rank}", "1")
@@ -211,13 +214,14 @@ class Heartbeat:
     until a peer frees its group) reaches the agreement late; its main thread cannot say it
     is alive, but a thread beats while torch computes without the GIL, and a dead rank's
     counter stands still. ``period_s`` must be well under the agreement's ``settle_s`` (the
-    trainer uses a fifth). The store client serialises the thread's and the main thread's
-    operations; one small ``add`` per period per rank is the load on torchrun's store."""
+    trainer uses ``settle_s /`` :data:`BEATS_PER_SETTLE`). The store client serialises the
+    thread's and the main thread's operations; one small ``add`` per period per rank is the
+    load on torchrun's store."""
 
     def __init__(self, store: Store, rank: int, period_s: float) -> None:
         if period_s <= 0:
             raise ValueError(f"the heartbeat period must be positive, got {period_s}")
-        self._keys = PrefixStore(f"{STORE_PREFIX}/{_BEAT}", store)
+        self._keys = PrefixStore(_BEATS, store)
         self._name = str(rank)
         self._period_s = period_s
         self._stopped = threading.Event()

@@ -83,9 +83,23 @@ def test_lost_replicas_microbatches_are_split_once_over_the_survivors(
 # --- the survivors' agreement ------------------------------------------------------------------
 
 
-def _agree(store: Any, rank: int, settle_s: float, out: dict[int, object]) -> None:
+def _agree(
+    store: Any,
+    rank: int,
+    settle_s: float,
+    out: dict[int, object],
+    *,
+    world_size: int = 4,
+    tag: str = "7",
+    delay_s: float = 0.0,
+    timeout_s: float = 10.0,
+) -> None:
+    """Rank ``rank`` joins agreement ``tag`` after ``delay_s``; its result (or LeftOut) goes to ``out``."""
+    time.sleep(delay_s)
     try:
-        out[rank] = agree_members(store, tag="7", rank=rank, world_size=4, settle_s=settle_s, timeout_s=10)
+        out[rank] = agree_members(
+            store, tag=tag, rank=rank, world_size=world_size, settle_s=settle_s, timeout_s=timeout_s
+        )
     except LeftOut as exc:
         out[rank] = exc
 
@@ -104,19 +118,6 @@ def test_survivors_agree_on_one_member_list_and_a_latecomer_is_left_out() -> Non
     assert all(0.25 <= waited < 5 for waited, _ in lists.values())  # rank 2 never came
     _agree(store, 2, 0.3, out)  # rank 2 was only late: the others went on without it
     assert isinstance(out[2], LeftOut)
-
-
-def _agree_late(
-    store: Any, rank: int, world_size: int, delay_s: float, out: dict[int, object], tag: str = "9"
-) -> None:
-    time.sleep(delay_s)
-    try:
-        agreed = agree_members(
-            store, tag=tag, rank=rank, world_size=world_size, settle_s=SETTLE_S, timeout_s=20
-        )
-        out[rank] = agreed
-    except LeftOut as exc:
-        out[rank] = exc
 
 
 SETTLE_S = 1.0
@@ -144,7 +145,14 @@ def test_a_slow_survivor_that_still_beats_is_waited_for_and_a_silent_one_is_not(
     delays = {0: 0.0, 1: 0.0, 3: 0.0, 2: 2.5}
     try:
         _run_all(
-            [threading.Thread(target=_agree_late, args=(store, r, 5, d, out)) for r, d in delays.items()]
+            [
+                threading.Thread(
+                    target=_agree,
+                    args=(store, r, SETTLE_S, out),
+                    kwargs=dict(world_size=5, delay_s=d, timeout_s=20),
+                )
+                for r, d in delays.items()
+            ]
         )
     finally:
         slow.stop()
@@ -165,8 +173,19 @@ def test_a_rank_agreeing_on_another_iteration_is_not_waited_for() -> None:
     try:
         _run_all(
             [
-                threading.Thread(target=_agree_late, args=(store, 2, 3, 0.0, other, "10")),
-                *(threading.Thread(target=_agree_late, args=(store, r, 3, 0.3, out)) for r in (0, 1)),
+                threading.Thread(
+                    target=_agree,
+                    args=(store, 2, SETTLE_S, other),
+                    kwargs=dict(world_size=3, tag="10", timeout_s=20),
+                ),
+                *(
+                    threading.Thread(
+                        target=_agree,
+                        args=(store, r, SETTLE_S, out),
+                        kwargs=dict(world_size=3, tag="9", delay_s=0.3, timeout_s=20),
+                    )
+                    for r in (0, 1)
+                ),
             ]
         )
     finally:
