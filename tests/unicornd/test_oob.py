@@ -7,6 +7,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -122,9 +123,9 @@ def test_find_agents_matches_job_and_node_only(tmp_path: Path) -> None:
         assert [a.pid for a in found] == [procs[0].pid]
         assert found[0].state in ("sleeping", "running", "disk-wait")
         os.kill(procs[0].pid, 19)  # SIGSTOP
-        for _ in range(100):
-            if find_agents(7, "n2")[0].state == "stopped":
-                break
+        deadline = time.monotonic() + 10
+        while find_agents(7, "n2")[0].state != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert find_agents(7, "n2")[0].state == "stopped"
     finally:
         for p in procs:
