@@ -730,6 +730,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "amdgpu_vm_fault",
         "status": "illegal_memory_access",
         "pattern": r"\bamdgpu\b.*(?:\[(?:gfx|mm)hub\d*\] (?:[\w-]+ )?page fault\b|VM_L2_PROTECTION_FAULT)"
+        # the fault report's second line, naming the faulting process (the driver's own VM names none)
+        r"|\bamdgpu:\s+for process \S+ pid [1-9]\d* thread \S+ pid [1-9]\d*\)"
         r"|^Memory access fault by GPU node-\d+"  # ROCm's runtime, as the process aborts
         r"|\bHSA_STATUS_ERROR_MEMORY_(?:APERTURE_VIOLATION|FAULT)\b",
         "doc": "a GPU page fault of one process's address space (amdgpu logs the vmid/pasid of the faulting "
@@ -757,13 +759,14 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "cuda_out_of_memory",
         "status": "other_software_error",
         "pattern": r"CUDA out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|"
-        r"CUBLAS_STATUS_ALLOC_FAILED|CUDA(?:RT)? error: out of memory|Cuda failure '?out of memory|"
+        r"CUBLAS_STATUS_ALLOC_FAILED|CUDA(?:RT| driver)? error: out of memory|Cuda failure '?out of memory|"
         r"Failed to CUDA calloc|^GPUassert: out of memory\b"
         r"|\bFailed during cuda\w+: out of memory\b|\bHSA_STATUS_ERROR_OUT_OF_RESOURCES\b"
         r"|\bHIP error: out of memory\b|\bhipErrorOutOfMemory\b"
         r"|\b(?:Resource exhausted|RESOURCE_EXHAUSTED): "
         r"(?:Failed to allocate request for|Out of memory while trying to allocate"
-        r"|Attempting to reserve \S+ at the bottom of memory)\b"
+        r"|Attempting to reserve \S+ at the bottom of memory"
+        r"|Attempting to allocate \S+\. That was not possible\.)"  # XLA on a TPU's HBM
         r"|\bCheck failed: \w+ == (?:cuda|hip)Success \(2 vs\. 0\)",
         # Ray's memory monitor: host memory, a process it killed (host_oom_kill); XLA's autotuner
         # trying an algorithm that does not fit, then another (training goes on)
@@ -914,7 +917,13 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bWorker proc \S+ died unexpectedly\b"  # vLLM's multiprocessing executor
         r"|Executor got fatal signal from worker processes\b"
         r"|\bterminated with an error exit status \([1-9]\d*\)"  # Nextflow's
-        r"|\bThe exit status of the task that caused the workflow execution to fail was: [1-9]",
+        r"|\bThe exit status of the task that caused the workflow execution to fail was: [1-9]"
+        r"|\brunning the test CRASHED with signal (?:4|6|7|8|9|11)\b"  # pytest-forked
+        r"|^LAUNCH INFO [\d-]+ [\d:,]+ Pod failed\s*$"  # PaddlePaddle's launcher
+        # Kubeflow's training operator
+        r"|\b(?:TF|PyTorch|MPI|XGBoost|Paddle|MX|JAX)Job \S+ has failed because \d+ \w+ replica\(s\) failed\b"
+        # dramatiq's (and its kind's) supervisor: a worker killed, not stopped (-15, -2, -1)
+        r"|\bWorker with PID \d+ exited unexpectedly \(code (?!-(?:1|2|15)\))-?[1-9]\d*\)",
         "unless": r"-- (?:Execution is retried|Error is ignored)\b",  # Nextflow goes on
         "secondary": True,
         "doc": "a launcher reporting that a worker it started exited with an error",
@@ -1096,7 +1105,11 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|^\s*FATAL:\s+(?:container creation failed: "
         r"|while extracting \S+: root filesystem extraction failed)"
         r"|^ERROR\s+: Failed to create user namespace\b"  # Apptainer/Singularity
-        r"|^docker: Error response from daemon: ",
+        r"|^docker: Error response from daemon: "
+        r"|\bspank: required plugin spank_pyxis\.so: \w+\(\) failed\b"  # pyxis, the container plugin
+        # Docker without the NVIDIA container toolkit; 'docker start' refusing
+        r"|^Error response from daemon: could not select device driver \S* with capabilities: "
+        r"|^Error: failed to start containers: ",
         "doc": "the job's container could not be created or started (pyxis/enroot under Slurm, Apptainer): "
         "an image, mount or permission problem of the job's setup, not the node's hardware; SEV2, and "
         "the ladder stops the task when a restart meets the same error",
@@ -1205,7 +1218,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|First PG on this rank that detected no heartbeat of its watchdog"
         r"|ran for \d+ milliseconds before timing out"
         r"|gloo/transport/\S+\] TIMEOUT\b"  # gloo's pair timing out on a peer
-        r"|failure detected by watchdog at work sequence id",
+        r"|failure detected by watchdog at work sequence id"
+        # Ascend's HCCL: a peer did not send its data in time (EI0006, its socket timeout)
+        r"|\bEI0006: .*\bGetting socket times out\b",
         "doc": "the NCCL watchdog found a collective that failed or timed out, and takes the process down",
     },
     {
@@ -1320,6 +1335,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bCheck failed: .*\bIBV_WC_SUCCESS\b"  # a failed RDMA work completion (glog's CHECK)
         r"|\bmlx5_\w+(?:/\d+)?: QP \d+ error: "  # the mlx5 kernel driver's queue pair error
         r"|\bUCX endpoint create failed\b"
+        # Huawei's HCCL (Ascend) failing to set up RDMA or a socket to a peer
+        r"|^\[ERROR\] HCCL\(\d+,[^)]*\):\S+ \[\w+\.cc:\d+\] .*\b(?:rdma init fail|socket establish timeout)\b"
+        # Mooncake's transfer engine (KV-cache transfer over RDMA), at E level
+        r"|^E\d{4} [\d:.]+\s+\d+ (?:rdma_transport|rdma_context|rdma_endpoint|worker_pool)\.cpp:\d+\] "
         r"|Bootstrap : no socket interface found|\bWARN Socket creation failed|is neither AF_INET",
         "ignore_case": True,
     },
@@ -1346,7 +1365,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "nic_tx_hang",
         "status": "other_network_error",
-        "pattern": r"Detected (?:Hardware|Tx) Unit Hang"
+        "pattern": r"Detected (?:Hardware|Tx) Unit Hang|\bNETDEV WATCHDOG: .*\btransmit queue \d+ timed out\b"
         r"|\befa(?:_\d+| [0-9a-f:.]+ \w+): Failed to process command\b",
         "doc": "a NIC driver (e1000e, igb, ixgbe) found its transmit unit hung; the link stalls until the "
         "driver resets the adapter; or EFA's device failed an admin command (the adapter's firmware)",
@@ -1409,11 +1428,19 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "arrow_exception",
         "status": "other_software_error",
         "pattern": r"\bArrow(?:Invalid|TypeError|NotImplementedError|IOError|KeyError|IndexError|MemoryError"
-        r"|CapacityError|SerializationError|Cancelled): "
+        r"|CapacityError|SerializationError|Cancelled)(?:'>)?: "
         r"|(?:^|\.)EnforceNotMet: ",  # PaddlePaddle's failed PADDLE_ENFORCE
         "generic": True,
         "doc": "pyarrow's exceptions (a dataset that does not parse: 'pyarrow.lib.ArrowInvalid: JSON parse "
         "error') and PaddlePaddle's EnforceNotMet, whose names python_exception's pattern does not cover",
+    },
+    {
+        "name": "glog_check_failed",
+        "status": "other_software_error",
+        "pattern": r"^F\d{4} [\d:.]+\s+\d+ [\w.-]+\.(?:cc|cpp|h):\d+\] Check failed: ",
+        "generic": True,
+        "doc": "a failed CHECK at glog's FATAL level (XLA, TensorFlow, PaddlePaddle): the framework aborts "
+        "the process on its own invariant; rules for a CUDA status or an RDMA completion come first",
     },
     {
         "name": "python_exception",
@@ -1477,10 +1504,11 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "hydra_job_error",
         "status": "other_software_error",
-        "pattern": r"^Error executing job with overrides: \[",
+        "pattern": r"^Error executing job with overrides: \["
+        r"|\bAn error has been caught in function '[^']+', process '",  # loguru's @logger.catch
         "generic": True,
         "doc": "Hydra's report that the training function raised (the exception follows, or is "
-        "hidden until HYDRA_FULL_ERROR=1)",
+        "hidden until HYDRA_FULL_ERROR=1), or loguru's that a function it watches raised",
     },
     {
         "name": "error_level_line",

@@ -270,7 +270,6 @@ _SHUTDOWN_NOISE = (
 KNOWN_BLIND3_MISSES: dict[str, tuple[str, str | None, str]] = {
     "The node with client ID 1eadc9db2f074bfec34caf25dd5bf1f99fad0d59 has been marked dead": _RAY_DEAD,
     "2023-08-16 16:27:36 ERROR [__main__] main failed": _LEVEL_ONLY,
-    "2022-07-06 10:48:08 | ERROR | yolox.core.launch:98": _LEVEL_ONLY,
     # blind3 lines (the third blind set, read for rules in session 27), by their text without
     # leading blanks: what we give them, and why
     "D D D D D D D D D D D D": (
@@ -823,9 +822,6 @@ KNOWN_BLIND10_MISSES: dict[str, tuple[str, str | None, str]] = {
         "SEV3",
         "labelled nccl_timeout; a TCPStore wait that timed out, which the corpus labels other_network_error "
         "elsewhere (socket_failure): the same severity",
-    ),
-    "[2025-11-06T20:36:19.163] [19.0] error: spank: required plugin spank_pyxis.so: task_init()": (
-        _SAME_SEVERITY_SOFTWARE
     ),
     "srun: error: Task launch for 36.0 failed on node cn131: Job credential expired": (
         "exited_abnormally",

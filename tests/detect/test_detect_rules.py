@@ -207,6 +207,11 @@ STILL_EVIDENCE = [
 # Constructed examples (usual formats, not copied from a thread) of line rules that no
 # real line above or in the corpus's train half exercises yet.
 UNIT_EXAMPLES = [
+    # session 35: glog's FATAL CHECK (XLA, TensorFlow), no CUDA status or RDMA completion in it
+    (
+        "F1105 08:12:44.120934  1234 hlo_instruction.cc:412] Check failed: operand != nullptr",
+        "glog_check_failed",
+    ),
     # review of session 29's rules: systemd's capitalised form, GPUassert's out of memory is the
     # job's, the older kernels' spelling of amdgpu's RAS header
     ("train.service: Main process exited, code=dumped, status=11/SEGV", "process_aborted"),
