@@ -27,13 +27,17 @@ def test_one_leader_and_a_standby_that_takes_over_with_a_newer_token(redis_url: 
         a, b = Lease(client, KEYS, CFG, "head-a"), Lease(client, KEYS, CFG, "head-b")
         assert await a.acquire() == 1
         assert await b.try_acquire() == 0 and await a.try_acquire() == 1  # renewal keeps the token
+        keeping = asyncio.create_task(a.keep())
         waiting = asyncio.create_task(b.acquire())
-        await asyncio.sleep(0.15)
-        assert await election(client, KEYS) == ("head-a", 1, ["head-b"])
-        stopped = time.monotonic()  # a stops renewing (dead, hung or cut off)
-        assert await asyncio.wait_for(waiting, 5) == 2
+        deadline = time.monotonic() + 10
+        while (seen := await election(client, KEYS)) != ("head-a", 1, ["head-b"]):
+            assert time.monotonic() < deadline and not keeping.done(), seen
+            await asyncio.sleep(0.02)
+        keeping.cancel()  # a stops renewing (dead, hung or cut off)
+        stopped = time.monotonic()
+        assert await asyncio.wait_for(waiting, 10) == 2
         took = time.monotonic() - stopped
-        assert took <= CFG.lease_s + CFG.lease_s / 3 + 0.2, took
+        assert took <= CFG.lease_s + CFG.lease_s / 3 + 2.0, took
         assert await election(client, KEYS) == ("head-b", 2, [])
         with pytest.raises(LeaseLost):
             await a.check()
@@ -66,8 +70,7 @@ def test_renewal_notices_a_lost_lease_and_a_clean_stop_hands_over_at_once(redis_
         a, b = Lease(client, KEYS, CFG, "head-a"), Lease(client, KEYS, CFG, "head-b")
         await a.acquire()
         await a.release()
-        started = time.monotonic()
-        assert await b.acquire() == 2 and time.monotonic() - started < 0.1, "no wait for the lease to run out"
+        assert await b.try_acquire() == 2, "no wait for the lease to run out"
         with pytest.raises(LeaseLost, match="lost the lease"):
             await asyncio.wait_for(a.keep(), 5)
 
