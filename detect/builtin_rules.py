@@ -460,9 +460,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "srun_forcing_termination",
         "status": "none",
-        "pattern": r"^srun: forcing job termination\s*$",
-        "doc": "srun ending the step after a task failed (its own line names it) or a second interrupt: "
-        "a reaction, not evidence",
+        "pattern": r"^srun: forcing job termination\s*$"
+        r"|(?:^|\s)srun: Force Terminated (?:job \d+|StepId=[\d.]+)\s*$",
+        "doc": "srun ending the step after a task failed (its own line names it) or a second interrupt "
+        "or a cancel ('Force Terminated job 6050'): a reaction, not evidence",
     },
     {
         "name": "nccl_no_ib_fallback",
@@ -989,8 +990,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "torchelastic_worker_failed",
         "status": "exited_abnormally",
         "pattern": r"failed \(exitcode: -?\d+\) local_rank: \d+|ChildFailedError|"
-        r"process \d+ terminated with exit code [1-9]|SignalException: Process \d+ got signal|"
-        r"Force Terminated (?:job|step)"
+        r"process \d+ terminated with exit code [1-9]|SignalException: Process \d+ got signal"
         r'|"name": "torchelastic\.worker\.status\.FAILED"',
         "secondary": True,
         "doc": "torchrun reporting a worker's death; the worker's own output says why",

@@ -994,12 +994,12 @@ KNOWN_BLIND12_MISSES: dict[str, tuple[str, str | None, str]] = {
     ),
     "The node with node id: 75b2eec8a61cdafd37cc8072b1caf9abdeef9c4e74a4f24d5dfce28d and ip: 1": _RAY_DEAD,
     "DEADLINE_EXCEEDED: Deadline Exceeded": _GRPC_NOISE,
-    "details = \"failed to connect to all addresses\"": _GRPC_NOISE,
+    'details = "failed to connect to all addresses"': _GRPC_NOISE,
     "ERROR:tensorflow:Remote function on worker /job:worker/replica:0/task:1 failed with Unava": (
         "other_software_error",
         "SEV3",
-        "labelled other_network_error; gRPC's 'failed to connect to all addresses' gets no rule (_GRPC_NOISE), "
-        "so the ERROR level alone: SEV3 (error_level_line), the same severity",
+        "labelled other_network_error; gRPC's 'failed to connect to all addresses' gets no rule "
+        "(_GRPC_NOISE), so the ERROR level alone: SEV3 (error_level_line), the same severity",
     ),
 }
 KNOWN_BLIND12_BENIGN_FIRES: dict[str, str] = {}

@@ -98,6 +98,8 @@ BENIGN_LINES = [
 # Precision: what a line says when it is *not* evidence (issue 17 item 1). Constructed in
 # the usual formats (the corpus holds the real ones); each must be benign.
 NOT_EVIDENCE = [
+    # srun's reaction to a cancel or a second interrupt (session 35: a rule read it as a death)
+    ("srun: Force Terminated job 81234", "srun_forcing_termination"),
     ("        Double Bit ECC                    : 0", "zero_count"),
     (
         "[b8/e9892b] NOTE: Process `X (1)` terminated with an error exit status (137) "
