@@ -3,6 +3,7 @@ processes standing in for the old agent."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -36,6 +37,17 @@ def old_agent(procs: list[subprocess.Popen[str]], code: str) -> subprocess.Popen
     assert p.stdout is not None and p.stdout.readline() == "up\n"  # its handler is installed
     procs.append(p)
     return p
+
+
+def claiming(run_dir: Path) -> bool:
+    """Whether a claim holds ``run_dir``'s lock."""
+    with (run_dir / supersede.LOCKFILE).open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        return False
 
 
 def test_a_new_agent_stops_the_old_one_gracefully_and_takes_its_place(
@@ -101,7 +113,10 @@ def test_of_two_agents_started_at_once_the_later_ends_the_earlier(
     supersede.claim(tmp_path, 5.0, pid=first.pid)
     with ThreadPoolExecutor(2) as pool:
         ending_first = pool.submit(supersede.claim, tmp_path, 1.0, pid=second.pid)
-        time.sleep(0.3)  # the second claim is waiting out the stubborn first agent
+        deadline = time.monotonic() + 10
+        while not claiming(tmp_path):  # the second claim is waiting out the stubborn first agent
+            assert time.monotonic() < deadline and not ending_first.done()
+            time.sleep(0.01)
         ending_second = pool.submit(supersede.claim, tmp_path, 5.0, pid=third.pid)
         assert ending_first.result(timeout=30) == first.pid
         assert ending_second.result(timeout=30) == second.pid

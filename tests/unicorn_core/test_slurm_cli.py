@@ -23,7 +23,7 @@ def tool(bin_dir: Path, name: str, body: str) -> None:
 
 async def test_hung_slurm_command_times_out(tmp_path: Path) -> None:
     tool(tmp_path, "sinfo", "echo '{\"nodes\": ['; sleep 30")
-    slurm = CliSlurm(timeout_s=0.3, bin_dir=tmp_path)
+    slurm = CliSlurm(timeout_s=3, bin_dir=tmp_path)  # time to print the first line, even loaded
     with pytest.raises(CommandTimeout) as ei:
         await slurm.list_nodes()
     assert ei.value.command == (str(tmp_path / "sinfo"), "--json")

@@ -295,7 +295,7 @@ async def test_command_errors_are_returned_not_raised(
     plain = tmp_path / "notify"
     plain.write_text("#!/bin/sh\n")
     command = tuple(c.format(not_executable=plain) for c in command)
-    sink = AlertSink(AlertsConfig(command=command, timeout_s=0.5))
+    sink = AlertSink(AlertsConfig(command=command, timeout_s=3.0))
     (alert,) = _alerts(1)
     result = await sink.deliver(alert)
     assert not result.ok and isinstance(result.errors[0], error), result.errors
@@ -314,14 +314,15 @@ async def test_queue_is_bounded_and_drops_the_oldest(tmp_path: Path) -> None:
 
 async def test_run_delivers_in_the_background_until_cancelled(receiver: Receiver) -> None:
     import asyncio
+    import time
 
     sink = AlertSink(AlertsConfig(webhook_url=f"http://127.0.0.1:{receiver.port}/"))
     runner = asyncio.create_task(sink.run())
     alerts = _alerts(2)
     sink.submit(alerts)
-    for _ in range(200):
-        if sink.delivered == len(alerts):
-            break
+    deadline = time.monotonic() + 30
+    while sink.delivered < len(alerts):
+        assert time.monotonic() < deadline and not runner.done(), sink.delivered
         await asyncio.sleep(0.01)
     runner.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -35,7 +35,7 @@ async def test_a_task_that_loses_one_cancellation_is_cancelled_again() -> None:
     t0 = asyncio.get_running_loop().time()
     assert await cancel_all([lossy, plain], 10.0) == set()
     assert lossy.cancelled() and plain.cancelled() and ended == ["second"]
-    assert asyncio.get_running_loop().time() - t0 < 2 * RECANCEL_S + 0.5
+    assert asyncio.get_running_loop().time() - t0 < 2 * RECANCEL_S + 3.0  # well before the 10 s limit
 
 
 async def test_a_task_that_never_ends_is_returned_after_the_limit() -> None:
@@ -44,7 +44,7 @@ async def test_a_task_that_never_ends_is_returned_after_the_limit() -> None:
     await asyncio.sleep(0)
     t0 = asyncio.get_running_loop().time()
     assert await cancel_all([stubborn], 1.2) == {stubborn}
-    assert 1.2 <= asyncio.get_running_loop().time() - t0 < 2.0
+    assert 1.2 <= asyncio.get_running_loop().time() - t0 < 5.0
     until.set()  # leave no task behind the test
     stubborn.cancel()
     await asyncio.wait([stubborn], timeout=5)

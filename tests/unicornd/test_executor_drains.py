@@ -165,7 +165,7 @@ async def test_a_requeue_waiting_for_its_job_to_start_lets_later_allocation_chan
     them waited 7 minutes. A requeue holds the allocation only until its job is placed; a
     second requeue of the same job still waits for the first (the job is its resource)."""
     slurm = FakeSlurm(["n1", "n2", "n3", "n4"], jobs=[running_job(7, ("n1", "n2")), running_job(8, ("n3",))])
-    slurm.requeue_start_s = 3.0
+    slurm.requeue_start_s = 10.0  # far longer than committing, taking up and placing all four, even loaded
     actions = (
         Requeue("r/7", "t7", 7, ("n1", "n2")),
         Requeue("r/8", "t8", 8, ("n3",)),
@@ -175,12 +175,16 @@ async def test_a_requeue_waiting_for_its_job_to_start_lets_later_allocation_chan
     async with running_daemon(slurm, redis_url, PREFIX) as daemon:
         t0 = time.monotonic()
         await daemon.core.decide(time.time(), lambda _s: Decision(actions=actions))
-        await until(lambda: any(c[0] == "drain" and c[1] == "n4" for c in slurm.calls), 10)
+        await until(lambda: any(c[0] == "drain" and c[1] == "n4" for c in slurm.calls), 30)
         placed_all = time.monotonic() - t0
         assert placed_all < slurm.requeue_start_s, placed_all  # before the first requeue's wait ended
         requeues = [c for c in slurm.calls if c[0] == "requeue"]
         assert [c[1] for c in requeues] == [7, 8]  # 7 again waits for 7's first requeue
-        await until(lambda: not daemon.executor.in_flight(), 20)
+        slurm.requeue_start_s = 0.0  # the waits under way go on; 7 again need not wait 10 s more
+        # 7 again: two waits in a row; nothing is in flight between 7's end and its start
+        await until(
+            lambda: sum(c[0] == "requeue" for c in slurm.calls) == 3 and not daemon.executor.in_flight(), 60
+        )
     assert [c[1:] for c in slurm.calls if c[0] == "requeue"] == [
         (7, ("n1", "n2")),
         (8, ("n3",)),

@@ -287,7 +287,8 @@ async def test_an_ended_step_is_forgotten_unless_a_later_launch_replaced_it(
     entry for every node a job ever ran an agent on. A step that ends, within the launch
     watch or after it, is forgotten; a running one, or one that replaced it, stays."""
     monkeypatch.setattr("unicornd.executor.LAUNCH_WATCH_S", 0.2)
-    slurm = _ExitingSlurm({"n1": ("true",), "n2": ("sleep", "0.6"), "n3": ("sleep", "30")})
+    # n2's step ends after the watch and after n3's launch, n3's runs on
+    slurm = _ExitingSlurm({"n1": ("true",), "n2": ("sleep", "3"), "n3": ("sleep", "30")})
     async with running_daemon(slurm, redis_url, PREFIX, exits_cleanly=False) as daemon:
         steps = daemon.executor.steps
         try:

@@ -448,9 +448,9 @@ async def test_a_job_takes_the_step_time_of_the_layout_unicornd_committed(redis_
         jobs = [AGENTS.Job(job_id, task.task_id, task.nodes, 8, 100, old_s, 512)]
         f = fleet(client, jobs, step_time=BENCH.step_time_of(ctx, 8))
         f.on_slurm(SLURM.SlurmEvent(1.0, "launch", job_id, task.nodes, "plan-2/x/launch"))
-        for _ in range(100):
-            if not f._layout_reads:
-                break
+        deadline = time.monotonic() + 20
+        while f._layout_reads:
+            assert time.monotonic() < deadline, "the layout read did not end"
             await asyncio.sleep(0.02)
         assert f.jobs[job_id].iter_s == new_s and f.step_time_changes == 1
     finally:
