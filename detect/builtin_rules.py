@@ -469,8 +469,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "nccl_no_ib_fallback",
         "status": "none",
         "pattern": r"NCCL WARN Failed to open libibverbs"
-        r"|NCCL WARN Missing \"\w+=\w+\" from kernel command line",  # RCCL's start-up advisory
-        "doc": "NCCL found no InfiniBand verbs library and uses sockets instead: a setup notice, not a fault",
+        r"|NCCL WARN Missing \"\w+=\w+\" from kernel command line"  # RCCL's start-up advisory
+        r"|NCCL WARN Could not find a path for pattern \d+, falling back to simple order\b",
+        "doc": "NCCL found no InfiniBand verbs library and uses sockets instead, or its topology search "
+        "settles for a simpler ring: a setup notice, not a fault",
     },
     # 2. NVIDIA Xid codes
     *_XID_RULES,
@@ -701,7 +703,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\[Hardware [Ee]rror\]:? Accelerator Check Architecture)"
         r"|^HW Exception by GPU node-\d+ .*reason ?:\s*GPU Hang"  # ROCm's runtime
         # (FreeBSD's drm-kmod, or amdgpu built into the kernel: no 'amdgpu' on the line)
-        r"|\bmes_v\d+_\d+_\w+\](?:\s+\*ERROR\*)?\s+MES failed to respon(?:d to|se) msg=",
+        r"|\bmes_v\d+_\d+_\w+\](?:\s+\*ERROR\*)?\s+MES failed to respon(?:d to|se) msg="
+        r"|\[drm:amdgpu_mes_\w+ \[amdgpu\]\] \*ERROR\* failed to ",  # the firmware scheduler stopped
         # amdgpu's soft recovery of a ring timeout worked, or its reset did: the GPU runs on
         "unless": r"\bbut soft recovered\b|\breset succeeded\b",
         "doc": "a compute GPU's kernel driver other than NVIDIA's (nouveau, amdgpu) reporting an MMU "
@@ -760,7 +763,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "cuda_out_of_memory",
         "status": "other_software_error",
         "pattern": r"CUDA out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|"
-        r"CUBLAS_STATUS_ALLOC_FAILED|CUDA(?:RT| driver)? error: out of memory|Cuda failure '?out of memory|"
+        r"CUBLAS_STATUS_ALLOC_FAILED|CUDA(?:RT| driver)? [Ee]rror: out of memory|"
+        r"Cuda failure '?out of memory|"
+        r"\bOut of memory error on GPU \d+\. Cannot allocate\b|"  # PaddlePaddle's
         r"Failed to CUDA calloc|^GPUassert: out of memory\b"
         r"|\bFailed during cuda\w+: out of memory\b|\bHSA_STATUS_ERROR_OUT_OF_RESOURCES\b"
         r"|\bHIP error: out of memory\b|\bhipErrorOutOfMemory\b"
@@ -828,6 +833,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|^GPUassert: |\bTHCudaCheck FAIL\b"  # the usual CUDA check macro, legacy PyTorch's
         r"|Exception raised from create\w*Handle\b"  # c10's context line: a handle pool's CUDA call failed
         r"|Failed to (?:create CUDA context|load CUDA kernel)\b"
+        r"|\bFailed to create cu(?:solver|blas|dnn|sparse|fft|rand)\w*(?: dn)? handle\b"  # MindSpore's
         r"|\bFailed during cuda[A-Z]\w*: "  # a GPU test's report of a failed CUDA call
         r"|\bHSA_STATUS_ERROR_\w+"  # ROCm's runtime: the HIP counterpart of a CUDA error
         # glog's FATAL line from a CUDA source file (TensorFlow's stream executor), which aborts
@@ -956,6 +962,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|ActorDiedError|RayActorError|WorkerCrashedError|The actor died unexpectedly"
         r"|\bA worker process managed by the executor was unexpectedly terminated\b"  # joblib/loky
         r"|\bCrashLoopBackOff\b"  # Kubernetes: the container keeps dying
+        # Kubernetes evicting the pod (kubectl describe): the kubelet killed it for the node's pressure
+        r"|^\s*Reason:\s+Evicted\s*$|^\s*(?:Message:\s+)?The node was low on resource: \w[\w-]*\.?"
         r"|\bjob exceeded wallclock limit\b"  # Moab/Torque killed the job at its time limit
         # LSF's time-limit kill, and the subject of its job report
         r"|\bTERM_RUNLIMIT: job killed\b|^Subject: Job \d+(?:\[\d+\])?: <[^>]*> in cluster <[^>]*> Exited\s*$"
@@ -991,7 +999,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "status": "exited_abnormally",
         "pattern": r"failed \(exitcode: -?\d+\) local_rank: \d+|ChildFailedError|"
         r"process \d+ terminated with exit code [1-9]|SignalException: Process \d+ got signal"
-        r'|"name": "torchelastic\.worker\.status\.FAILED"',
+        r'|"name": "torchelastic\.worker\.status\.FAILED"'
+        r"|:\[\w+\] Worker group failed\s*$",  # the elastic agent's ERROR log
         "secondary": True,
         "doc": "torchrun reporting a worker's death; the worker's own output says why",
     },
@@ -1118,8 +1127,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "slurm_request_invalid",
         "status": "other_software_error",
         "pattern": r"^\s*(?:srun|sbatch|salloc): fatal: "
-        # sbatch refusing the request itself (not the controller being unreachable)
-        r"|^\s*sbatch: error: Batch job submission failed: (?:Requested time limit is invalid"
+        # sbatch, srun or salloc refusing the request itself (not the controller being unreachable)
+        r"|^\s*(?:sbatch: error: Batch job submission failed"
+        r"|(?:srun|salloc): error: Unable to allocate resources): "
+        r"(?:Requested time limit is invalid"
         r"|Invalid (?:account|partition|qos|generic resource|feature|wckey)"
         r"|Requested node configuration is not available|Job violates accounting/QOS policy"
         r"|Node count specification invalid|More processors requested than permitted"
@@ -1133,7 +1144,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "slurm_error",
         "status": "exited_abnormally",
-        "pattern": r"^\s*(?:srun|slurmstepd(?:-\S+)?|salloc|sbatch): error: "
+        "pattern": r"^\s*(?:std(?:err|out):\s+)?(?:srun|slurmstepd(?:-\S+)?|salloc|sbatch): error: "
         r"|\berror: spank: required plugin \S+: \w+\(\) failed\b",  # slurmstepd's own log
         # slurmstepd's chdir fallback (the step runs on), and proctrack's race with a process
         # that just ended (it reads /proc of each pid it tracks)
@@ -1218,9 +1229,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|First PG on this rank that detected no heartbeat of its watchdog"
         r"|ran for \d+ milliseconds before timing out"
         r"|gloo/transport/\S+\] TIMEOUT\b"  # gloo's pair timing out on a peer
+        r"|\bGloo \w+ failed: \[\S*gloo/transport/tcp/\w+\.cc:\d+\] Read timeout\b"
         r"|failure detected by watchdog at work sequence id"
         # Ascend's HCCL: a peer did not send its data in time (EI0006, its socket timeout)
-        r"|\bEI0006: .*\bGetting socket times out\b",
+        r"|\bEI0006\)?: .*\bGetting socket times out\b",
         "doc": "the NCCL watchdog found a collective that failed or timed out, and takes the process down",
     },
     {
@@ -1314,6 +1326,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bFatal: (?:transport error: Endpoint timeout|UD endpoint \S+(?: to .*)?: unhandled timeout error)"
         r"|\bheartbeat timeout\. This indicates that the remote task has failed\b"
         r"|\bDEADLINE_EXCEEDED: Barrier timed out\b"  # JAX/XLA's coordination service
+        r"|\bcoordination_service_agent\.cc:\d+\] Polled an error from coordination service\b"
+        r"|\bwhile calling /tensorflow\.CoordinationService/\w+:"
         r"|\bError encountered progressing operation=Connect\b",
         "doc": "a peer that cannot be reached: NCCL's bootstrap out of retries, UCX's endpoint, JAX's "
         "coordination service losing a task's heartbeat or its barrier timing out",
@@ -1335,7 +1349,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bCheck failed: .*\bIBV_WC_SUCCESS\b"  # a failed RDMA work completion (glog's CHECK)
         r"|\bmlx5_\w+(?:/\d+)?: QP \d+ error: "  # the mlx5 kernel driver's queue pair error
         r"|\bUCX endpoint create failed\b"
-        # Huawei's HCCL (Ascend) failing to set up RDMA or a socket to a peer
+        # Huawei's HCCL (Ascend) failing to set up RDMA, a socket or a transport to a peer
+        r"|\bEI0009: .*\bTransport init error\b"
         r"|^\[ERROR\] HCCL\(\d+,[^)]*\):\S+ \[\w+\.cc:\d+\] .*\b(?:rdma init fail|socket establish timeout)\b"
         # Mooncake's transfer engine (KV-cache transfer over RDMA), at E level
         r"|^E\d{4} [\d:.]+\s+\d+ (?:rdma_transport|rdma_context|rdma_endpoint|worker_pool)\.cpp:\d+\] "
@@ -1390,7 +1405,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|ConnectionAbortedError"
         r"|Wait timeout (?:after \d+ seconds )?for key\(s\)"
         r"|RuntimeError: Wait timeout$"
-        r"|HTTP GET request failed too many times",
+        r"|HTTP GET request failed too many times"
+        r"|\berrors_impl\.UnavailableError: ",  # TensorFlow raising gRPC's UNAVAILABLE (a worker)
         "ignore_case": True,
     },
     # 7. generic catch-alls
