@@ -703,8 +703,13 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\[Hardware [Ee]rror\]:? Accelerator Check Architecture)"
         r"|^HW Exception by GPU node-\d+ .*reason ?:\s*GPU Hang"  # ROCm's runtime
         # (FreeBSD's drm-kmod, or amdgpu built into the kernel: no 'amdgpu' on the line)
-        r"|\bmes_v\d+_\d+_\w+\](?:\s+\*ERROR\*)?\s+MES failed to respon(?:d to|se) msg="
-        r"|\[drm:amdgpu_mes_\w+ \[amdgpu\]\] \*ERROR\* failed to ",  # the firmware scheduler stopped
+        # (not msg=MISC: kernel 6.10's regression printed it in bursts on working GPUs)
+        r"|\bmes_v\d+_\d+_\w+\](?:\s+\*ERROR\*)?\s+MES failed to respon(?:d to|se) msg=(?!MISC\b)"
+        # the firmware scheduler failing a queue operation (not its register waits, which a firmware
+        # bug fails after resume, nor its bookkeeping: a doorbell, a pasid lock, a buffer)
+        r"|\[drm:amdgpu_mes_\w+ \[amdgpu\]\] \*ERROR\* failed to (?:add hardware queue"
+        r"|remove hardware queue|unmap legacy queue|map legacy queue|suspend all gangs|resume all gangs"
+        r"|add ring)\b",
         # amdgpu's soft recovery of a ring timeout worked, or its reset did: the GPU runs on
         "unless": r"\bbut soft recovered\b|\breset succeeded\b",
         "doc": "a compute GPU's kernel driver other than NVIDIA's (nouveau, amdgpu) reporting an MMU "
@@ -772,7 +777,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\b(?:Resource exhausted|RESOURCE_EXHAUSTED): "
         r"(?:Failed to allocate request for|Out of memory while trying to allocate"
         r"|Attempting to reserve \S+ at the bottom of memory"
-        r"|Attempting to allocate \S+\. That was not possible\.)"  # XLA on a TPU's HBM
+        # XLA on a TPU's HBM
+        r"|(?:Error (?:allocating device buffer|loading program[^:]*): )?"
+        r"Attempting to allocate \S+\. That was not possible\.)"
         r"|\bCheck failed: \w+ == (?:cuda|hip)Success \(2 vs\. 0\)",
         # Ray's memory monitor: host memory, a process it killed (host_oom_kill); XLA's autotuner
         # trying an algorithm that does not fit, then another (training goes on)
@@ -1000,7 +1007,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"failed \(exitcode: -?\d+\) local_rank: \d+|ChildFailedError|"
         r"process \d+ terminated with exit code [1-9]|SignalException: Process \d+ got signal"
         r'|"name": "torchelastic\.worker\.status\.FAILED"'
-        r"|:\[\w+\] Worker group failed\s*$",  # the elastic agent's ERROR log
+        r"|(?:^|[:\]] ?)\[\w+\] Worker group failed\s*$",  # the elastic agent's ERROR log
         "secondary": True,
         "doc": "torchrun reporting a worker's death; the worker's own output says why",
     },
@@ -1229,7 +1236,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|First PG on this rank that detected no heartbeat of its watchdog"
         r"|ran for \d+ milliseconds before timing out"
         r"|gloo/transport/\S+\] TIMEOUT\b"  # gloo's pair timing out on a peer
-        r"|\bGloo \w+ failed: \[\S*gloo/transport/tcp/\w+\.cc:\d+\] Read timeout\b"
+        r"|\bGloo [\w-]+ failed: \[\S*gloo/transport/tcp/\w+\.cc:\d+\] Read timeout\b"
         r"|failure detected by watchdog at work sequence id"
         # Ascend's HCCL: a peer did not send its data in time (EI0006, its socket timeout)
         r"|\bEI0006\)?: .*\bGetting socket times out\b",
@@ -1326,11 +1333,20 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bFatal: (?:transport error: Endpoint timeout|UD endpoint \S+(?: to .*)?: unhandled timeout error)"
         r"|\bheartbeat timeout\. This indicates that the remote task has failed\b"
         r"|\bDEADLINE_EXCEEDED: Barrier timed out\b"  # JAX/XLA's coordination service
-        r"|\bcoordination_service_agent\.cc:\d+\] Polled an error from coordination service\b"
-        r"|\bwhile calling /tensorflow\.CoordinationService/\w+:"
+        # gRPC's detail of a failed poll, heartbeat or barrier (not WatchJobState's: a clean
+        # shutdown's receipt)
+        r"|\bwhile calling /tensorflow\.CoordinationService/(?:PollForError|Heartbeat|Barrier):"
         r"|\bError encountered progressing operation=Connect\b",
         "doc": "a peer that cannot be reached: NCCL's bootstrap out of retries, UCX's endpoint, JAX's "
         "coordination service losing a task's heartbeat or its barrier timing out",
+    },
+    {
+        "name": "coordination_error_polled",
+        "status": "other_network_error",
+        "pattern": r"\bcoordination_service_agent\.cc:\d+\] Polled an error from coordination service\b",
+        "secondary": True,
+        "doc": "JAX's coordination service agent echoing an error of some task (every live task prints it "
+        "when any task dies): the task that died says why",
     },
     {
         "name": "nccl_net_failure",
@@ -1353,7 +1369,11 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bEI0009: .*\bTransport init error\b"
         r"|^\[ERROR\] HCCL\(\d+,[^)]*\):\S+ \[\w+\.cc:\d+\] .*\b(?:rdma init fail|socket establish timeout)\b"
         # Mooncake's transfer engine (KV-cache transfer over RDMA), at E level
-        r"|^E\d{4} [\d:.]+\s+\d+ (?:rdma_transport|rdma_context|rdma_endpoint|worker_pool)\.cpp:\d+\] "
+        # (not every E-level line there: a slice whose transfer is retried, a configuration error)
+        r"|^E\d{4} [\d:.]+\s+\d+ (?:worker_pool\.cpp:\d+\] Worker: Cannot make connection for endpoint\b"
+        r"|rdma_endpoint\.cpp:\d+\] \[Handshake\] Failed to modify QP to RT[RS]\b"
+        r"|rdma_context\.cpp:\d+\] Context is not active\b"
+        r"|rdma_transport\.cpp:\d+\] Device \d+ is not active\b)"
         r"|Bootstrap : no socket interface found|\bWARN Socket creation failed|is neither AF_INET",
         "ignore_case": True,
     },
@@ -1520,11 +1540,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "hydra_job_error",
         "status": "other_software_error",
-        "pattern": r"^Error executing job with overrides: \["
-        r"|\bAn error has been caught in function '[^']+', process '",  # loguru's @logger.catch
+        "pattern": r"^Error executing job with overrides: \[",
         "generic": True,
         "doc": "Hydra's report that the training function raised (the exception follows, or is "
-        "hidden until HYDRA_FULL_ERROR=1), or loguru's that a function it watches raised",
+        "hidden until HYDRA_FULL_ERROR=1)",
     },
     {
         "name": "error_level_line",

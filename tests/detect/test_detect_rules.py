@@ -210,6 +210,12 @@ STILL_EVIDENCE = [
 # Constructed examples (usual formats, not copied from a thread) of line rules that no
 # real line above or in the corpus's train half exercises yet.
 UNIT_EXAMPLES = [
+    # session 35's review: JAX's echo of another task's error is a secondary finding
+    (
+        "E0412 09:14:03.120004 2211 coordination_service_agent.cc:332] Polled an error from coordination "
+        "service (this can be an error from this or another task).",
+        "coordination_error_polled",
+    ),
     # session 35: glog's FATAL CHECK (XLA, TensorFlow), no CUDA status or RDMA completion in it
     (
         "F1105 08:12:44.120934  1234 hlo_instruction.cc:412] Check failed: operand != nullptr",
