@@ -466,6 +466,14 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "or a cancel ('Force Terminated job 6050'): a reaction, not evidence",
     },
     {
+        "name": "xla_cpu_fallback_probe",
+        "status": "none",
+        "pattern": r"\bcuda_driver\.cc:\d+\] failed call to cuInit: CUDA_ERROR_NO_DEVICE\b",
+        "doc": "TensorFlow's or JAX's stream executor probing CUDA in a process that sees no GPU (a CPU "
+        "host, or CUDA_VISIBLE_DEVICES emptied for a helper process) and going on with the CPU: printed "
+        "at E level by healthy programs; a job that needed the GPU fails on its own device error or exit",
+    },
+    {
         "name": "nccl_no_ib_fallback",
         "status": "none",
         "pattern": r"NCCL WARN Failed to open libibverbs"

@@ -48,7 +48,10 @@ Accuracy. ``tests/detect/data/corpus/`` holds real lines with public sources:
 - ``blind12`` (``blind12/*-errors.toml``, ``blind12/*-benign.toml``): the blind set of
   session 34, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
   35) its misses were read to write rules, so it is reported as ``blind12_*``;
-- ``held_out`` (``blind13/*-errors.toml``, ``blind13/*-benign.toml``): the blind set of
+- ``blind13`` (``blind13/*-errors.toml``, ``blind13/*-benign.toml``): the first blind set of
+  session 35, measured blind once (BENCHMARKS.md); once a newer blind set existed (later in
+  session 35) its misses were read to write rules, so it is reported as ``blind13_*``;
+- ``held_out`` (``blind14/*-errors.toml``, ``blind14/*-benign.toml``): the second blind set of
   session 35, from sources in none of the sets above, collected by four collectors who
   never saw the rules. Its lines are read here and nowhere else; only aggregate figures
   about them are printed.
@@ -84,7 +87,7 @@ Figures:
   (a wrong cause when a rank's last line was benign). Only the blind set: every other set
   is in the labelled lines, where each line is its own nearest.
 
-``--show-misses train|dev|fresh|blind2|...|blind12`` also lists every line of that
+``--show-misses train|dev|fresh|blind2|...|blind13`` also lists every line of that
 set (errors and benign) classified other than labelled, on stderr; held-out misses are never
 shown. The agent's own log lines go to stderr (warnings only).
 
@@ -174,7 +177,8 @@ SETS: Final = {
     "blind10": ("blind10/*-errors", "blind10/*-benign"),
     "blind11": ("blind11/*-errors", "blind11/*-benign"),
     "blind12": ("blind12/*-errors", "blind12/*-benign"),
-    "held_out": ("blind13/*-errors", "blind13/*-benign"),
+    "blind13": ("blind13/*-errors", "blind13/*-benign"),
+    "held_out": ("blind14/*-errors", "blind14/*-benign"),
 }
 """Set name -> (error lines, benign lines), see the module doc."""
 

@@ -4,8 +4,8 @@ Rules are written from the train and dev sets and, since 2026-11-29, from the sp
 sets of 2026-11-25 (``fresh/``) and 2026-11-29 (``blind2/``, spent in session 26; ``blind3/``,
 spent in session 27; ``blind4/``, spent in session 28; ``blind5/``, spent in session 29; ``blind6/``,
 spent in session 30; ``blind7/``, spent in session 31; ``blind8/`` and ``blind9/``, spent in session
-32; ``blind10/``, spent in session 33; ``blind11/``, spent in session 34; ``blind12/``, spent in
-session 35). The blind set (``blind13/``) is read by the bench
+32; ``blind10/``, spent in session 33; ``blind11/``, spent in session 34; ``blind12/`` and
+``blind13/``, spent in session 35). The blind set (``blind14/``) is read by the bench
 (scripts/bench/classify.py) alone, and only its aggregate figures are checked here, so a
 failure never prints a blind line.
 """
@@ -25,16 +25,19 @@ from tests.bench_script import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
 
-HELD_OUT_STATUS_FLOOR = 0.78
-"""The blind set's status accuracy (``corpus/blind13/*-errors``) measured when the rules were
-last changed (0.809 on 152 lines, session 35, with the rules written from blind12's misses;
-blind12 was 0.708 blind), less a small margin: a regression fails."""
-HELD_OUT_BENIGN_FIRES_CEILING = 0
-"""Blind benign lines classified SEV1/SEV2 (session 35: 1 of 175 when measured blind, srun's
-'Force Terminated job', a reaction to a stop; that one line was then read, as fresh's and
-blind11's were, and the rule that read it as a death was dropped: 0). More fails."""
+HELD_OUT_STATUS_FLOOR = 0.67
+"""The blind set's status accuracy (``corpus/blind14/*-errors``) measured when the rules were
+last changed (0.695 on 131 lines, session 35, with the rules written from blind13's misses;
+blind13 was 0.809 blind), less a small margin: a regression fails."""
+HELD_OUT_BENIGN_FIRES_CEILING = 1
+"""Blind benign lines classified SEV1/SEV2 (session 35: 2 of 156 when measured blind. One,
+TensorFlow's E-level 'failed call to cuInit: CUDA_ERROR_NO_DEVICE' of a process that then used
+the CPU, SEV1: read, as fresh's, blind11's and blind13's were, and vetoed (xla_cpu_fallback_probe).
+The other stays: the exception line of an 'Exception ignored in' report at shutdown, which only
+the agent's stream context tells from a crash; 0 through the agent). More fails."""
 HELD_OUT_AGENT_FIRES_CEILING = 0
-"""Blind benign lines a real agent sends at SEV1/SEV2 (0 of 175, session 35). More fails."""
+"""Blind benign lines a real agent sends at SEV1/SEV2 (session 35: 1 of 156 when measured blind,
+the cuInit probe above; 0 since). More fails."""
 DEV_STATUS_FLOOR = 0.91
 """The dev set's status accuracy (the first held-out half and the second batch's hash half,
 both read to write rules on 2026-11-25: 0.922 on 205 lines), less a small margin."""
@@ -1005,13 +1008,97 @@ KNOWN_BLIND12_MISSES: dict[str, tuple[str, str | None, str]] = {
     ),
 }
 KNOWN_BLIND12_BENIGN_FIRES: dict[str, str] = {}
+_DRIVER_TOO_OLD = (
+    "gpu_driver_error",
+    "SEV1",
+    "labelled cuda_error; 'CUDA driver version is insufficient for CUDA runtime version' says the node's "
+    "driver cannot serve the job's CUDA (nvidia_driver_unusable, the earlier sets' label); isolation "
+    "still waits for out-of-band confirmation, and a healthy GPU's check confirms nothing",
+)
+KNOWN_BLIND13_MISSES: dict[str, tuple[str, str | None, str]] = {
+    # blind13 lines (the thirteenth blind set, read for rules in session 35), by their text without
+    # leading blanks: what we give them, and why
+    "[ 2742.520053] amdgpu 0000:2b:00.0: amdgpu: psp gfx command UNLOAD_TA(0x2) failed and": (
+        "none",
+        None,
+        "labelled gpu_driver_error; amdgpu prints this PSP failure as it unloads a trusted application, "
+        "also on suspend and driver unload of healthy GPUs: no SEV1 from it",
+    ),
+    "[Tue Jul 23 13:49:25 2024] amdgpu 0000:0d:00.0: amdgpu: Failed to evict queue 1": (
+        "none",
+        None,
+        "labelled gpu_driver_error; the queue eviction failing is a symptom of the firmware scheduler's "
+        "hang, whose own 'MES failed to respond' line fires; alone it names no fault of the GPU",
+    ),
+    "Tue Nov 27 13:49:06 2018[1,10]<stdout>:F1127 13:49:06.743296 17418 hl_cuda_device.cc:5": _DRIVER_TOO_OLD,
+    "OSError: (External)  Cuda error(35), CUDA driver version is insufficient for CUDA ru": _DRIVER_TOO_OLD,
+    "[74973.973428] [drm:amdgpu_mes_reg_write_reg_wait [amdgpu]] *ERROR* failed to reg_write_reg_": (
+        "none",
+        None,
+        "labelled gpu_driver_error; the firmware scheduler's register wait also fails on working GPUs "
+        "(a firmware bug after resume; kernel 6.10's regression printed it in bursts): a rule for every "
+        "amdgpu_mes failure was written, then narrowed in review to failed queue operations",
+    ),
+    "brax.0 [end (-6)] /home/testroot/rocm/results/venv/torch/bin/voir --config /home/testr": (
+        "none",
+        None,
+        "labelled exited_abnormally; one benchmark harness's (milabench's) own end line with the exit "
+        "code in brackets: the process's exit is seen by the agent itself",
+    ),
+    "2026-03-17 22:39:04.321 | error    |             UMD | Reset failed. (warm_reset.cpp:180)": (
+        "none",
+        None,
+        "labelled gpu_driver_error; Tenstorrent's user-mode driver (not a GPU) failing a warm reset its "
+        "tool was asked for: no rule for an accelerator unicorn does not manage",
+    ),
+    "main*        up   infinite      1  down* c01": (
+        "none",
+        None,
+        "labelled lost_connection SEV1; a row of sinfo's table as an operator printed it: unicorn reads "
+        "node states from Slurm itself, never from a table in a job's output",
+    ),
+    "[W socket.cpp:663] [c10d] The client socket has failed to connect to [::ffff:255.255.0.": _C10D_W,
+    ':UNKNOWN:Error received from peer  {grpc_message:"Socket closed", grpc_status:14}': _GRPC_NOISE,
+    "06/29/2023 03:28:28 AM  * Failed to load checkpoint *": (
+        "none",
+        None,
+        "labelled other_software_error; one trainer's own banner, without the error it hides: a rule on "
+        "'Failed to load checkpoint' would also read loaders that then try the next copy",
+    ),
+    "2024-02-14 00:18:05,398\tERROR tune_controller.py:1374 -- Trial task failed for trial Tra": (
+        "none",
+        None,
+        "labelled other_software_error; Ray Tune reports a failed trial and retries it itself (the rule "
+        "for its runner thread's error was dropped in session 34's review for that reason)",
+    ),
+    "epoch: 3451 loss: nan": (
+        "none",
+        None,
+        "labelled other_software_error: a progress line whose loss is nan, as blind11's _NAN_PROGRESS "
+        "lines; detect.losshealth reads the training's own numbers",
+    ),
+    "1622513061366 localhost info [2021-06-01 05:04:21,527] [INFO] [stage2.py:1357:step] [dee": (
+        "none",
+        None,
+        "labelled other_software_error (the loss scale reached 0); DeepSpeed's INFO 'OVERFLOW! ... "
+        "Skipping step' line, benign in five earlier sets: no INFO line fires; its 'Current loss scale "
+        "already at minimum' exception does",
+    ),
+    "Mar 30 13:40:06 netdev01 kernel: igb 0000:07:00.0 eno2: igb: eno2 NIC Link is Up 1000 Mb": (
+        "link_flapping",
+        "SEV3",
+        "labelled benign; a NIC's 'Link is Up', which three earlier sets label link_flapping (a link "
+        "that came back while the job ran): the rules keep one label for one text, SEV3",
+    ),
+}
+KNOWN_BLIND13_BENIGN_FIRES: dict[str, str] = {}
 
 SPENT: dict[str, tuple[dict[str, tuple[str, str | None, str]], dict[str, str]]] = {
     # spent blind set -> (its known misses, its known benign fires). Each was spent once a
     # newer blind set existed: its misses were read to write rules (fresh, the 2026-11-25 set,
     # on 2026-11-29; blind2 in session 26; blind3 in session 27; blind4 in session 28; blind5 in
     # session 29; blind6 in session 30; blind7 in session 31; blind8 and blind9 in session 32;
-    # blind10 in session 33; blind11 in session 34; blind12 in session 35), and
+    # blind10 in session 33; blind11 in session 34; blind12 and blind13 in session 35), and
     # every line now classifies as labelled or as named in these tables.
     "fresh": (KNOWN_FRESH_MISSES, KNOWN_FRESH_BENIGN_FIRES),
     "blind2": (KNOWN_BLIND2_MISSES, KNOWN_BLIND2_BENIGN_FIRES),
@@ -1025,6 +1112,7 @@ SPENT: dict[str, tuple[dict[str, tuple[str, str | None, str]], dict[str, str]]] 
     "blind10": (KNOWN_BLIND10_MISSES, KNOWN_BLIND10_BENIGN_FIRES),
     "blind11": (KNOWN_BLIND11_MISSES, KNOWN_BLIND11_BENIGN_FIRES),
     "blind12": (KNOWN_BLIND12_MISSES, KNOWN_BLIND12_BENIGN_FIRES),
+    "blind13": (KNOWN_BLIND13_MISSES, KNOWN_BLIND13_BENIGN_FIRES),
 }
 SPENT_LINES = {name: BENCH.load(f"{name}/*-errors") + BENCH.load(f"{name}/*-benign") for name in SPENT}
 
@@ -1135,6 +1223,7 @@ def test_bench_prints_one_json_object_without_held_out_lines() -> None:
             "blind11/*",
             "blind12/*",
             "blind13/*",
+            "blind14/*",
         )
         for line in BENCH.load(name)
     }
