@@ -93,12 +93,17 @@ async def test_at_most_max_actions_in_flight_run_at_once_and_the_rest_follow(red
     async with running_daemon(slurm, redis_url, PREFIX) as daemon:
         real = daemon.executor._perform
         now_in, peak, ran = 0, 0, 0
+        full = asyncio.Event()  # every slot taken once: on a loaded machine a fixed sleep may end first
 
         async def slow(owed: Owed) -> None:
             nonlocal now_in, peak, ran
             now_in += 1
             peak = max(peak, now_in)
-            await asyncio.sleep(0.3)
+            if now_in >= MAX_ACTIONS_IN_FLIGHT:
+                full.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(full.wait(), 10)
+            await asyncio.sleep(0.05)
             now_in -= 1
             await real(owed)
             ran += 1
@@ -106,7 +111,7 @@ async def test_at_most_max_actions_in_flight_run_at_once_and_the_rest_follow(red
         daemon.executor._perform = slow  # type: ignore[method-assign]
         notices = tuple(NotifyOperator(f"notice/{i}", None, f"notice {i}") for i in range(count))
         await daemon.core.decide(time.time(), lambda _s: Decision(actions=notices))
-        await until(lambda: ran == count, 30)
+        await until(lambda: ran == count, 60)
     assert peak == MAX_ACTIONS_IN_FLIGHT
 
 
