@@ -730,10 +730,12 @@ async def test_the_hang_watch_survives_its_own_bug(tmp_path: Path) -> None:
     with structlog.testing.capture_logs() as logs:
         watch = asyncio.create_task(agent._watch_hangs())
         deadline = time.monotonic() + 10
-        while len(turns) <= 5:  # turns of 20 ms
-            assert time.monotonic() < deadline and not watch.done(), turns
-            await asyncio.sleep(0.02)
-        watch.cancel()
-        await asyncio.gather(watch, return_exceptions=True)
+        try:
+            while len(turns) <= 5:  # turns of 20 ms
+                assert time.monotonic() < deadline and not watch.done(), turns
+                await asyncio.sleep(0.02)
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
     assert len(turns) > 5 and watch.cancelled()  # went on after three failed turns, until stopped
     assert [e["event"] for e in logs if e["log_level"] == "error"] == ["hang_check_failed"]

@@ -115,7 +115,9 @@ def test_of_two_agents_started_at_once_the_later_ends_the_earlier(
         ending_first = pool.submit(supersede.claim, tmp_path, 1.0, pid=second.pid)
         deadline = time.monotonic() + 10
         while not claiming(tmp_path):  # the second claim is waiting out the stubborn first agent
-            assert time.monotonic() < deadline and not ending_first.done()
+            assert time.monotonic() < deadline and not ending_first.done(), (
+                "the second claim never held the lock"
+            )
             time.sleep(0.01)
         ending_second = pool.submit(supersede.claim, tmp_path, 5.0, pid=third.pid)
         assert ending_first.result(timeout=30) == first.pid

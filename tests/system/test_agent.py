@@ -210,13 +210,18 @@ def test_flooding_rank_does_not_starve_heartbeats(cluster: DevCluster, tmp_path:
     with run_agent(cluster.redis_url, tmp_path, toy("--flood", "--iter-s", "0.2")) as a:
         # Six beats, however long a loaded machine takes to start the agent and its child.
         deadline = time.monotonic() + 60
-        while a.poll() is not None and sum(isinstance(m, Heartbeat) for _, m in a.seen) < 6:
+        while True:
+            a.poll()
+            if sum(isinstance(m, Heartbeat) for _, m in a.seen) >= 6:
+                break
             assert time.monotonic() < deadline and a.proc.poll() is None, a.stderr()
             time.sleep(0.2)
         hb_times = [m.wall_time_s for _, m in a.seen if isinstance(m, Heartbeat)]
-        gaps = [b - a_ for a_, b in itertools.pairwise(hb_times)]
-        # Beats every 1 s; a starved agent would miss its 5 s TTL. The 1.5 s claim is the bench's.
-        assert max(gaps) < 3.0, gaps
+        gaps = sorted(b - a_ for a_, b in itertools.pairwise(hb_times))
+        # Beats every 1 s; unicornd calls an agent lost after 1.5 s without one
+        # (detect.heartbeat_timeout_s). A starved agent stretches every gap; a loaded machine
+        # may stretch one, so one gap may reach 3 s and the others must stay under 2 s.
+        assert gaps[-1] < 3.0 and gaps[-2] < 2.0, gaps
         assert (a.run_dir / "train.log").stat().st_size > 1_000_000
 
 
@@ -277,8 +282,9 @@ def test_agent_survives_redis_outage_and_loses_nothing(tmp_path: Path) -> None:
 
 
 def test_stopped_rank_is_named_as_a_hang(cluster: DevCluster, tmp_path: Path) -> None:
-    with run_agent(cluster.redis_url, tmp_path, torchrun(2, "--iter-s", "0.05")) as a:
-        a.wait_for(is_(IterationTiming, rank=1, iteration=30), timeout_s=60)
+    # 0.3 s iterations: the hang factor's share of the bound below outweighs its slack
+    with run_agent(cluster.redis_url, tmp_path, torchrun(2, "--iter-s", "0.3")) as a:
+        a.wait_for(is_(IterationTiming, rank=1, iteration=15), timeout_s=60)
         _, hb = a.wait_for(lambda m: isinstance(m, Heartbeat) and len(m.pids) == 3)
         assert isinstance(hb, Heartbeat)
         victim = next(
@@ -295,8 +301,8 @@ def test_stopped_rank_is_named_as_a_hang(cluster: DevCluster, tmp_path: Path) ->
             mean = sorted(its)[len(its) // 2]
             # Detected within (learned hang factor, at most max_hang_factor, + 1) mean
             # iterations of the stop, plus slack for the agent's watch turns, Redis and this
-            # poll on a loaded machine (the latency itself is scripts/bench/detection.py's).
-            assert t_seen - t_stop < (DetectConfig().max_hang_factor + 1) * mean + 3.0, (
+            # poll on a loaded machine.
+            assert t_seen - t_stop < (DetectConfig().max_hang_factor + 1) * mean + 1.5, (
                 t_seen - t_stop,
                 mean,
             )

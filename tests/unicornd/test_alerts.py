@@ -321,10 +321,12 @@ async def test_run_delivers_in_the_background_until_cancelled(receiver: Receiver
     alerts = _alerts(2)
     sink.submit(alerts)
     deadline = time.monotonic() + 30
-    while sink.delivered < len(alerts):
-        assert time.monotonic() < deadline and not runner.done(), sink.delivered
-        await asyncio.sleep(0.01)
-    runner.cancel()
+    try:
+        while sink.delivered < len(alerts):
+            assert time.monotonic() < deadline and not runner.done(), sink.delivered
+            await asyncio.sleep(0.01)
+    finally:
+        runner.cancel()
     with pytest.raises(asyncio.CancelledError):
         await runner
     assert [b["alert_id"] for b in receiver.bodies] == [a.alert_id for a in alerts]
