@@ -208,14 +208,8 @@ def test_injected_gpu_fault(cluster: DevCluster, tmp_path: Path) -> None:
 
 def test_flooding_rank_does_not_starve_heartbeats(cluster: DevCluster, tmp_path: Path) -> None:
     with run_agent(cluster.redis_url, tmp_path, toy("--flood", "--iter-s", "0.2")) as a:
-        # Six beats, however long a loaded machine takes to start the agent and its child.
-        deadline = time.monotonic() + 60
-        while True:
-            a.poll()
-            if sum(isinstance(m, Heartbeat) for _, m in a.seen) >= 6:
-                break
-            assert time.monotonic() < deadline and a.proc.poll() is None, a.stderr()
-            time.sleep(0.2)
+        # Six beats (seq 0-5), however long a loaded machine takes to start the agent and its child.
+        a.wait_for(lambda m: isinstance(m, Heartbeat) and m.seq >= 5, timeout_s=60)
         hb_times = [m.wall_time_s for _, m in a.seen if isinstance(m, Heartbeat)]
         gaps = sorted(b - a_ for a_, b in itertools.pairwise(hb_times))
         # Beats every 1 s; unicornd calls an agent lost after 1.5 s without one

@@ -14,6 +14,7 @@ import pytest
 from detect.statuses import ErrorStatus, Severity
 from tests.conftest import Receiver, http_receiver
 from tests.unicornd.coord_world import apply, finding, plan, render, task, world
+from tests.unicornd.redis_world import until
 from unicorn_core.config import AlertsConfig, Config, load_config
 from unicorn_core.errors import CommandFailed, CommandNotFound, CommandTimeout, ConfigError
 from unicornd.alerts import (
@@ -314,17 +315,14 @@ async def test_queue_is_bounded_and_drops_the_oldest(tmp_path: Path) -> None:
 
 async def test_run_delivers_in_the_background_until_cancelled(receiver: Receiver) -> None:
     import asyncio
-    import time
 
     sink = AlertSink(AlertsConfig(webhook_url=f"http://127.0.0.1:{receiver.port}/"))
     runner = asyncio.create_task(sink.run())
     alerts = _alerts(2)
     sink.submit(alerts)
-    deadline = time.monotonic() + 30
     try:
-        while sink.delivered < len(alerts):
-            assert time.monotonic() < deadline and not runner.done(), sink.delivered
-            await asyncio.sleep(0.01)
+        await until(lambda: sink.delivered >= len(alerts) or runner.done(), 30)
+        assert not runner.done(), sink.delivered
     finally:
         runner.cancel()
     with pytest.raises(asyncio.CancelledError):

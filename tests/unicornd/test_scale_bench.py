@@ -412,12 +412,12 @@ async def test_a_job_takes_the_step_time_of_the_layout_unicornd_committed(redis_
     """A launch after a replan: the job reads its task record as committed and iterates at
     the performance model's step time of its new layout (a job keeping its first layout's
     step time made unicornd's calibration reshuffle the cluster on false evidence)."""
-    import asyncio
     import time
 
     import redis.asyncio as aioredis
 
     from plan.perf import estimate_layout
+    from tests.unicornd.redis_world import until
     from unicorn_core.config import load_config
     from unicornd.replan import PlanContext, replan_decision
     from unicornd.store import Store
@@ -448,10 +448,7 @@ async def test_a_job_takes_the_step_time_of_the_layout_unicornd_committed(redis_
         jobs = [AGENTS.Job(job_id, task.task_id, task.nodes, 8, 100, old_s, 512)]
         f = fleet(client, jobs, step_time=BENCH.step_time_of(ctx, 8))
         f.on_slurm(SLURM.SlurmEvent(1.0, "launch", job_id, task.nodes, "plan-2/x/launch"))
-        deadline = time.monotonic() + 20
-        while f._layout_reads:
-            assert time.monotonic() < deadline, "the layout read did not end"
-            await asyncio.sleep(0.02)
+        await until(lambda: not f._layout_reads, 20)  # the layout read ended
         assert f.jobs[job_id].iter_s == new_s and f.step_time_changes == 1
     finally:
         await client.aclose()
