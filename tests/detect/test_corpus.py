@@ -972,12 +972,7 @@ KNOWN_BLIND12_MISSES: dict[str, tuple[str, str | None, str]] = {
         "swallows the exception by default and the program goes on (a rule at SEV2 was written, then "
         "dropped in review), so the ERROR level alone, SEV3; the traceback's exception line fires",
     ),
-    "100000 | loss nan | lr 0.000000e+00 | 2006.12ms | mfu 1.68%": (
-        "none",
-        None,
-        "labelled other_software_error: a progress line whose loss field is nan, as blind11's "
-        "_NAN_PROGRESS lines; detect.losshealth reads the training's own numbers",
-    ),
+    "100000 | loss nan | lr 0.000000e+00 | 2006.12ms | mfu 1.68%": _NAN_PROGRESS,
     "(ActorWorker(actor_train-1) pid=18175, ip=33.199.184.82) [2025-10-11 11:16:52] [decorato": (
         "other_software_error",
         "SEV3",
@@ -1071,12 +1066,7 @@ KNOWN_BLIND13_MISSES: dict[str, tuple[str, str | None, str]] = {
         "labelled other_software_error; Ray Tune reports a failed trial and retries it itself (the rule "
         "for its runner thread's error was dropped in session 34's review for that reason)",
     ),
-    "epoch: 3451 loss: nan": (
-        "none",
-        None,
-        "labelled other_software_error: a progress line whose loss is nan, as blind11's _NAN_PROGRESS "
-        "lines; detect.losshealth reads the training's own numbers",
-    ),
+    "epoch: 3451 loss: nan": _NAN_PROGRESS,
     "1622513061366 localhost info [2021-06-01 05:04:21,527] [INFO] [stage2.py:1357:step] [dee": (
         "none",
         None,
