@@ -445,6 +445,22 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "workers at exit: 'can only test a child process', globals already None): Python ignores them",
     },
     {
+        "name": "cancellation",
+        "status": "none",
+        "pattern": r"\bCancelledError(?::|\s*$)",
+        "doc": "an operation cancelled (TensorFlow's queues closing as a session ends, asyncio's tasks at "
+        "shutdown): a reaction to a stop or to another failure, whose own line is the evidence; a rank "
+        "that dies of it is classified by its exit",
+    },
+    {
+        "name": "metric_description",
+        "status": "none",
+        # dcgm-exporter's counters file ('DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL, counter, Total
+        # number of NVLink flow-control CRC errors.'), Prometheus' '# HELP name text'
+        "pattern": r"^\s*(?:DCGM_FI_\w+\s*,\s*(?:counter|gauge|label)\s*,|#\s*HELP\s+\S+\s)",
+        "doc": "a metric's definition, which names the errors it would count: no count, no evidence",
+    },
+    {
         "name": "torchelastic_closing_signal",
         "status": "none",
         "pattern": r"Sending process \d+ closing signal SIG\w+",
@@ -704,6 +720,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "pattern": r"\b(?:nouveau|amdgpu)(?:\b|_job_timedout\]).*(?:\bmmu (?:page )?fault\b|"
         r"\bchannel \d+ killed\b|\b[Rr]ing [\w.]+ (?:timeout|test failed|reset failed)\b|\bGPU reset begin\b"
         r"|\bGPU HANG\b"
+        r"|\bIB test failed on (?:gfx|comp|sdma|kiq)\w*"  # a compute/graphics/DMA ring, not a video engine
         r"|\bMES(?:\(\d+\))? failed to respon(?:d to|se) msg=|\bsuspend of IP block <\w+> failed"
         r"|\bFatal error during GPU init\b|\bamdgpu_discovery_init failed\b"
         r"|: probe (?:of \S+|with driver amdgpu) failed with error -\d+"
@@ -788,7 +805,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         # XLA on a TPU's HBM
         r"|(?:Error (?:allocating device buffer|loading program[^:]*): )?"
         r"Attempting to allocate \S+\. That was not possible\.)"
-        r"|\bCheck failed: \w+ == (?:cuda|hip)Success \(2 vs\. 0\)",
+        r"|\bCheck failed: \w+ == (?:cuda|hip)Success \(2 vs\. 0\)"
+        r"|\bOOM when allocating tensor with shape\[",  # TensorFlow's allocator
         # Ray's memory monitor: host memory, a process it killed (host_oom_kill); XLA's autotuner
         # trying an algorithm that does not fit, then another (training goes on)
         "unless": r"\bray\.exceptions\.OutOfMemoryError\b"
@@ -852,7 +870,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bFailed during cuda[A-Z]\w*: "  # a GPU test's report of a failed CUDA call
         r"|\bHSA_STATUS_ERROR_\w+"  # ROCm's runtime: the HIP counterpart of a CUDA error
         # glog's FATAL line from a CUDA source file (TensorFlow's stream executor), which aborts
-        r"|^(?:\d+: )?F(?:\d{4} [\d:.]+\s+\d+)? \S*cuda\w*\.cc:\d+\] ",
+        r"|^(?:\d+: |\d{4}-\d\d-\d\d [\d:.]+: )?F(?:\d{4} [\d:.]+\s+\d+)? \S*cuda\w*\.cc:\d+\] ",
         "ignore_case": True,
         "generic": True,
     },
@@ -886,7 +904,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|Exceeded (?:step|job) memory limit"
         r"|\bKilled process \d+ \([^)]*\),? (?:UID \d+, )?total-vm:"
         r"|\b[1-9]\d* Workers? \(tasks / actors\) killed due to memory pressure \(OOM\)"
-        r"|\bTask was killed due to the node running low on memory\b|\bRay killed this worker \(ID: ",
+        r"|\bTask was killed due to the node running low on memory\b|\bRay killed this worker \(ID: "
+        r"|\bcontainer init was OOM-killed\b",  # runc, through the kubelet
         "doc": "the kernel's OOM killer (host memory) killed a process",
     },
     {
@@ -922,6 +941,11 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         # systemd's for a service: killed by a signal other than a stop, or by the OOM killer
         r"|\b[Mm]ain process exited, code=(?:killed|dumped), status=\d+/(?!TERM\b|INT\b|HUP\b)[A-Z]+"
         r"|\.service: Failed with result '(?:oom-kill|core-dump|signal)'"
+        r"|\bsystemd-coredump\[\d+\]: Process \d+ \(.*\) of user \d+ "
+        r"(?:terminated abnormally with signal (?!(?:1|2|3|15)/)\d+|dumped core)"
+        r"|\bsystemd\[1\]: Caught <(?:BUS|SEGV|ABRT|ILL|FPE)>"
+        r"|^Signal Received: \d+ \((?:Aborted|Bus error|Segmentation fault|Floating point exception"
+        r"|Illegal instruction)\)\s*$"
         # MPICH/Hydra's BAD TERMINATION banner (signals other than a stop)
         r"|\bYOUR APPLICATION TERMINATED WITH THE EXIT STRING: (?!Terminated\b|Hangup\b|Interrupt\b)\w"
         r"|^=+\s+KILLED BY SIGNAL: (?!(?:1|2|15)\b)\d+"
@@ -1023,8 +1047,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "torchelastic_summary",
         "status": "exited_abnormally",
         # anchored at the start: cheap on every line, so no prefilter needed
-        "pattern": r"^\s*(?:std(?:err|out):\s+)?"  # Accelerate's launcher prefixes the stream
-        r"(?:Root Cause \(first observed failure\)|<NO_OTHER_FAILURES>|\S+\.py FAILED\s*$|"
+        "pattern": r"^\s*(?:Root Cause \(first observed failure\)|<NO_OTHER_FAILURES>|\S+\.py FAILED\s*$|"
         r"Failures:\s*$|(?:time|host|rank)\s{2,}: \S|(?:exitcode|error_file|traceback)\s*: )",
         "secondary": True,
         "doc": "a line of torchrun's failure summary ('Root Cause', 'exitcode  : -9 (pid: 123)', 'host', "
@@ -1125,7 +1148,7 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "name": "container_start_failed",
         "status": "other_software_error",
         "pattern": r"\berror: pyxis: |\bpyxis: +(?:\[ERROR\] |\S+: (?:failed|cannot|couldn't)\b)"
-        r"|\benroot-\w+: failed to "
+        r"|\benroot-\w+: failed to |^\s*pyxis: error: |/enroot: line \d+: (?!warning: )"
         r"|^\s*FATAL:\s+(?:container creation failed: "
         r"|while extracting \S+: root filesystem extraction failed)"
         r"|^ERROR\s+: Failed to create user namespace\b"  # Apptainer/Singularity
@@ -1157,9 +1180,16 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "or memory that does not exist): the user's error",
     },
     {
+        "name": "slurm_prolog_failed",
+        "status": "other_software_error",
+        "pattern": r"^\s*(?:salloc|srun|sbatch): Prolog failure on node \S+",
+        "doc": "the site's prolog failed on a node of the allocation: Slurm drains that node itself, the job "
+        "does not start there (SEV2: unicorn does not drain it a second time)",
+    },
+    {
         "name": "slurm_error",
         "status": "exited_abnormally",
-        "pattern": r"^\s*(?:std(?:err|out):\s+)?(?:srun|slurmstepd(?:-\S+)?|salloc|sbatch): error: "
+        "pattern": r"^\s*(?:srun|slurmstepd(?:-\S+)?|salloc|sbatch): error: "
         r"|\berror: spank: required plugin \S+: \w+\(\) failed\b",  # slurmstepd's own log
         # slurmstepd's chdir fallback (the step runs on), and proctrack's race with a process
         # that just ended (it reads /proc of each pid it tracks)
@@ -1181,6 +1211,16 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "place; unicorn's own heartbeats are the first-hand evidence",
     },
     {
+        "name": "raylet_died",
+        "status": "exited_abnormally",
+        # Ray's worker finds its parent gone (getppid() == 1); newer Ray prints 'core_worker.cc:NNN: '
+        "pattern": r"\bcore_worker\.cc:\d+[\]:] Raylet failed\. Shutting down\b",
+        "secondary": True,
+        "doc": "a Ray worker whose node's raylet died (crashed, OOM-killed, stopped): a local process's "
+        "death, not the node's (the worker that says so runs there); secondary: the raylet's own end "
+        "says why",
+    },
+    {
         "name": "ray_node_dead",
         "status": "lost_connection",
         # 'beem': Ray's own spelling
@@ -1196,7 +1236,14 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "status": "other_software_error",
         "pattern": r"^\S+\.py: error: |OutOfResources: out of resource|\bBackendCompilerFailed\b"
         r"|(?:^|\) )An error occurred during the runtime of your JAX program!"  # Equinox
-        r"|^Dataset does not exist: ",
+        r"|^Dataset does not exist: "
+        # argparse's, whatever the program's name ('torchrun: error: ', or on a line of its own)
+        r"|(?:^|: )error: (?:unrecognized arguments: |the following arguments are required: "
+        r"|argument [-\w/]+: )"
+        r"|\bmixed precision requires PyTorch >= [\d.]+ and a supported device\b"
+        # XLA rejecting an executable for the device it was given (the program's, not the GPU's; not
+        # FAILED_PRECONDITION, which wraps an upstream failure such as NCCL's)
+        r"|\bExecution of replica \d+ failed: (?:Invalid argument|INVALID_ARGUMENT): ",
         "doc": "the program rejected its arguments (argparse), or a compiler (Triton, Inductor) failed",
     },
     {
@@ -1247,7 +1294,14 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|\bGloo [\w-]+ failed: \[\S*gloo/transport/tcp/\w+\.cc:\d+\] Read timeout\b"
         r"|failure detected by watchdog at work sequence id"
         # Ascend's HCCL: a peer did not send its data in time (EI0006, its socket timeout)
-        r"|\bEI0006\)?: .*\bGetting socket times out\b",
+        r"|\bEI0006\)?: .*\bGetting socket times out\b"
+        # HCCL's notify wait (a remote rank's record never came) and its task timeout
+        r"|\bEI0002: .*\bThe wait execution of the Notify register times out\b"
+        r"|\bhccl \w+ task timeout occurred during task execution\b"
+        # TensorFlow aborting its collectives on a deadline (not 'Out of range: End of sequence',
+        # the end of a dataset)
+        r"|\bBaseCollectiveExecutor::StartAbort (?:DEADLINE_EXCEEDED|Deadline exceeded)\b"
+        r"|^DeepEP\b[\w ()-]* timeout\b",  # DeepEP's expert-parallel kernels trapping on a timeout
         "doc": "the NCCL watchdog found a collective that failed or timed out, and takes the process down",
     },
     {
@@ -1371,6 +1425,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|Gloo connectFullMesh failed"
         r"|\bUnable to write to EQ: .*\berr: "  # libfabric's EFA provider
         r"|\bCheck failed: .*\bIBV_WC_SUCCESS\b"  # a failed RDMA work completion (glog's CHECK)
+        # uccl's: a work completion with an error status (not 5, flushed: a queue pair's teardown)
+        r"|\bCQE error, .*\bstatus=(?!5 )[1-9]\d* \("
         r"|\bmlx5_\w+(?:/\d+)?: QP \d+ error: "  # the mlx5 kernel driver's queue pair error
         r"|\bUCX endpoint create failed\b"
         # Huawei's HCCL (Ascend) failing to set up RDMA, a socket or a transport to a peer
@@ -1481,7 +1537,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
     {
         "name": "glog_check_failed",
         "status": "other_software_error",
-        "pattern": r"^F\d{4} [\d:.]+\s+\d+ [\w.-]+\.(?:cc|cpp|h):\d+\] Check failed: ",
+        # glog's own prefix, or TensorFlow's ('2018-09-06 17:28:38.814423: F path/file.cc:211] ')
+        "pattern": r"^(?:F\d{4} [\d:.]+\s+\d+ [\w.-]+|\d{4}-\d\d-\d\d [\d:.]+: F \S+)\.(?:cc|cpp|h):\d+\] "
+        r"Check failed: ",
         "generic": True,
         "doc": "a failed CHECK at glog's FATAL level (XLA, TensorFlow, PaddlePaddle): the framework aborts "
         "the process on its own invariant; rules for a CUDA status or an RDMA completion come first",
@@ -1520,9 +1578,22 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "minimum'), which python_exception's named-class pattern does not cover",
     },
     {
+        "name": "disk_full",
+        "status": "other_software_error",
+        # a shell's or a coreutil's form: 'mkdir: cannot create directory '/tmp/x': No space left on device',
+        # 'slurm_script: line 34: cannot create temp file for here-document: No space left on device'
+        # (not tail's 'cannot watch': ENOSPC there is inotify's watch limit, and tail goes on)
+        "pattern": r"^\S+: (?:line \d+: )?cannot (?!watch\b)[^:]+(?:: [^:]+)?: No space left on device\s*$",
+        "doc": "a program could not write for lack of disk space (the job's output, /tmp): the job stops, "
+        "and SEV2 does not drain; a node whose local disk stays full fails the next launch the same way",
+    },
+    {
         "name": "python_script_missing",
         "status": "other_software_error",
-        "pattern": r"\bpython[\d.]*: can't open file '[^']*': \[Errno 2\]",
+        "pattern": r"\bpython[\d.]*: can't open file '[^']*': \[Errno 2\]"
+        # the job's own interpreter or launcher missing (bash, or a batch script's 'slurm_script: line 12: ')
+        r"|(?:\b(?:ba)?sh|^\S+): (?:line \d+: )?(?:python[\d.]*|torchrun|deepspeed|accelerate|mpirun): "
+        r"command not found\b",
         "doc": "the interpreter cannot open the script it was given (a wrong path in the job's command): "
         "the user's error, and the process exits 2",
     },

@@ -22,13 +22,16 @@ import re
 from typing import Final
 
 LAUNCHER_PREFIX: Final = re.compile(
-    r"^(?:(?:\[(?:rank|default)\d+\]:|\(\S+ pid=\d+(?:, ip=[^)\s]+)?\))[ \t]?)+"
+    r"^(?:(?:\[(?:rank|default)\d+\]:|\(\S+ pid=\d+(?:, ip=[^)\s]+)?\)|std(?:err|out):|\^C)[ \t]?)+"
 )
 """The prefix a launcher puts before each line of a rank (torchrun's ``[rank3]:`` and
-``--tee``'s ``[default3]:``, Ray's ``(RayWorker pid=12)``). Classification reads the rank's
-own line: anchored rules (log levels, torchrun's failure summary) would otherwise miss a
-prefixed one (a rank's ``WARNING:`` line was a fault only when torchrun prefixed it).
-Prefixes may stack (``[default0]:[rank0]:``); Ray's may name the worker's address."""
+``--tee``'s ``[default3]:``, Ray's ``(RayWorker pid=12)``, the stream Accelerate's and other
+launchers name: ``stderr: ``; a terminal's echo of Ctrl-C, ``^C``, in a copied log).
+Classification reads the rank's own line: anchored rules (log levels, torchrun's failure
+summary, Slurm's ``srun: error:``) would otherwise miss a prefixed one (a rank's ``WARNING:``
+line was a fault only when torchrun prefixed it). Prefixes may stack (``[default0]:[rank0]:``,
+``stderr: [rank0]:``); Ray's may name the worker's address. One character of blank after a
+prefix is its own; more is the line's indentation."""
 
 _KERNEL: Final = re.compile(
     r"\bNVRM: "  # the NVIDIA driver, Xids included ("NVRM: Xid (PCI:...): 79, ...")

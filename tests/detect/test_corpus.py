@@ -5,7 +5,8 @@ sets of 2026-11-25 (``fresh/``) and 2026-11-29 (``blind2/``, spent in session 26
 spent in session 27; ``blind4/``, spent in session 28; ``blind5/``, spent in session 29; ``blind6/``,
 spent in session 30; ``blind7/``, spent in session 31; ``blind8/`` and ``blind9/``, spent in session
 32; ``blind10/``, spent in session 33; ``blind11/``, spent in session 34; ``blind12/`` and
-``blind13/``, spent in session 35). The blind set (``blind14/``) is read by the bench
+``blind13/``, spent in session 35; ``blind14/``, spent in session 36). The blind set (``blind15/``)
+is read by the bench
 (scripts/bench/classify.py) alone, and only its aggregate figures are checked here, so a
 failure never prints a blind line.
 """
@@ -25,19 +26,20 @@ from tests.bench_script import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
 
-HELD_OUT_STATUS_FLOOR = 0.67
-"""The blind set's status accuracy (``corpus/blind14/*-errors``) measured when the rules were
-last changed (0.695 on 131 lines, session 35, with the rules written from blind13's misses;
-blind13 was 0.809 blind), less a small margin: a regression fails."""
-HELD_OUT_BENIGN_FIRES_CEILING = 1
-"""Blind benign lines classified SEV1/SEV2 (session 35: 2 of 156 when measured blind. One,
-TensorFlow's E-level 'failed call to cuInit: CUDA_ERROR_NO_DEVICE' of a process that then used
-the CPU, SEV1: read, as fresh's, blind11's and blind13's were, and vetoed (xla_cpu_fallback_probe).
-The other stays: the exception line of an 'Exception ignored in' report at shutdown, which only
-the agent's stream context tells from a crash; 0 through the agent). More fails."""
+HELD_OUT_STATUS_FLOOR = 0.77
+"""The blind set's status accuracy (``corpus/blind15/*-errors``) measured when the rules were
+last changed (0.793 on 116 lines, session 36, with the rules written from blind14's misses;
+blind14 was 0.695 blind), less a small margin: a regression fails."""
+HELD_OUT_BENIGN_FIRES_CEILING = 0
+"""Blind benign lines classified SEV1/SEV2 (session 36: 4 of 135 when measured blind, read as
+fresh's, blind11's, blind13's and blind14's were: two lines of dcgm-exporter's counters file,
+which define the NVLink error counters they name, SEV1 (now metric_description); TensorFlow's
+CancelledError as its queues close (now cancellation); torchrun's W-level 'Received 2 death
+signal' behind a terminal's '^C' echo (the echo is now read past, as a launcher's prefix). 0
+since). More fails."""
 HELD_OUT_AGENT_FIRES_CEILING = 0
-"""Blind benign lines a real agent sends at SEV1/SEV2 (session 35: 1 of 156 when measured blind,
-the cuInit probe above; 0 since). More fails."""
+"""Blind benign lines a real agent sends at SEV1/SEV2 (session 36: 2 of 135 when measured blind,
+the two counter definitions above; 0 since). More fails."""
 DEV_STATUS_FLOOR = 0.91
 """The dev set's status accuracy (the first held-out half and the second batch's hash half,
 both read to write rules on 2026-11-25: 0.922 on 205 lines), less a small margin."""
@@ -1082,14 +1084,81 @@ KNOWN_BLIND13_MISSES: dict[str, tuple[str, str | None, str]] = {
     ),
 }
 KNOWN_BLIND13_BENIGN_FIRES: dict[str, str] = {}
+_MXGPU_HOST = (
+    "none",
+    None,
+    "labelled gpu_driver_error; GIM is AMD's MxGPU driver on the hypervisor host, not on a training "
+    "node, and its thread says it prints these lines when a VM is destroyed: a rule was written, then "
+    "dropped in review",
+)
+KNOWN_BLIND14_MISSES: dict[str, tuple[str, str | None, str]] = {
+    # blind14 lines (the fourteenth blind set, read for rules in session 36), by their text without
+    # leading blanks: what we give them, and why
+    "[Wed Dec 10 21:01:07 2025] amdgpu 0000:c1:00.0: [drm:amdgpu_ib_ring_tests [amdgpu]]": (
+        "none",
+        None,
+        "labelled gpu_driver_error; the ring that failed its test is the video processing engine (vpe), "
+        "which training never uses: the rule written from this line reads the compute, graphics and DMA "
+        "rings' failures only",
+    ),
+    "kernel: gim warning:(wait_cmd_complete:1671) GFX engine hang detected": _MXGPU_HOST,
+    "kernel: gim error:(wait_cmd_complete:1681) wait_cmd_complete -- time out after": _MXGPU_HOST,
+    "[Wed Jun 24 10:06:00 2026] v3d fec00000.v3d: [drm:v3d_reset [v3d]] *ERROR* Resetting GPU": (
+        "none",
+        None,
+        "labelled gpu_driver_error; v3d is a Raspberry Pi's display GPU (i915 prints the same words for an "
+        "integrated GPU): a rule was written, then dropped in review, since a host's display GPU is no "
+        "reason to drain it (drm_gpu_fault reads compute GPUs' drivers)",
+    ),
+    "(pid=81331) E0328 18:23:00.165781 81395 core_worker.cc:382] Raylet failed. Shutting down.": (
+        "exited_abnormally",
+        "SEV2",
+        "labelled lost_connection; Ray's worker prints it when its parent, the node's raylet, is gone "
+        "(getppid() == 1): a local process died (crash, OOM kill, stop) on a node that is up, since the "
+        "worker that says so runs there (raylet_died, secondary)",
+    ),
+    "91: idgsim-gpu-001:47744:47744 [0] init.cu:674 WARN Cuda failure 'CUDA driver version": _DRIVER_TOO_OLD,
+    "2024-11-12 15:37:25.005059: E external/xla/xla/stream_executor/cuda/cuda_driver.cc:152]": _FABRIC_802,
+    "2024-05-21 18:06:49.257055: E external/xla/xla/stream_executor/cuda/cuda_driver.cc:282]": _FABRIC_802,
+    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by": _GLOO_CLOSED,
+    "(pid=gcs_server) [2022-07-25 08:35:44,590 E 217 217] (gcs_server) gcs_server.cc:295:": _GRPC_NOISE,
+    "WARNING:torch.distributed.elastic.rendezvous.dynamic_rendezvous:The node 'docker.b_3427_": (
+        "none",
+        None,
+        "labelled other_network_error; a WARNING-level line: by design no INFO or WARNING line fires "
+        "(issue 17 item 1); a rendezvous that fails for good raises RendezvousConnectionError, which does",
+    ),
+    "[2023-02-24 11:17:18,085] [    INFO] controller.py:109 - Pod failed": _INFO_LEVEL,
+    "slurmstepd: error: container_p_join: open failed /scratch/119383/.active:": _SAME_SEVERITY_SOFTWARE,
+    "salloc: error: Job allocation 235454 has been revoked": (
+        "exited_abnormally",
+        "SEV2",
+        "labelled other_software_error; Slurm revokes an allocation when its nodes fail or an operator "
+        "ends it, and the line does not say which: slurm_error's exited_abnormally, the same severity",
+    ),
+    "Loss is nan, stopping training": _NAN_STATUS,
+    "Epoch 0: 100%|██████████| 39/39 [00:23<00:00,  1.69it/s, v_num=k1rk]panic: json unmarsha": (
+        "none",
+        None,
+        "labelled other_software_error; a Go panic (wandb's service) printed after a progress bar on the "
+        "same line: a rule for 'panic: ' anywhere in a line would read prose and kernel panics alike, and "
+        "the process's exit is classified on its own",
+    ),
+}
+KNOWN_BLIND14_BENIGN_FIRES: dict[str, str] = {
+    "TypeError: cannot unpack non-iterable NoneType object": (
+        "the exception line of an 'Exception ignored in' report (tqdm's at shutdown): only the agent's "
+        "stream context (detect.unraisable) tells it from a crash; the agent vetoes it (safety.py)"
+    ),
+}
 
 SPENT: dict[str, tuple[dict[str, tuple[str, str | None, str]], dict[str, str]]] = {
     # spent blind set -> (its known misses, its known benign fires). Each was spent once a
     # newer blind set existed: its misses were read to write rules (fresh, the 2026-11-25 set,
     # on 2026-11-29; blind2 in session 26; blind3 in session 27; blind4 in session 28; blind5 in
     # session 29; blind6 in session 30; blind7 in session 31; blind8 and blind9 in session 32;
-    # blind10 in session 33; blind11 in session 34; blind12 and blind13 in session 35), and
-    # every line now classifies as labelled or as named in these tables.
+    # blind10 in session 33; blind11 in session 34; blind12 and blind13 in session 35; blind14 in
+    # session 36), and every line now classifies as labelled or as named in these tables.
     "fresh": (KNOWN_FRESH_MISSES, KNOWN_FRESH_BENIGN_FIRES),
     "blind2": (KNOWN_BLIND2_MISSES, KNOWN_BLIND2_BENIGN_FIRES),
     "blind3": (KNOWN_BLIND3_MISSES, KNOWN_BLIND3_BENIGN_FIRES),
@@ -1103,6 +1172,7 @@ SPENT: dict[str, tuple[dict[str, tuple[str, str | None, str]], dict[str, str]]] 
     "blind11": (KNOWN_BLIND11_MISSES, KNOWN_BLIND11_BENIGN_FIRES),
     "blind12": (KNOWN_BLIND12_MISSES, KNOWN_BLIND12_BENIGN_FIRES),
     "blind13": (KNOWN_BLIND13_MISSES, KNOWN_BLIND13_BENIGN_FIRES),
+    "blind14": (KNOWN_BLIND14_MISSES, KNOWN_BLIND14_BENIGN_FIRES),
 }
 SPENT_LINES = {name: BENCH.load(f"{name}/*-errors") + BENCH.load(f"{name}/*-benign") for name in SPENT}
 
@@ -1214,6 +1284,7 @@ def test_bench_prints_one_json_object_without_held_out_lines() -> None:
             "blind12/*",
             "blind13/*",
             "blind14/*",
+            "blind15/*",
         )
         for line in BENCH.load(name)
     }
