@@ -668,7 +668,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"ILLEGAL_COMMAND_ERROR|IOTLB_INV_TIMEOUT)|"
         r"IO_PAGE_FAULT|DMA mapping error|dma_map\w* failed|"
         r"invalid DMA mapping|IOMMU (?:page )?fault|\bsmmu\w*: .*\b(?:fault|event 0x)"
-        r"|\[fault reason \w+\]",
+        r"|\[fault reason \w+\]"
+        r"|\[VT-D\]DMAR:\s*\[DMA (?:Read|Write)\] Request device \[[\da-f:.]+\] fault addr",  # Xen's
         "ignore_case": True,
         "doc": "the IOMMU rejected a device DMA: a bad mapping between GPU/NIC and host memory",
     },
@@ -721,6 +722,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"\bchannel \d+ killed\b|\b[Rr]ing [\w.]+ (?:timeout|test failed|reset failed)\b|\bGPU reset begin\b"
         r"|\bGPU HANG\b"
         r"|\bIB test failed on (?:gfx|comp|sdma|kiq)\w*"  # a compute/graphics/DMA ring, not a video engine
+        # the power-management firmware (SMU/SMC) silent; an IP block that fails its init (not a
+        # firmware load's status, which amdgpu only warns of: optional TAs fail it on working GPUs)
+        r"|\bSMU: No response msg_reg: |\bFailed to setup smc hw\b"
+        r"|\bhw_init of IP block <\w+> failed -\d+|\bamdgpu_device_ip_init failed\b"
         r"|\bMES(?:\(\d+\))? failed to respon(?:d to|se) msg=|\bsuspend of IP block <\w+> failed"
         r"|\bFatal error during GPU init\b|\bamdgpu_discovery_init failed\b"
         r"|: probe (?:of \S+|with driver amdgpu) failed with error -\d+"
@@ -896,22 +901,33 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "doc": "Slurm lost a node of the job (slurmd unreachable; also a cloud scheduler's node_fail event)",
     },
     {
+        "name": "memory_limit_reached",
+        "status": "exited_abnormally",
+        "pattern": r"Exceeded (?:step|job) memory limit at some point",
+        "severity": "SEV3",
+        "doc": "slurmstepd at a step's end: its memory cgroup reached the limit at some point (page cache "
+        "counts), which the kernel may have met by reclaiming or swapping: steps that finished well print "
+        "it too. SEV3: a task the OOM killer ended has its own line ('oom_kill event') and its exit",
+    },
+    {
         "name": "host_oom_kill",
         "status": "exited_abnormally",
         "pattern": r"Out of memory: Kill(?:ed)? process|invoked oom-killer|\boom-kill:|oom_reaper: reaped|"
         r"Memory cgroup out of memory|Detected \d+ oom[-_]kill event"
         r"|\bTask in /\S+ killed as a result of limit of /"
-        r"|Exceeded (?:step|job) memory limit"
+        r"|Exceeded (?:step|job) memory limit(?! at some point)"
         r"|\bKilled process \d+ \([^)]*\),? (?:UID \d+, )?total-vm:"
         r"|\b[1-9]\d* Workers? \(tasks / actors\) killed due to memory pressure \(OOM\)"
         r"|\bTask was killed due to the node running low on memory\b|\bRay killed this worker \(ID: "
-        r"|\bcontainer init was OOM-killed\b",  # runc, through the kubelet
+        r"|\bcontainer init was OOM-killed\b"  # runc, through the kubelet
+        r"|\bRefer to the documentation on how to address the out of memory issue: https://docs\.ray\.io/",
         "doc": "the kernel's OOM killer (host memory) killed a process",
     },
     {
         "name": "segfault",
         "status": "exited_abnormally",
         "pattern": r"Segmentation fault|segmentation fault (?:encountered|\(core dumped\))|SIGSEGV|"
+        r"^!+ Segfault encountered !+\s*$|"
         r"segfault at [0-9a-f]+",
     },
     {
@@ -938,6 +954,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"(?:double free|free\(\)|malloc\(\)|realloc\(\)|munmap_chunk\(\)|corrupted)"
         r"|^Command terminated by signal (?!(?:1|2|15)\b)\d+"  # GNU time; HUP, INT, TERM: a stop
         r"|^Aborted \(Signal sent by tkill\(\)"  # the shell's report of a raise(SIGABRT)
+        # Go's runtime (and programs that mimic it) naming the fatal signal
+        r"|^SIG(?:ABRT|SEGV|BUS|ILL|FPE): (?:abort\b|segmentation violation\b|bus error\b"
+        r"|illegal instruction\b|floating-point exception\b)"
         # systemd's for a service: killed by a signal other than a stop, or by the OOM killer
         r"|\b[Mm]ain process exited, code=(?:killed|dumped), status=\d+/(?!TERM\b|INT\b|HUP\b)[A-Z]+"
         r"|\.service: Failed with result '(?:oom-kill|core-dump|signal)'"
@@ -1005,7 +1024,10 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|^\s*Reason:\s+Evicted\s*$|^\s*(?:Message:\s+)?The node was low on resource: \w[\w-]*\.?"
         r"|\bjob exceeded wallclock limit\b"  # Moab/Torque killed the job at its time limit
         # LSF's time-limit kill, and the subject of its job report
-        r"|\bTERM_RUNLIMIT: job killed\b|^Subject: Job \d+(?:\[\d+\])?: <[^>]*> in cluster <[^>]*> Exited\s*$"
+        # (not a stop: the owner's or an administrator's kill, a requeue, a preemption, a checkpoint)
+        r"|\bTERM_(?!(?:FORCE_)?(?:OWNER|ADMIN)\b|REQUEUE_|PREEMPT\b|CHKPNT\b|WINDOW\b|BUCKET_KILL\b"
+        r"|MC_RECALL\b|OTHER\b)[A-Z_]+: job killed\b"
+        r"|^Subject: Job \d+(?:\[\d+\])?: <[^>]*> in cluster <[^>]*> Exited\s*$"
         r"|\bThe exit codes of the workers are \{[^}]*\bSIG(?:KILL|SEGV|ABRT|BUS|ILL|FPE)\b"  # joblib/loky
         r"|\bterminated with signal (?:4|6|7|8|11)\b"
         r"|^\[\d+\]\s+\d+ killed|^\[\d+\]\s+\d+ abort"
@@ -1175,7 +1197,9 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         r"|Memory required by task is not available|Invalid job array specification)"
         r"|\bUnable to create step for job \d+: (?:Invalid (?!job id)"
         r"|Requested node configuration is not available"
-        r"|More processors requested than permitted|Memory required by task is not available)",
+        r"|More processors requested than permitted|Memory required by task is not available)"
+        r"|^\s*srun: error: (?:Application launch failed: Unable to layout tasks on given cpus"
+        r"|JobId=\d+ failed to distribute tasks\b)",
         "doc": "Slurm refusing the job's own request (srun's fatal option errors, a step asking for a GRES "
         "or memory that does not exist): the user's error",
     },
@@ -1432,6 +1456,8 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         # Huawei's HCCL (Ascend) failing to set up RDMA, a socket or a transport to a peer
         r"|\bEI0009: .*\bTransport init error\b"
         r"|^\[ERROR\] HCCL\(\d+,[^)]*\):\S+ \[\w+\.cc:\d+\] .*\b(?:rdma init fail|socket establish timeout)\b"
+        r"|^\[ERROR\] HCCL\(\d+,[^)]*\):\S+ \[(?:hccl_socket_manager|transport_manager)\.cc:\d+\] "
+        r".*(?:LinksEstablishCompleted|links establish completed failed|Transport init error|time ?out)"
         # Mooncake's transfer engine (KV-cache transfer over RDMA), at E level
         # (not every E-level line there: a slice whose transfer is retried, a configuration error)
         r"|^E\d{4} [\d:.]+\s+\d+ (?:worker_pool\.cpp:\d+\] Worker: Cannot make connection for endpoint\b"
@@ -1543,6 +1569,17 @@ BUILTIN_RULES: Final[tuple[dict[str, object], ...]] = (
         "generic": True,
         "doc": "a failed CHECK at glog's FATAL level (XLA, TensorFlow, PaddlePaddle): the framework aborts "
         "the process on its own invariant; rules for a CUDA status or an RDMA completion come first",
+    },
+    {
+        "name": "rust_panic",
+        "status": "other_software_error",
+        # Rust 1.73+ ('panicked at src/main.rs:4:37:'), and before ('panicked at 'msg', src/main.rs:4:37')
+        "pattern": r"^\s*thread '[^']*' panicked at (?:\S+:\d+:\d+|'.*', \S+:\d+:\d+)",
+        "severity": "SEV3",
+        "generic": True,
+        "doc": "a Rust panic (a Rust extension such as tokenizers, or a Rust program). SEV3: a panic outside "
+        "the main thread may be caught (tokio turns a task's panic into an error) and the program go on; "
+        "a process that dies of it is classified by its exit",
     },
     {
         "name": "python_exception",

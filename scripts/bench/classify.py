@@ -54,7 +54,10 @@ Accuracy. ``tests/detect/data/corpus/`` holds real lines with public sources:
 - ``blind14`` (``blind14/*-errors.toml``, ``blind14/*-benign.toml``): the second blind set of
   session 35, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
   36) its misses were read to write rules, so it is reported as ``blind14_*``;
-- ``held_out`` (``blind15/*-errors.toml``, ``blind15/*-benign.toml``): the blind set of
+- ``blind15`` (``blind15/*-errors.toml``, ``blind15/*-benign.toml``): the first blind set of
+  session 36, measured blind once (BENCHMARKS.md); once a newer blind set existed (later in
+  session 36) its misses were read to write rules, so it is reported as ``blind15_*``;
+- ``held_out`` (``blind16/*-errors.toml``, ``blind16/*-benign.toml``): the second blind set of
   session 36, from sources in none of the sets above, collected by four collectors who
   never saw the rules. Its lines are read here and nowhere else; only aggregate figures
   about them are printed.
@@ -90,7 +93,7 @@ Figures:
   (a wrong cause when a rank's last line was benign). Only the blind set: every other set
   is in the labelled lines, where each line is its own nearest.
 
-``--show-misses train|dev|fresh|blind2|...|blind14`` also lists every line of that
+``--show-misses train|dev|fresh|blind2|...|blind15`` also lists every line of that
 set (errors and benign) classified other than labelled, on stderr; held-out misses are never
 shown. The agent's own log lines go to stderr (warnings only).
 
@@ -182,7 +185,8 @@ SETS: Final = {
     "blind12": ("blind12/*-errors", "blind12/*-benign"),
     "blind13": ("blind13/*-errors", "blind13/*-benign"),
     "blind14": ("blind14/*-errors", "blind14/*-benign"),
-    "held_out": ("blind15/*-errors", "blind15/*-benign"),
+    "blind15": ("blind15/*-errors", "blind15/*-benign"),
+    "held_out": ("blind16/*-errors", "blind16/*-benign"),
 }
 """Set name -> (error lines, benign lines), see the module doc."""
 

@@ -7,7 +7,7 @@ torchrun ranks of the built-in trainer:
 
 - ``benign_fires``: every rank of a 2-node task prints every line of the benign corpora
   (``tests/detect/data/corpus/benign-*.toml``, and ``*-benign.toml`` of every held-out set:
-  ``fresh/``, ``blind2/`` to ``blind14/`` and the blind set ``blind15/``, of which only
+  ``fresh/``, ``blind2/`` to ``blind15/`` and the blind set ``blind16/``, of which only
   counts are reported) before it trains, through the agents' real output path. Counted:
   the agents' fault reports at SEV1/SEV2 on the job's stream; ``fired_rules`` names
   their rules.
@@ -128,13 +128,14 @@ def benign(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
                 "blind13",
                 "blind14",
                 "blind15",
-            )  # blind15: counted, never printed
+                "blind16",
+            )  # blind16: counted, never printed
             for path in sorted(CORPUS.glob(f"{held_out}/*-benign.toml"))
         ),
     ]:
         texts = [str(e["text"]) for e in tomllib.loads(path.read_text())["line"]]
         lines += texts
-        if path.parent.name == "blind15":
+        if path.parent.name == "blind16":
             blind.update(t.replace("\n", " ") for t in texts)
     text = tmp / "benign.txt"
     text.write_text("".join(line.replace("\n", " ") + "\n" for line in lines))
