@@ -15,50 +15,13 @@ Accuracy. ``tests/detect/data/corpus/`` holds real lines with public sources:
   never saw the rules. It was measured blind three times (BENCHMARKS.md); once a newer
   blind set existed (2026-11-29) its misses were read to write rules, so it is reported as
   ``fresh_*``;
-- ``blind2`` (``blind2/*-errors.toml``, ``blind2/*-benign.toml``): the blind set of
-  2026-11-29, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
-  26) its misses were read to write rules, so it is reported as ``blind2_*``;
-- ``blind3`` (``blind3/*-errors.toml``, ``blind3/*-benign.toml``): the blind set of
-  session 26, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
-  27) its misses were read to write rules, so it is reported as ``blind3_*``;
-- ``blind4`` (``blind4/*-errors.toml``, ``blind4/*-benign.toml``): the blind set of
-  session 27, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
-  28) its misses were read to write rules, so it is reported as ``blind4_*``;
-- ``blind5`` (``blind5/*-errors.toml``, ``blind5/*-benign.toml``): the blind set of
-  session 28, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
-  29) its misses were read to write rules, so it is reported as ``blind5_*``;
-- ``blind6`` (``blind6/*-errors.toml``, ``blind6/*-benign.toml``): the blind set of
-  session 29, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
-  30) its misses were read to write rules, so it is reported as ``blind6_*``;
-- ``blind7`` (``blind7/*-errors.toml``, ``blind7/*-benign.toml``): the blind set of
-  session 30, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
-  31) its misses were read to write rules, so it is reported as ``blind7_*``;
-- ``blind8`` (``blind8/*-errors.toml``, ``blind8/*-benign.toml``): the blind set of
-  session 31, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
-  32) its misses were read to write rules, so it is reported as ``blind8_*``;
-- ``blind9`` (``blind9/*-errors.toml``, ``blind9/*-benign.toml``): the blind set of
-  session 32, measured blind once (BENCHMARKS.md); once a newer blind set existed (later in
-  session 32) its misses were read to write rules, so it is reported as ``blind9_*``;
-- ``blind10`` (``blind10/*-errors.toml``, ``blind10/*-benign.toml``): the second blind set of
-  session 32, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
-  33) its misses were read to write rules, so it is reported as ``blind10_*``;
-- ``blind11`` (``blind11/*-errors.toml``, ``blind11/*-benign.toml``): the blind set of
-  session 33, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
-  34) its misses were read to write rules, so it is reported as ``blind11_*``;
-- ``blind12`` (``blind12/*-errors.toml``, ``blind12/*-benign.toml``): the blind set of
-  session 34, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
-  35) its misses were read to write rules, so it is reported as ``blind12_*``;
-- ``blind13`` (``blind13/*-errors.toml``, ``blind13/*-benign.toml``): the first blind set of
-  session 35, measured blind once (BENCHMARKS.md); once a newer blind set existed (later in
-  session 35) its misses were read to write rules, so it is reported as ``blind13_*``;
-- ``blind14`` (``blind14/*-errors.toml``, ``blind14/*-benign.toml``): the second blind set of
-  session 35, measured blind once (BENCHMARKS.md); once a newer blind set existed (session
-  36) its misses were read to write rules, so it is reported as ``blind14_*``;
-- ``blind15`` (``blind15/*-errors.toml``, ``blind15/*-benign.toml``): the first blind set of
-  session 36, measured blind once (BENCHMARKS.md); once a newer blind set existed (later in
-  session 36) its misses were read to write rules, so it is reported as ``blind15_*``;
-- ``held_out`` (``blind16/*-errors.toml``, ``blind16/*-benign.toml``): the second blind set of
-  session 36, from sources in none of the sets above, collected by four collectors who
+- ``blind2``, ``blind3``, ... (``blindN/*-errors.toml``, ``blindN/*-benign.toml``): the
+  later blind sets (``sets.toml`` there lists every set held out whole, in the order they were
+  collected). Each was measured blind once (BENCHMARKS.md); once a newer blind set existed its
+  misses were read to write rules, so it is reported as ``blindN_*`` (the corpus README says
+  when each was collected and spent);
+- ``held_out`` (the last set ``sets.toml`` lists): the newest
+  blind set, from sources in none of the sets above, collected by four collectors who
   never saw the rules. Its lines are read here and nowhere else; only aggregate figures
   about them are printed.
 
@@ -93,7 +56,7 @@ Figures:
   (a wrong cause when a rank's last line was benign). Only the blind set: every other set
   is in the labelled lines, where each line is its own nearest.
 
-``--show-misses train|dev|fresh|blind2|...|blind15`` also lists every line of that
+``--show-misses train|dev|<a spent set>`` also lists every line of that
 set (errors and benign) classified other than labelled, on stderr; held-out misses are never
 shown. The agent's own log lines go to stderr (warnings only).
 
@@ -168,25 +131,16 @@ def load(name: str) -> list[Line]:
     return lines
 
 
+HELD_OUT_SETS: Final[tuple[str, ...]] = tuple(tomllib.loads((CORPUS / "sets.toml").read_text())["held_out"])
+"""The sets held out whole, in the order they were collected: the last is the blind set
+(``held_out`` below), the others are spent."""
+SPENT: Final = HELD_OUT_SETS[:-1]
+BLIND: Final = HELD_OUT_SETS[-1]
 SETS: Final = {
     "train": ("errors-train", "benign-train"),
     "dev": ("errors-heldout", "benign-heldout"),
-    "fresh": ("fresh/*-errors", "fresh/*-benign"),
-    "blind2": ("blind2/*-errors", "blind2/*-benign"),
-    "blind3": ("blind3/*-errors", "blind3/*-benign"),
-    "blind4": ("blind4/*-errors", "blind4/*-benign"),
-    "blind5": ("blind5/*-errors", "blind5/*-benign"),
-    "blind6": ("blind6/*-errors", "blind6/*-benign"),
-    "blind7": ("blind7/*-errors", "blind7/*-benign"),
-    "blind8": ("blind8/*-errors", "blind8/*-benign"),
-    "blind9": ("blind9/*-errors", "blind9/*-benign"),
-    "blind10": ("blind10/*-errors", "blind10/*-benign"),
-    "blind11": ("blind11/*-errors", "blind11/*-benign"),
-    "blind12": ("blind12/*-errors", "blind12/*-benign"),
-    "blind13": ("blind13/*-errors", "blind13/*-benign"),
-    "blind14": ("blind14/*-errors", "blind14/*-benign"),
-    "blind15": ("blind15/*-errors", "blind15/*-benign"),
-    "held_out": ("blind16/*-errors", "blind16/*-benign"),
+    **{name: (f"{name}/*-errors", f"{name}/*-benign") for name in SPENT},
+    "held_out": (f"{BLIND}/*-errors", f"{BLIND}/*-benign"),
 }
 """Set name -> (error lines, benign lines), see the module doc."""
 

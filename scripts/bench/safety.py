@@ -7,7 +7,7 @@ torchrun ranks of the built-in trainer:
 
 - ``benign_fires``: every rank of a 2-node task prints every line of the benign corpora
   (``tests/detect/data/corpus/benign-*.toml``, and ``*-benign.toml`` of every held-out set:
-  ``fresh/``, ``blind2/`` to ``blind15/`` and the blind set ``blind16/``, of which only
+  the sets ``sets.toml`` there lists, the last of them the blind set, of which only
   counts are reported) before it trains, through the agents' real output path. Counted:
   the agents' fault reports at SEV1/SEV2 on the job's stream; ``fired_rules`` names
   their rules.
@@ -62,6 +62,8 @@ from unicorn_core.protocol import FaultReport, decode, encode  # noqa: E402
 from unicornd.state import NodeHealth, Snapshot, TaskRecord, TaskState  # noqa: E402
 
 CORPUS = REPO / "tests" / "detect" / "data" / "corpus"
+HELD_OUT: tuple[str, ...] = tuple(tomllib.loads((CORPUS / "sets.toml").read_text())["held_out"])
+"""The sets held out whole, in the order they were collected; the last is the blind set."""
 PRINT_THEN_TRAIN = """\
 import runpy, sys
 with open(sys.argv[1], encoding="utf-8") as f:
@@ -112,30 +114,13 @@ def benign(cluster: DevCluster, tmp: Path) -> dict[str, Any]:
         CORPUS / "benign-heldout.toml",
         *(
             path
-            for held_out in (
-                "fresh",
-                "blind2",
-                "blind3",
-                "blind4",
-                "blind5",
-                "blind6",
-                "blind7",
-                "blind8",
-                "blind9",
-                "blind10",
-                "blind11",
-                "blind12",
-                "blind13",
-                "blind14",
-                "blind15",
-                "blind16",
-            )  # blind16: counted, never printed
+            for held_out in HELD_OUT  # the last, the blind set: counted, never printed
             for path in sorted(CORPUS.glob(f"{held_out}/*-benign.toml"))
         ),
     ]:
         texts = [str(e["text"]) for e in tomllib.loads(path.read_text())["line"]]
         lines += texts
-        if path.parent.name == "blind16":
+        if path.parent.name == HELD_OUT[-1]:
             blind.update(t.replace("\n", " ") for t in texts)
     text = tmp / "benign.txt"
     text.write_text("".join(line.replace("\n", " ") + "\n" for line in lines))

@@ -1265,6 +1265,11 @@ def test_spent_line_classifies_as_labelled(classifier: Classifier, name: str, li
     _spent_line_ok(classifier, line, *SPENT[name])
 
 
+def test_every_spent_set_has_its_tables() -> None:
+    """corpus/sets.toml names the spent sets (all but the last); each has its tables here."""
+    assert tuple(SPENT) == BENCH.SPENT
+
+
 @pytest.mark.parametrize("name", SPENT)
 def test_known_misses_of_a_spent_set_name_one_line_each(name: str) -> None:
     _each_known_names_one_line(SPENT_LINES[name], *SPENT[name])
@@ -1349,22 +1354,7 @@ def test_bench_prints_one_json_object_without_held_out_lines() -> None:
         for name in (
             "errors-heldout",
             "benign-heldout",
-            "fresh/*",
-            "blind2/*",
-            "blind3/*",
-            "blind4/*",
-            "blind5/*",
-            "blind6/*",
-            "blind7/*",
-            "blind8/*",
-            "blind9/*",
-            "blind10/*",
-            "blind11/*",
-            "blind12/*",
-            "blind13/*",
-            "blind14/*",
-            "blind15/*",
-            "blind16/*",
+            *(f"{name}/*" for name in BENCH.HELD_OUT_SETS),
         )
         for line in BENCH.load(name)
     }

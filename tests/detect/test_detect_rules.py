@@ -20,6 +20,7 @@ from detect.classify import Classifier, builtin_rules, load_classifier
 from detect.literals import NeedleSet, gates, lowered, needles
 from detect.rules import RuleKind, load_rules_file
 from detect.statuses import DEFAULT_SEVERITY, ErrorStatus, Severity
+from tests.bench_script import load_bench
 from unicorn_core.errors import ConfigError
 from unicorn_core.protocol import GpuFaultKind
 
@@ -29,28 +30,18 @@ REAL_LINES: list[tuple[str, str, str]] = [
     for entry in tomllib.loads((DATA / "real-log-lines.toml").read_text())["line"]
 ]
 CORPUS_TRAIN: list[str] = [  # the rules' sources: train, the spent first held-out half ("dev"),
-    # and the spent blind sets (fresh/, blind2/ to blind15/); never the blind set (blind16/)
+    # and the spent blind sets (corpus/sets.toml: all but the last); never the blind set (the last)
     str(entry["text"])
     for path in [
         *(
             DATA / "corpus" / f"{name}.toml"
             for name in ("errors-train", "benign-train", "errors-heldout", "benign-heldout")
         ),
-        *sorted((DATA / "corpus" / "fresh").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind2").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind3").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind4").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind5").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind6").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind7").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind8").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind9").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind10").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind11").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind12").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind13").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind14").glob("*.toml")),
-        *sorted((DATA / "corpus" / "blind15").glob("*.toml")),
+        *(
+            path
+            for name in load_bench("classify").SPENT
+            for path in sorted((DATA / "corpus" / name).glob("*.toml"))
+        ),
     ]
     if path.exists()
     for entry in tomllib.loads(path.read_text())["line"]
